@@ -1,0 +1,5 @@
+"""``python -m underlay``."""
+
+from underlay.cli import main
+
+raise SystemExit(main())

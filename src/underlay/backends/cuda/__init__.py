@@ -1,0 +1,1 @@
+"""CUDA backends: device, Triton kernels, flash-attn attention, NVTX profiler. Imported only when selected."""

@@ -1,0 +1,1 @@
+"""FSDP2 engine and weight loader."""

@@ -1,0 +1,1 @@
+"""Megatron-Core engine (future issue)."""

@@ -1,0 +1,1 @@
+"""Device-agnostic backends in plain torch: eager/torch attention, chunked log-prob kernel, torch/off profilers."""

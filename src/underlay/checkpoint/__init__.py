@@ -1,0 +1,1 @@
+"""Checkpoint management built on the ParallelEngine interface."""

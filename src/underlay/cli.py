@@ -1,0 +1,75 @@
+"""Command line: ``underlay info``, ``underlay demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from underlay.interfaces import UnderlayError
+
+__all__ = ["main"]
+
+
+def _print_info(data: dict[str, Any]) -> None:
+    print("underlay " + str(data["versions"]["underlay"]))
+    print("versions: " + ", ".join(f"{k}={v}" for k, v in data["versions"].items() if v and k != "underlay"))
+    print(f"platform: {data['platform']}")
+    hw = data["hardware"]
+    peak = "unknown" if hw["peak_bf16_tflops"] is None else f"{hw['peak_bf16_tflops']:.1f} TFLOP/s bf16"
+    print(f"hardware: {hw['count']} x {hw['model']} ({hw['device']}; peak {peak})")
+    if data["plugins_allowed"]:
+        print(f"plugins allowed: {data['plugins_allowed']}")
+    for kind, rows in data["backends"].items():
+        sel = data["selected"].get(kind, {})
+        chosen = sel.get("name")
+        print(
+            f"\n{kind}  ->  {chosen or 'none'}  ({sel.get('source', '')}{': ' + sel['reason'] if sel.get('source') == 'error' else ''})"
+        )
+        for r in rows:
+            mark = "*" if r["name"] == chosen else " "
+            state = (
+                "available"
+                if r["available"]
+                else f"unavailable: {r['reason']}" + (f" ({r['hint']})" if r["hint"] else "")
+            )
+            origin = "" if r["origin"] == "builtin" else f" [plugin {r['origin']}]"
+            print(f"  {mark} {r['name']:<12} prio {r['priority']:>3}  {state}{origin}  - {r['description']}")
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from underlay import registry
+
+    data = registry.info()
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        _print_info(data)
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="underlay", description="underlay: hardware and parallelism for RL post-training"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="versions, hardware, backends and what auto selects")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_info)
+    import importlib.util
+
+    if importlib.util.find_spec("underlay.demo") is not None:
+        importlib.import_module("underlay.demo").add_demo_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``underlay`` console script; returns the exit status (2 on an UnderlayError)."""
+    args = _build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UnderlayError as exc:
+        print(f"underlay: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,80 @@
+"""The contract: protocols, value types, configs and errors. Imports nothing else from underlay."""
+
+from underlay.interfaces.config import (
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    ProfilerConfig,
+    from_dict,
+)
+from underlay.interfaces.device import Device, Event, Stream
+from underlay.interfaces.engine import LoadReport, LossFn, ParallelEngine, WeightLoader
+from underlay.interfaces.errors import (
+    BackendUnavailable,
+    CheckpointError,
+    ConfigError,
+    IncompatibleBackends,
+    InvalidInput,
+    PluginError,
+    UnderlayError,
+    UnknownBackend,
+    UnsupportedOperation,
+)
+from underlay.interfaces.kernels import IGNORE_INDEX, AttentionKernel, LogprobKernel
+from underlay.interfaces.profiler import Profiler
+from underlay.interfaces.types import (
+    AttentionSpec,
+    BackendKind,
+    LogprobOutput,
+    MemoryStats,
+    OptimizerStepResult,
+    PackedBatch,
+    ParallelLayout,
+    ProbeResult,
+    StepResult,
+    TokenBatch,
+    TokenOutputs,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "AttentionKernel",
+    "AttentionSpec",
+    "BackendKind",
+    "BackendUnavailable",
+    "CheckpointError",
+    "ConfigError",
+    "Device",
+    "EngineConfig",
+    "Event",
+    "IncompatibleBackends",
+    "InvalidInput",
+    "LoadReport",
+    "LogprobKernel",
+    "LogprobOutput",
+    "LoraConfig",
+    "LossFn",
+    "MemoryStats",
+    "ModelConfig",
+    "OptimConfig",
+    "OptimizerStepResult",
+    "PackedBatch",
+    "ParallelConfig",
+    "ParallelEngine",
+    "ParallelLayout",
+    "PluginError",
+    "ProbeResult",
+    "Profiler",
+    "ProfilerConfig",
+    "StepResult",
+    "Stream",
+    "TokenBatch",
+    "TokenOutputs",
+    "UnderlayError",
+    "UnknownBackend",
+    "UnsupportedOperation",
+    "WeightLoader",
+    "from_dict",
+]

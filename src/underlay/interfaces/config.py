@@ -1,0 +1,249 @@
+"""Frozen configuration of an engine, shared by every ``ParallelEngine`` backend.
+
+Each dataclass validates itself on construction (``ConfigError`` names the field and the fix) and loads
+from plain dicts through ``from_dict`` (OmegaConf containers: pass ``OmegaConf.to_container(cfg)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from underlay.interfaces.errors import ConfigError
+
+__all__ = [
+    "EngineConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "ProfilerConfig",
+    "from_dict",
+]
+
+T = TypeVar("T")
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
+    """Build dataclass ``cls`` from a mapping, recursing into nested dataclass fields.
+
+    Unknown keys raise ``ConfigError`` listing the valid ones (a typo never passes silently).
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{cls.__name__}: unknown keys {unknown}; valid keys: {sorted(fields)}")
+    kwargs: dict[str, Any] = {}
+    hints = {name: f.type for name, f in fields.items()}
+    for key, value in data.items():
+        sub = _NESTED.get((cls.__name__, key))
+        if sub is not None and isinstance(value, Mapping):
+            value = from_dict(sub, value)
+        elif isinstance(value, list) and "tuple" in str(hints[key]):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (through peft): only adapter weights train."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"LoraConfig.rank={self.rank}: must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"LoraConfig.dropout={self.dropout}: must be in [0, 1)")
+        if not self.target_modules:
+            raise ConfigError("LoraConfig.target_modules is empty: name the linear layers to adapt")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to build and how to prepare it.
+
+    Exactly one of ``path`` (a local Hugging Face directory: ``config.json``, ``*.safetensors``, optional
+    tokenizer files) or ``hf_config`` (a ``transformers.PretrainedConfig``; random initialisation from
+    ``seed``) is given. ``kind`` is ``"causal_lm"`` (policy/reference: log-probs) or ``"value"``
+    (critic/reward: one scalar per token).
+    """
+
+    path: str | None = None
+    hf_config: Any | None = None
+    kind: Literal["causal_lm", "value"] = "causal_lm"
+    load_weights: bool = True
+    seed: int = 0
+    attention: str | None = None
+    remove_padding: bool = True
+    fused_head: bool = True
+    tiled_mlp_tiles: int | None = None
+    lora: LoraConfig | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.hf_config is None):
+            raise ConfigError(
+                "ModelConfig: give exactly one of path= (a local HF model directory) or hf_config= "
+                f"(a transformers config); got path={self.path!r}, hf_config={type(self.hf_config).__name__}"
+            )
+        if self.kind not in ("causal_lm", "value"):
+            raise ConfigError(f"ModelConfig.kind={self.kind!r}: use 'causal_lm' or 'value'")
+        if self.tiled_mlp_tiles is not None and self.tiled_mlp_tiles < 1:
+            raise ConfigError(f"ModelConfig.tiled_mlp_tiles={self.tiled_mlp_tiles}: must be >= 1 or None")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Requested sizes of each parallel dimension; ``dp_shard`` is what remains of the world size."""
+
+    dp_replicate: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"ParallelConfig.{f.name}={v!r}: must be an int >= 1")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule.
+
+    ``schedule``: ``"constant"`` (after linear warmup), ``"cosine"`` (warmup, then cosine to
+    ``min_lr_ratio * lr`` at ``total_steps``), ``"wsd"`` (warmup-stable-decay; ``decay_ratio`` of the
+    steps at the end decay linearly to ``min_lr_ratio * lr``). ``grad_clip`` is the global L2 norm limit
+    (``None`` or <= 0 disables clipping; the norm is still computed and a non-finite one skips the step).
+    """
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float | None = 1.0
+    schedule: Literal["constant", "cosine", "wsd"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    decay_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ConfigError(f"OptimConfig.lr={self.lr}: must be >= 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"OptimConfig.warmup_steps={self.warmup_steps}: must be >= 0")
+        for name in ("min_lr_ratio", "decay_ratio"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"OptimConfig.{name}={v}: must be in [0, 1]")
+        if self.schedule not in ("constant", "cosine", "wsd"):
+            raise ConfigError(f"OptimConfig.schedule={self.schedule!r}: use 'constant', 'cosine' or 'wsd'")
+        if self.schedule != "constant" and not self.total_steps:
+            raise ConfigError(f"OptimConfig.schedule={self.schedule!r} needs total_steps > 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine backend needs to build, shard and train one model.
+
+    ``micro_batch_max_tokens`` bounds the real tokens of one packed micro-batch
+    (``ops.plan_micro_batches``). ``param_dtype``/``reduce_dtype`` are the mixed-precision policy
+    (compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; master weights and optimizer
+    state stay fp32). ``options`` holds backend-specific settings (documented by each backend) so that
+    new engines need no new fields here.
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_max_tokens: int = 16384
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    temperature: float = 1.0
+    with_entropy: bool = True
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            v = getattr(self, name)
+            if v not in _DTYPES:
+                raise ConfigError(f"EngineConfig.{name}={v!r}: use one of {_DTYPES}")
+        if self.micro_batch_max_tokens < 1:
+            raise ConfigError(
+                f"EngineConfig.micro_batch_max_tokens={self.micro_batch_max_tokens}: must be >= 1"
+            )
+        if not self.temperature > 0:
+            raise ConfigError(f"EngineConfig.temperature={self.temperature}: must be > 0")
+
+
+_NESTED: dict[tuple[str, str], type[Any]] = {
+    ("EngineConfig", "model"): ModelConfig,
+    ("EngineConfig", "parallel"): ParallelConfig,
+    ("EngineConfig", "optim"): OptimConfig,
+    ("ModelConfig", "lora"): LoraConfig,
+}
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """What a profiler records.
+
+    ``ranks``: global ranks that record (empty = all). ``steps``: the step indices (0-based, counted by
+    ``Profiler.step()``) that record; empty = every step between ``start`` and ``stop``. For the
+    ``torch`` backend the steps become a wait/warmup/active schedule: ``warmup`` steps before the
+    first recorded step are run under the profiler without recording. ``output_dir`` receives one trace
+    per rank; ``format`` is ``"chrome"`` (JSON trace) or ``"tensorboard"``. ``options`` holds
+    backend-specific settings.
+    """
+
+    enabled: bool = True
+    ranks: tuple[int, ...] = (0,)
+    steps: tuple[int, ...] = ()
+    output_dir: str = "profiles"
+    with_memory: bool = False
+    with_stack: bool = False
+    record_shapes: bool = False
+    warmup: int = 1
+    format: Literal["chrome", "tensorboard"] = "chrome"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if any((not isinstance(s, int)) or s < 0 for s in self.steps):
+            raise ConfigError(f"ProfilerConfig.steps={self.steps!r}: steps are ints >= 0")
+        if any((not isinstance(r, int)) or r < 0 for r in self.ranks):
+            raise ConfigError(f"ProfilerConfig.ranks={self.ranks!r}: ranks are ints >= 0")
+        if self.warmup < 0:
+            raise ConfigError(f"ProfilerConfig.warmup={self.warmup}: must be >= 0")
+        if self.format not in ("chrome", "tensorboard"):
+            raise ConfigError(f"ProfilerConfig.format={self.format!r}: use 'chrome' or 'tensorboard'")
+
+    @classmethod
+    def load(cls, data: Mapping[str, Any] | Any) -> ProfilerConfig:
+        """From a plain dict or an OmegaConf ``DictConfig`` (anything with ``items()``)."""
+        if not isinstance(data, Mapping):
+            try:
+                from omegaconf import OmegaConf
+
+                data = OmegaConf.to_container(data, resolve=True)
+            except ImportError as exc:  # pragma: no cover - omegaconf absent
+                raise ConfigError(
+                    f"ProfilerConfig.load: expected a mapping, got {type(data).__name__}"
+                ) from exc
+        assert isinstance(data, Mapping)
+        return from_dict(cls, {str(k): v for k, v in data.items()})

@@ -1,0 +1,98 @@
+"""Kernel protocols: attention and fused linear -> log-prob."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from underlay.interfaces.types import AttentionSpec, LogprobOutput
+
+__all__ = ["IGNORE_INDEX", "AttentionKernel", "LogprobKernel"]
+
+IGNORE_INDEX = -100
+"""Label value that gives log-prob 0, entropy 0 and no gradient."""
+
+
+@runtime_checkable
+class AttentionKernel(Protocol):
+    """Scaled dot-product attention over packed (varlen) or padded input.
+
+    Shapes: varlen ``q [T, Hq, D]``, ``k``/``v`` ``[T, Hk, D]`` (``Dv`` for v), ``cu_seqlens_*`` int32
+    ``[B + 1]`` starting at 0 and ending at ``T``; padded ``[B, S, H, D]``. ``Hq % Hk == 0`` (GQA/MQA).
+    ``causal`` aligns the causal mask to the bottom-right when query and key lengths differ.
+    ``window = (left, right)`` limits keys to ``[i - left, i + right]`` (``-1`` = unbounded).
+    ``scale`` defaults to ``D ** -0.5``; ``softcap`` applies ``softcap * tanh(s / softcap)`` to the
+    scores. Output has the dtype of ``q``; gradients flow to q, k and v.
+
+    Every call validates its arguments and raises ``InvalidInput`` before launching anything.
+    """
+
+    @property
+    def name(self) -> str:
+        """Registry name, e.g. ``"torch"``."""
+
+    def supports(self, spec: AttentionSpec) -> tuple[str, ...]:
+        """Reasons this kernel cannot run ``spec``; empty when it can."""
+
+    def varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool = True,
+        window: tuple[int, int] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention within each packed sequence; returns ``[T, Hq, Dv]``."""
+
+    def padded(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        causal: bool = True,
+        window: tuple[int, int] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention over ``[B, S, H, D]``; ``attention_mask`` ``[B, S_k]`` (1 = keep) masks padded keys.
+        Returns ``[B, S_q, Hq, Dv]``; rows of padded queries are unspecified (finite)."""
+
+
+@runtime_checkable
+class LogprobKernel(Protocol):
+    """Fused ``hidden @ weight.T / temperature -> log_softmax -> gather(labels)`` (+ entropy) that never
+    materialises the ``[N, V]`` logits.
+
+    ``hidden [N, H]`` (bf16, fp16 or fp32, any strides), ``weight [V_local, H]`` of the same dtype,
+    ``labels [N]`` int64 in ``[0, V)`` or ``IGNORE_INDEX``. Math is fp32. With ``vocab_group`` the
+    weight is this rank's contiguous vocabulary shard (rank ``r`` holds rows
+    ``[r * V_local, (r + 1) * V_local)``), labels are global ids, and the result equals the unsharded
+    one on every rank of the group. Backward gives gradients of ``hidden`` and ``weight``.
+    """
+
+    @property
+    def name(self) -> str:
+        """Registry name, e.g. ``"triton"``."""
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+        vocab_group: Any | None = None,
+    ) -> LogprobOutput:
+        """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``).
+        Raises ``InvalidInput`` on mismatched shapes/dtypes/devices or ``temperature <= 0``."""

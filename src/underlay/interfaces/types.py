@@ -1,0 +1,311 @@
+"""Frozen value types that cross the interfaces."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from underlay.interfaces.errors import ConfigError, InvalidInput
+
+__all__ = [
+    "AttentionSpec",
+    "BackendKind",
+    "LogprobOutput",
+    "MemoryStats",
+    "OptimizerStepResult",
+    "PackedBatch",
+    "ParallelLayout",
+    "ProbeResult",
+    "StepResult",
+    "TokenBatch",
+    "TokenOutputs",
+]
+
+BackendKind = Literal["device", "engine", "attention", "logprob", "profiler", "weight_loader"]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Outcome of a backend probe: ``available`` or the ``reason`` it is not, plus an install ``hint``."""
+
+    available: bool
+    reason: str = ""
+    hint: str = ""
+
+    @classmethod
+    def ok(cls) -> ProbeResult:
+        """A passing probe."""
+        return cls(True)
+
+    @classmethod
+    def fail(cls, reason: str, hint: str = "") -> ProbeResult:
+        """A failing probe with the reason and how to fix it."""
+        return cls(False, reason, hint)
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory of one device in bytes.
+
+    On accelerators ``allocated``/``reserved``/``peak_allocated`` come from the caching allocator and
+    ``total``/``free`` from the driver. On cpu ``allocated`` is the process resident set size,
+    ``reserved`` its virtual size, ``peak_allocated`` the peak resident size (or since the last reset),
+    and ``total``/``free`` are system memory.
+    """
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    total: int
+    free: int
+
+    def as_gib(self) -> dict[str, float]:
+        """The same figures in GiB, keyed by field name, for logging."""
+        return {k: v / 2**30 for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of each parallel dimension of an engine, and its process groups.
+
+    ``world_size == dp_replicate * dp_shard * tp * pp * cp`` where ``dp = dp_replicate * dp_shard``.
+    ``sp`` (Ulysses) divides ``dp_shard``: sequence-parallel ranks share a data shard. ``ep`` divides
+    ``dp_shard * cp * tp`` (experts are spread over the non-pipeline ranks). Groups are opaque
+    process-group handles (``None`` when the dimension is 1 or in a single process) and do not take
+    part in equality.
+    """
+
+    world_size: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: int = 1
+    groups: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "sp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ParallelLayout.{name}={value!r}: every size must be an int >= 1")
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        if product != self.world_size:
+            raise ConfigError(
+                f"ParallelLayout: dp_replicate*dp_shard*tp*pp*cp = {self.dp_replicate}*{self.dp_shard}*"
+                f"{self.tp}*{self.pp}*{self.cp} = {product} != world_size {self.world_size}; "
+                "choose sizes whose product is the world size"
+            )
+        if self.dp_shard % self.sp:
+            raise ConfigError(
+                f"ParallelLayout: sp={self.sp} must divide dp_shard={self.dp_shard} "
+                "(Ulysses ranks share one data shard); lower sp or raise dp_shard"
+            )
+        if (self.dp_shard * self.cp * self.tp) % self.ep:
+            raise ConfigError(
+                f"ParallelLayout: ep={self.ep} must divide dp_shard*cp*tp={self.dp_shard * self.cp * self.tp}"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size seen by the batch: replicas times shards, divided by sp."""
+        return self.dp_replicate * self.dp_shard // self.sp
+
+    @classmethod
+    def infer(
+        cls,
+        world_size: int,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        sp: int = 1,
+        dp_replicate: int = 1,
+    ) -> ParallelLayout:
+        """Fill ``dp_shard`` from the world size; raise ``ConfigError`` when the sizes do not divide it."""
+        denom = tp * pp * cp * dp_replicate
+        if denom < 1 or world_size % denom:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tp*pp*cp*dp_replicate = {tp}*{pp}*{cp}*"
+                f"{dp_replicate} = {denom}; pick sizes that divide the number of processes"
+            )
+        return cls(world_size, dp_replicate, world_size // denom, tp, pp, cp, ep, sp)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A right- or left-padded ``[B, S]`` batch with the padding removed (THD, token-major).
+
+    - ``input_ids``: ``[T]`` the kept tokens, sequence after sequence, ``T = cu_seqlens[-1]``.
+    - ``cu_seqlens``: ``[B + 1]`` int32, cumulative lengths starting at 0.
+    - ``max_seqlen``: the longest sequence length (python int, for kernels).
+    - ``indices``: ``[T]`` int64 positions of the kept tokens in the flattened ``[B * S]`` batch.
+    - ``position_ids``: ``[T]`` int64, restarting at 0 for every sequence.
+    - ``batch_size``/``seqlen``: ``B`` and ``S`` of the padded batch, so ``pad`` can invert.
+    """
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    indices: torch.Tensor
+    position_ids: torch.Tensor
+    batch_size: int
+    seqlen: int
+
+    @property
+    def total_tokens(self) -> int:
+        """Number of real tokens ``T``."""
+        return int(self.indices.numel())
+
+    @property
+    def seqlens(self) -> list[int]:
+        """Length of each sequence."""
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What an attention call needs, so a kernel can say ahead of time whether it can run it.
+
+    ``layout`` is ``"varlen"`` (packed ``[T, H, D]`` with ``cu_seqlens``) or ``"padded"``
+    (``[B, S, H, D]``). ``window`` is ``(left, right)`` tokens visible around each query (``-1`` =
+    unbounded), or ``None`` for full attention. ``device_type`` is ``torch.device.type``.
+    """
+
+    dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    device_type: str
+    layout: Literal["varlen", "padded"] = "varlen"
+    causal: bool = True
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    head_dim_v: int | None = None
+    requires_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise InvalidInput(
+                f"attention: q heads {self.num_heads} must be a positive multiple of kv heads "
+                f"{self.num_kv_heads} (GQA/MQA); fix the head counts of q, k and v"
+            )
+        if self.head_dim < 1:
+            raise InvalidInput(f"attention: head_dim={self.head_dim} must be >= 1")
+        if self.layout not in ("varlen", "padded"):
+            raise InvalidInput(f"attention: layout={self.layout!r}; use 'varlen' or 'padded'")
+
+
+@dataclass(frozen=True)
+class LogprobOutput:
+    """Per-token ``log_probs`` ``[N]`` fp32 of the labels and ``entropy`` ``[N]`` fp32 (or ``None``).
+
+    Positions whose label is the ignore index (-100) hold 0 in both and receive no gradient.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A padded training batch as an RL trainer holds it.
+
+    - ``input_ids``: ``[B, S]`` int64 prompt + response tokens.
+    - ``attention_mask``: ``[B, S]`` 0/1 (left or right padding).
+    - ``loss_mask``: ``[B, S]`` 0/1, where the loss applies (usually the response tokens). The
+      log-prob at position ``t`` is that of ``input_ids[:, t]`` given the tokens before it, so a mask
+      over response tokens selects exactly their log-probs; position 0 never has one.
+    - ``extras``: further ``[B, ...]`` tensors the loss function needs (advantages, old log-probs,
+      reference log-probs, returns); micro-batching slices them along dim 0.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2:
+            raise InvalidInput(
+                f"TokenBatch.input_ids must be [B, S], got shape {tuple(self.input_ids.shape)}"
+            )
+        for name in ("attention_mask", "loss_mask"):
+            t = getattr(self, name)
+            if t.shape != self.input_ids.shape:
+                raise InvalidInput(
+                    f"TokenBatch.{name} shape {tuple(t.shape)} != input_ids shape {tuple(self.input_ids.shape)}"
+                )
+        for key, t in self.extras.items():
+            if t.shape[:1] != self.input_ids.shape[:1]:
+                raise InvalidInput(
+                    f"TokenBatch.extras[{key!r}] has batch size {t.shape[:1]}, expected {self.input_ids.shape[0]}"
+                )
+
+    @property
+    def batch_size(self) -> int:
+        """``B``."""
+        return int(self.input_ids.shape[0])
+
+    def select(self, index: torch.Tensor | list[int]) -> TokenBatch:
+        """The rows ``index`` (in that order) of every tensor, as a new batch."""
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.input_ids.device)
+        return TokenBatch(
+            self.input_ids[idx],
+            self.attention_mask[idx],
+            self.loss_mask[idx],
+            {k: v[idx.to(v.device)] for k, v in self.extras.items()},
+        )
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """The same batch on ``device``."""
+        return TokenBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            {k: v.to(device) for k, v in self.extras.items()},
+        )
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """Per-token model outputs of one micro-batch, padded back to its ``[b, S]`` shape.
+
+    ``log_probs`` fp32 (0 at position 0 and at padding); ``entropy`` fp32 or ``None``; ``values``
+    fp32 for value models (``None`` for policies).
+    """
+
+    log_probs: torch.Tensor | None
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What ``forward_backward`` returns: metrics averaged as the loss is (token mean over the whole batch
+    on every rank), the number of micro-batches run, and the global count of loss tokens."""
+
+    metrics: Mapping[str, float]
+    num_micro_batches: int
+    loss_tokens: int
+
+
+@dataclass(frozen=True)
+class OptimizerStepResult:
+    """Outcome of ``optimizer_step``: the global grad norm before clipping, whether the step was skipped
+    (non-finite norm; parameters unchanged), and the learning rate used."""
+
+    grad_norm: float
+    skipped: bool
+    lr: float
+
+    @property
+    def finite(self) -> bool:
+        """Whether the grad norm was finite."""
+        return math.isfinite(self.grad_norm)

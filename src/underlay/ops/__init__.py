@@ -1,0 +1,1 @@
+"""Device-agnostic math in plain torch. Imports only ``underlay.interfaces``."""

@@ -1,0 +1,1 @@
+"""Process groups, device meshes and sequence-parallel primitives."""

@@ -1,0 +1,1 @@
+"""Performance instruments: timers, memory logging, memory snapshots."""

@@ -1,0 +1,1 @@
+"""Experiment tracking (console, jsonl, TensorBoard, ...)."""

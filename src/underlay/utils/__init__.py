@@ -1,0 +1,1 @@
+"""Small shared helpers (hardware tables, environment parsing). Import only ``interfaces``."""
