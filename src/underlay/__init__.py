@@ -17,6 +17,7 @@ __all__ = [
     "get_engine",
     "get_logprob_kernel",
     "get_profiler",
+    "get_quantizer",
     "get_weight_loader",
     "init_distributed",
 ]
@@ -27,6 +28,7 @@ _LAZY = {
     "get_engine": "underlay.registry",
     "get_logprob_kernel": "underlay.registry",
     "get_profiler": "underlay.registry",
+    "get_quantizer": "underlay.registry",
     "get_weight_loader": "underlay.registry",
     "init_distributed": "underlay.parallel.distributed",
 }
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
         get_engine,
         get_logprob_kernel,
         get_profiler,
+        get_quantizer,
         get_weight_loader,
     )
 

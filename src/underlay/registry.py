@@ -37,6 +37,7 @@ from underlay.interfaces import (
     ConfigError,
     Device,
     EngineConfig,
+    Fp8Quantizer,
     IncompatibleBackends,
     LogprobKernel,
     ParallelEngine,
@@ -59,6 +60,7 @@ __all__ = [
     "get_engine",
     "get_logprob_kernel",
     "get_profiler",
+    "get_quantizer",
     "get_weight_loader",
     "info",
     "override",
@@ -70,13 +72,22 @@ __all__ = [
 
 log = logging.getLogger("underlay.registry")
 
-KINDS: tuple[BackendKind, ...] = ("device", "engine", "attention", "logprob", "profiler", "weight_loader")
+KINDS: tuple[BackendKind, ...] = (
+    "device",
+    "engine",
+    "attention",
+    "logprob",
+    "quant",
+    "profiler",
+    "weight_loader",
+)
 
 ENV_VARS: dict[str, str] = {
     "device": "UNDERLAY_DEVICE",
     "engine": "UNDERLAY_ENGINE",
     "attention": "UNDERLAY_ATTENTION",
     "logprob": "UNDERLAY_LOGPROB_KERNEL",
+    "quant": "UNDERLAY_QUANT",
     "profiler": "UNDERLAY_PROFILER",
 }
 """Environment variable per kind. The weight loader follows the engine and has none."""
@@ -568,7 +579,7 @@ def _auto(kind: str, device: str | None, attn: AttentionSpec | None) -> Selectio
 def _build(kind: str, name: str, *args: Any) -> Any:
     """Import the backend's target and instantiate it (cached for stateless kinds)."""
     key = (kind, name)
-    cacheable = kind in ("device", "attention", "logprob", "weight_loader")
+    cacheable = kind in ("device", "attention", "logprob", "quant", "weight_loader")
     if cacheable and key in _state.instances:
         return _state.instances[key]
     spec = _spec(kind, name)
@@ -585,7 +596,7 @@ def _build(kind: str, name: str, *args: Any) -> Any:
         ) from exc
     if kind == "device":
         obj = factory()
-    elif kind in ("attention", "logprob", "weight_loader"):
+    elif kind in ("attention", "logprob", "quant", "weight_loader"):
         obj = factory(get_device())
     else:
         obj = factory(*args)
@@ -624,6 +635,12 @@ def get_logprob_kernel(name: str | None = None) -> LogprobKernel:
     """The fused linear -> log-prob kernel (``UNDERLAY_LOGPROB_KERNEL``): triton on cuda, torch elsewhere."""
     with _lock:
         return cast(LogprobKernel, _build("logprob", resolve("logprob", name).name))
+
+
+def get_quantizer(name: str | None = None) -> Fp8Quantizer:
+    """The blockwise FP8 quantiser (``UNDERLAY_QUANT``): triton on cuda, torch elsewhere."""
+    with _lock:
+        return cast(Fp8Quantizer, _build("quant", resolve("quant", name).name))
 
 
 def get_profiler(

@@ -22,7 +22,7 @@ from underlay.interfaces.errors import (
     UnknownBackend,
     UnsupportedOperation,
 )
-from underlay.interfaces.kernels import IGNORE_INDEX, AttentionKernel, LogprobKernel
+from underlay.interfaces.kernels import IGNORE_INDEX, AttentionKernel, Fp8Quantizer, LogprobKernel
 from underlay.interfaces.profiler import Profiler
 from underlay.interfaces.types import (
     AttentionSpec,
@@ -49,6 +49,7 @@ __all__ = [
     "Device",
     "EngineConfig",
     "Event",
+    "Fp8Quantizer",
     "IncompatibleBackends",
     "InvalidInput",
     "LoadReport",

@@ -8,7 +8,7 @@ import torch
 
 from underlay.interfaces.types import AttentionSpec, LogprobOutput
 
-__all__ = ["IGNORE_INDEX", "AttentionKernel", "LogprobKernel"]
+__all__ = ["IGNORE_INDEX", "AttentionKernel", "Fp8Quantizer", "LogprobKernel"]
 
 IGNORE_INDEX = -100
 """Label value that gives log-prob 0, entropy 0 and no gradient."""
@@ -96,3 +96,31 @@ class LogprobKernel(Protocol):
     ) -> LogprobOutput:
         """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``).
         Raises ``InvalidInput`` on mismatched shapes/dtypes/devices or ``temperature <= 0``."""
+
+
+@runtime_checkable
+class Fp8Quantizer(Protocol):
+    """Blockwise FP8 (e4m3) weight quantisation for rollout weight sync.
+
+    ``weight [M, K]`` (bf16/fp16/fp32) is cut into ``block = (bm, bk)`` tiles (edge tiles may be
+    partial); each tile gets one fp32 scale ``amax / 448`` (1 for an all-zero tile) and its values are
+    ``weight / scale`` rounded to nearest-even e4m3. Every backend produces bit-identical output.
+    """
+
+    @property
+    def name(self) -> str:
+        """Registry name: ``"triton"``, ``"torch"``."""
+
+    def quantize(
+        self, weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(q [M, K] float8_e4m3fn, scales [ceil(M/bm), ceil(K/bk)] float32)``."""
+
+    def dequantize(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        block: tuple[int, int] = (128, 128),
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        """``q * scale`` per tile, in ``dtype``."""

@@ -25,7 +25,7 @@ __all__ = [
     "TokenOutputs",
 ]
 
-BackendKind = Literal["device", "engine", "attention", "logprob", "profiler", "weight_loader"]
+BackendKind = Literal["device", "engine", "attention", "logprob", "quant", "profiler", "weight_loader"]
 
 
 @dataclass(frozen=True)
