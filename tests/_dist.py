@@ -1,0 +1,125 @@
+"""Helpers for tests that run real multi-process gloo groups.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with
+``torch.multiprocessing`` (spawn start method), initialises a gloo process group on a free localhost
+port in each, calls ``fn(rank, world_size, *args)``, destroys the group and returns the per-rank return
+values (in rank order). ``fn`` and ``args`` must be picklable: define ``fn`` at module level of a test
+module. An exception in any child is re-raised in the parent (same type when it pickles) with the
+child's formatted traceback attached as its ``__cause__``; the remaining children are terminated.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+__all__ = ["ChildFailure", "free_port", "run_distributed"]
+
+
+class ChildFailure(RuntimeError):
+    """Carries the formatted traceback of a failed child process (the ``__cause__`` of the re-raise)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    queue: Any,
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        try:
+            payload = pickle.dumps(result)
+        except Exception:  # an unpicklable result is reported as its repr
+            payload = pickle.dumps(repr(result))
+        queue.put(("ok", rank, payload, "", 0.0))
+    except BaseException as exc:
+        when = time.time()
+        tb = traceback.format_exc()
+        try:
+            blob = pickle.dumps(exc)
+            pickle.loads(blob)
+        except Exception:
+            blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        queue.put(("err", rank, blob, tb, when))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return their results.
+
+    Raises the first child's exception (with its traceback as ``__cause__``) when any child fails, and
+    ``ValueError`` when ``world_size < 1``. ``timeout_s`` bounds collectives (gloo group timeout).
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed: world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    try:
+        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            _worker,
+            args=(fn, world_size, port, queue, args, timeout_s),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+    except ProcessException as exc:
+        failure: ProcessException | None = exc
+    else:
+        failure = None
+    results: dict[int, Any] = {}
+    errors: list[tuple[float, int, BaseException, str]] = []
+    while not queue.empty():
+        status, rank, blob, tb, when = queue.get()
+        if status == "ok":
+            results[rank] = pickle.loads(blob)
+        else:
+            errors.append((when, rank, pickle.loads(blob), tb))
+    if errors:
+        # the rank that raised first is the cause; the others usually only report the broken
+        # connection that its exit caused
+        errors.sort(key=lambda e: (e[0], e[1]))
+        _, rank, child_exc, tb = errors[0]
+        raise child_exc from ChildFailure(f"rank {rank} of {world_size} failed:\n{tb}")
+    if failure is not None:
+        raise ChildFailure(f"a child process died without reporting an exception: {failure}") from failure
+    return [results[r] for r in range(world_size)]
