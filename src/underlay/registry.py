@@ -592,7 +592,7 @@ def _build(kind: str, name: str, *args: Any) -> Any:
             kind,
             name,
             f"importing {spec.target} from {where} failed: {type(exc).__name__}: {exc}",
-            [s.name for s in backends(kind) if s.name != name],
+            [n for n in _available(kind, None if kind == "device" else resolve("device").name) if n != name],
         ) from exc
     if kind == "device":
         obj = factory()

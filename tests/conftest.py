@@ -1,0 +1,42 @@
+"""Shared pytest configuration: marker-based skips and a clean backend registry per test."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from underlay import registry
+
+
+def _has_cuda() -> bool:
+    return torch.version.cuda is not None and registry.probe("device", "cuda").available
+
+
+def _has_npu() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(
+        reason="needs a CUDA GPU (run on the GPU host: UNDERLAY_DEVICE=cuda pytest -m gpu)"
+    )
+    skip_npu = pytest.mark.skip(
+        reason="needs an Ascend NPU with torch_npu (UNDERLAY_DEVICE=npu pytest on that host)"
+    )
+    gpu, npu = _has_cuda(), _has_npu()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        if "npu" in item.keywords and not npu:
+            item.add_marker(skip_npu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry() -> Iterator[None]:
+    """Every test starts and ends with no cached backend selection."""
+    registry.reset()
+    yield
+    registry.reset()
