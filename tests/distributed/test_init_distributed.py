@@ -1,0 +1,67 @@
+"""``underlay.init_distributed`` starts a real gloo group from torchrun-style environment variables."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests._dist import free_port
+from underlay.interfaces import ConfigError
+from underlay.parallel.distributed import read_env
+
+pytestmark = pytest.mark.distributed
+
+
+def _child(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        UNDERLAY_DEVICE="cpu",
+    )
+    import underlay
+
+    env = underlay.init_distributed()
+    assert dist.get_backend() == "gloo"
+    assert (env.rank, env.world_size) == (rank, world)
+    assert underlay.init_distributed().rank == rank  # idempotent
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    torch.save({"rank": rank, "sum": x.item()}, f"{out}/r{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_process_group_from_env(tmp_path: pytest.TempPathFactory) -> None:
+    mp.spawn(_child, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = torch.load(f"{tmp_path}/r{r}.pt", weights_only=True)
+        assert got == {"rank": r, "sum": 3.0}
+
+
+def test_read_env_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    with pytest.raises(ConfigError, match="RANK=5 is outside"):
+        read_env()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
+        read_env()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ConfigError, match="MASTER_PORT is not set"):
+        read_env()
+
+
+def test_single_process_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    env = read_env()
+    assert (env.rank, env.local_rank, env.world_size) == (0, 0, 1)
+    assert env.master_port > 0

@@ -1,0 +1,95 @@
+"""Value types and configs validate themselves and name the bad value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from underlay.interfaces import (
+    AttentionSpec,
+    ConfigError,
+    EngineConfig,
+    InvalidInput,
+    ModelConfig,
+    OptimConfig,
+    ParallelLayout,
+    ProfilerConfig,
+    TokenBatch,
+    from_dict,
+)
+
+
+def test_parallel_layout_checks_world_size() -> None:
+    lay = ParallelLayout.infer(8, dp_replicate=2, sp=2)
+    assert (lay.dp_shard, lay.dp, lay.sp) == (4, 4, 2)
+    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+        ParallelLayout.infer(6, tp=4)
+    with pytest.raises(ConfigError, match="sp=3 must divide dp_shard=4"):
+        ParallelLayout(4, dp_shard=4, sp=3)
+    with pytest.raises(ConfigError, match="!= world_size 4"):
+        ParallelLayout(4, dp_shard=2)
+    with pytest.raises(ConfigError, match="tp=0"):
+        ParallelLayout(1, tp=0)
+
+
+def test_layout_is_frozen_and_groups_do_not_count() -> None:
+    a = ParallelLayout(2, dp_shard=2, groups={"dp": object()})
+    assert a == ParallelLayout(2, dp_shard=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.tp = 2  # type: ignore[misc]
+
+
+def test_attention_spec_rejects_bad_heads() -> None:
+    with pytest.raises(InvalidInput, match="q heads 6 must be a positive multiple of kv heads 4"):
+        AttentionSpec(torch.bfloat16, 64, 6, 4, "cuda")
+
+
+def test_token_batch_validates_and_selects() -> None:
+    ids = torch.randint(0, 10, (3, 5))
+    mask = torch.ones(3, 5, dtype=torch.long)
+    with pytest.raises(InvalidInput, match="loss_mask shape"):
+        TokenBatch(ids, mask, mask[:, :4])
+    with pytest.raises(InvalidInput, match="extras\\['adv'\\] has batch size"):
+        TokenBatch(ids, mask, mask, {"adv": torch.zeros(2)})
+    adv = torch.randn(3)
+    b = TokenBatch(ids, mask, mask, {"adv": adv}).select([2, 0])
+    assert torch.equal(b.input_ids, ids[[2, 0]])
+    assert torch.equal(b.extras["adv"], adv[[2, 0]])
+
+
+def test_configs_from_dict_and_errors() -> None:
+    cfg = from_dict(
+        EngineConfig,
+        {
+            "model": {"path": "/m", "lora": {"rank": 4, "target_modules": ["q_proj"]}},
+            "optim": {"lr": 1e-5, "betas": [0.9, 0.95]},
+        },
+    )
+    assert cfg.model.lora is not None
+    assert cfg.model.lora.target_modules == ("q_proj",)
+    assert cfg.optim.betas == (0.9, 0.95)
+    with pytest.raises(ConfigError, match=r"unknown keys \['lrr'\]"):
+        from_dict(OptimConfig, {"lrr": 1.0})
+    with pytest.raises(ConfigError, match="exactly one of path"):
+        ModelConfig()
+    with pytest.raises(ConfigError, match="warmup_steps=-1"):
+        OptimConfig(warmup_steps=-1)
+    with pytest.raises(ConfigError, match="min_lr_ratio=1.5"):
+        OptimConfig(min_lr_ratio=1.5)
+    with pytest.raises(ConfigError, match="needs total_steps"):
+        OptimConfig(schedule="cosine")
+    with pytest.raises(ConfigError, match="param_dtype='fp8'"):
+        EngineConfig(ModelConfig(path="/m"), param_dtype="fp8")
+
+
+def test_profiler_config_loads_dict_and_omegaconf() -> None:
+    from omegaconf import OmegaConf
+
+    a = ProfilerConfig.load({"ranks": [0, 1], "steps": [2, 3], "with_memory": True})
+    b = ProfilerConfig.load(OmegaConf.create({"ranks": [0, 1], "steps": [2, 3], "with_memory": True}))
+    assert a == b
+    assert a.ranks == (0, 1)
+    with pytest.raises(ConfigError, match="steps"):
+        ProfilerConfig(steps=(-1,))
