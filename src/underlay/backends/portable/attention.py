@@ -1,0 +1,360 @@
+"""Portable attention kernels in plain torch: ``eager`` (the fp32 reference) and ``torch`` (SDPA and
+``torch.nn.attention.varlen.varlen_attn``).
+
+Both follow the ``AttentionKernel`` contract of ``underlay.interfaces.kernels`` and the masking rules of
+``underlay.ops.attention`` (bottom-right aligned causal mask and window).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from underlay.interfaces import AttentionSpec, Device, UnsupportedOperation
+from underlay.ops.attention import (
+    FLOAT_DTYPES,
+    allowed_mask,
+    attention_spec,
+    check_options,
+    check_padded,
+    check_varlen,
+    effective_window,
+    padded_key_mask,
+)
+
+__all__ = ["EagerAttention", "TorchAttention", "eager_attention"]
+
+
+def _split(lens: list[int]) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each packed sequence."""
+    out, start = [], 0
+    for n in lens:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Matmul-softmax attention over ``[..., H, S, D]`` tensors in fp32 (fp64 for fp64 input).
+
+    ``q [..., Hq, S_q, D]``, ``k [..., Hk, S_k, D]``, ``v [..., Hk, S_k, Dv]`` with ``Hq % Hk == 0``
+    (kv heads are repeated); ``keep`` a bool mask broadcastable to ``[..., Hq, S_q, S_k]`` or ``None``.
+    Rows with no visible key give 0. Returns ``[..., Hq, S_q, Dv]`` in q's dtype; differentiable.
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[-3] // k.shape[-3]
+    kc, vc = k.to(compute), v.to(compute)
+    if group > 1:
+        kc, vc = kc.repeat_interleave(group, dim=-3), vc.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q.to(compute), kc.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if keep is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.softmax(scores.masked_fill(~keep, torch.finfo(compute).min), dim=-1) * keep
+    return torch.matmul(probs, vc).to(q.dtype)
+
+
+class EagerAttention:
+    """``eager``: the reference ``AttentionKernel``: fp32 (fp64 for fp64 input) matmul-softmax in plain
+    torch on any device, one sequence at a time for packed input. Supports every feature of the
+    contract (causal, GQA/MQA, window, softcap, scale, ``Dv != D``) and autograd; memory is
+    ``O(H * S_q * S_k)`` per sequence, so it is meant for tests and small inputs."""
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+
+    @property
+    def name(self) -> str:
+        """``"eager"``."""
+        return "eager"
+
+    def supports(self, spec: AttentionSpec) -> tuple[str, ...]:
+        """Empty for every floating dtype of ``FLOAT_DTYPES``; a reason otherwise."""
+        if spec.dtype not in FLOAT_DTYPES:
+            return (f"dtype {spec.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}",)
+        return ()
+
+    def varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool = True,
+        window: tuple[int, int] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Packed attention ``q [T_q, Hq, D]``, ``k``/``v`` ``[T_k, Hk, D|Dv]`` -> ``[T_q, Hq, Dv]``
+        (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments."""
+        lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = check_options(causal, window, scale, softcap)
+        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        outs = []
+        for (qa, qb), (ka, kb) in zip(_split(lens_q), _split(lens_k)):
+            if qb == qa:
+                continue
+            keep = allowed_mask(qb - qa, kb - ka, causal, window, q.device)
+            o = eager_attention(
+                q[qa:qb].transpose(0, 1),
+                k[ka:kb].transpose(0, 1),
+                v[ka:kb].transpose(0, 1),
+                keep,
+                sc,
+                softcap,
+            )
+            outs.append(o.transpose(0, 1))
+        if not outs:
+            return q.new_zeros(0, q.shape[1], v.shape[-1])
+        return torch.cat(outs, dim=0)
+
+    def padded(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        causal: bool = True,
+        window: tuple[int, int] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Padded attention ``[B, S, H, D]`` -> ``[B, S_q, Hq, Dv]`` (see ``AttentionKernel.padded``);
+        queries that see no key give 0. Raises ``InvalidInput`` on bad arguments."""
+        check_padded(q, k, v, attention_mask)
+        window = check_options(causal, window, scale, softcap)
+        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        keep = padded_key_mask(attention_mask, q.shape[1], k.shape[1], causal, window, q.device)
+        out = eager_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, sc, softcap)
+        return out.transpose(1, 2).contiguous()
+
+
+# --------------------------------------------------------------------------------------------- torch
+
+
+@lru_cache(maxsize=1)
+def _varlen_api() -> tuple[Callable[..., torch.Tensor] | None, frozenset[str]]:
+    """``torch.nn.attention.varlen.varlen_attn`` and its keyword names, or ``(None, {})`` when this
+    torch has no such function."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    try:
+        params = frozenset(inspect.signature(varlen_attn).parameters)
+    except (TypeError, ValueError):
+        return None, frozenset()
+    return cast(Callable[..., torch.Tensor], varlen_attn), params
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    causal_square: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """SDPA over ``[B, H, S, D]``. ``causal_square``: plain top-left causal mask (only valid for
+    ``S_q == S_k``) without ``keep``. With ``keep`` (bool, broadcastable to ``[B, H, S_q, S_k]``), rows
+    with no visible key give 0 instead of NaN."""
+    gqa = q.shape[1] != k.shape[1]
+    if keep is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal_square, scale=scale, enable_gqa=gqa)
+    if gqa:  # masked SDPA kernels (memory-efficient) have no native GQA
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    seen = keep.any(dim=-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | ~seen, scale=scale)
+    return out * seen.to(out.dtype)
+
+
+class TorchAttention:
+    """``torch``: PyTorch's own kernels.
+
+    - padded: ``F.scaled_dot_product_attention`` (flash/cuDNN/memory-efficient/math as torch picks),
+      native GQA (``enable_gqa``) when there is no mask, an explicit boolean mask for padding, windows
+      and bottom-right causal alignment when ``S_q != S_k``.
+    - varlen: ``torch.nn.attention.varlen.varlen_attn`` (flash) on CUDA for bf16/fp16 when the installed
+      torch has it and the case fits (see :meth:`varlen_path`); otherwise one SDPA call per sequence.
+
+    ``softcap`` is not available in these kernels: ``supports`` reports it.
+    """
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+
+    @property
+    def name(self) -> str:
+        """``"torch"``."""
+        return "torch"
+
+    def supports(self, spec: AttentionSpec) -> tuple[str, ...]:
+        """Reasons this kernel cannot run ``spec``: a softcap, a dtype outside ``FLOAT_DTYPES``, or a
+        device type other than cuda/cpu."""
+        reasons = []
+        if spec.softcap is not None:
+            reasons.append(f"softcap={spec.softcap} is not supported by torch SDPA/varlen_attn (use eager)")
+        if spec.dtype not in FLOAT_DTYPES:
+            reasons.append(f"dtype {spec.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}")
+        if spec.device_type not in ("cuda", "cpu"):
+            reasons.append(f"device type {spec.device_type!r}: this kernel runs on cuda or cpu")
+        return tuple(reasons)
+
+    def varlen_path(self, spec: AttentionSpec) -> tuple[str, tuple[str, ...]]:
+        """Which packed path runs ``spec``: ``("varlen_attn", ())`` or ``("sdpa_per_sequence", reasons
+        varlen_attn cannot run it)``."""
+        fn, params = _varlen_api()
+        why: list[str] = []
+        if fn is None:
+            why.append(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
+        if spec.device_type != "cuda":
+            why.append(f"varlen_attn needs cuda, not {spec.device_type}")
+        if spec.dtype not in (torch.float16, torch.bfloat16):
+            why.append(f"varlen_attn needs bf16/fp16, not {spec.dtype}")
+        dv = spec.head_dim_v if spec.head_dim_v is not None else spec.head_dim
+        if spec.head_dim % 8 or spec.head_dim > 256 or dv != spec.head_dim:
+            why.append(
+                f"varlen_attn needs head_dim % 8 == 0, <= 256 and Dv == D (got D={spec.head_dim}, Dv={dv})"
+            )
+        if spec.window is not None and "window_size" not in params:
+            why.append("this torch's varlen_attn has no window_size")
+        if (
+            not spec.causal
+            and spec.window is None
+            and "window_size" not in params
+            and "is_causal" not in params
+        ):
+            why.append("this torch's varlen_attn has neither is_causal nor window_size")
+        if spec.softcap is not None:
+            why.append("varlen_attn has no softcap")
+        if spec.device_type == "cuda" and not why:
+            cap = self._device.capability()
+            if cap is not None and cap < (8, 0):
+                why.append(f"varlen_attn (flash) needs compute capability >= 8.0, got {cap}")
+        return ("sdpa_per_sequence", tuple(why)) if why else ("varlen_attn", ())
+
+    def _require(self, spec: AttentionSpec) -> None:
+        if reasons := self.supports(spec):
+            raise UnsupportedOperation(
+                f"attention backend 'torch' cannot run this call: {'; '.join(reasons)}. Use "
+                "UNDERLAY_ATTENTION=eager, or get_attention(spec=...) to pick a kernel that can"
+            )
+
+    def varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool = True,
+        window: tuple[int, int] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Packed attention (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments and
+        ``UnsupportedOperation`` when ``supports`` has reasons (e.g. softcap)."""
+        lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = check_options(causal, window, scale, softcap)
+        spec = attention_spec(q, k, v, "varlen", causal, window, softcap)
+        self._require(spec)
+        path, _ = self.varlen_path(spec)
+        if path == "varlen_attn":
+            return self._varlen_attn(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale
+            )
+        outs = []
+        for (qa, qb), (ka, kb) in zip(_split(lens_q), _split(lens_k)):
+            if qb == qa:
+                continue
+            sq, sk = qb - qa, kb - ka
+            square_causal = causal and window is None and sq == sk
+            keep = None if square_causal else allowed_mask(sq, sk, causal, window, q.device)
+            o = _sdpa(
+                q[qa:qb].transpose(0, 1).unsqueeze(0),
+                k[ka:kb].transpose(0, 1).unsqueeze(0),
+                v[ka:kb].transpose(0, 1).unsqueeze(0),
+                keep,
+                square_causal,
+                scale,
+            )
+            outs.append(o[0].transpose(0, 1))
+        if not outs:
+            return q.new_zeros(0, q.shape[1], v.shape[-1])
+        return torch.cat(outs, dim=0)
+
+    @staticmethod
+    def _varlen_attn(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        causal: bool,
+        window: tuple[int, int] | None,
+        scale: float | None,
+    ) -> torch.Tensor:
+        fn, params = _varlen_api()
+        assert fn is not None  # varlen_path checked it
+        kwargs: dict[str, Any] = {"scale": scale}
+        if "window_size" in params:
+            kwargs["window_size"] = effective_window(causal, window)
+        else:
+            kwargs["is_causal"] = causal
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in params:
+                kwargs["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        cu_q = cu_q.to(q.device, non_blocking=True)
+        cu_k = cu_q if cu_k is cu_q else cu_k.to(q.device, non_blocking=True)
+        return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    def padded(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        causal: bool = True,
+        window: tuple[int, int] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Padded attention through SDPA (see ``AttentionKernel.padded``); queries that see no key give 0.
+        Raises ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` for a softcap."""
+        check_padded(q, k, v, attention_mask)
+        window = check_options(causal, window, scale, softcap)
+        self._require(attention_spec(q, k, v, "padded", causal, window, softcap))
+        sq, sk = int(q.shape[1]), int(k.shape[1])
+        square_causal = causal and window is None and attention_mask is None and sq == sk
+        keep = None if square_causal else padded_key_mask(attention_mask, sq, sk, causal, window, q.device)
+        out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, square_causal, scale)
+        return out.transpose(1, 2).contiguous()
