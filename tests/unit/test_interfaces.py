@@ -85,7 +85,7 @@ def test_configs_from_dict_and_errors() -> None:
 
 
 def test_profiler_config_loads_dict_and_omegaconf() -> None:
-    from omegaconf import OmegaConf
+    OmegaConf = pytest.importorskip("omegaconf").OmegaConf
 
     a = ProfilerConfig.load({"ranks": [0, 1], "steps": [2, 3], "with_memory": True})
     b = ProfilerConfig.load(OmegaConf.create({"ranks": [0, 1], "steps": [2, 3], "with_memory": True}))
