@@ -30,13 +30,29 @@ from underlay.ops.attention import (
 __all__ = ["EagerAttention", "TorchAttention", "eager_attention"]
 
 
-def _split(lens: list[int]) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of each packed sequence."""
-    out, start = [], 0
-    for n in lens:
-        out.append((start, start + n))
-        start += n
-    return out
+def _per_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens_q: list[int],
+    lens_k: list[int],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Run ``attend(q_i, k_i, v_i)`` on each packed sequence, with ``[H, S, D]`` views, and concatenate
+    the ``[H, S_q, Dv]`` results back to ``[T_q, Hq, Dv]``. Sequences without queries are skipped."""
+    outs, qa, ka = [], 0, 0
+    for nq, nk in zip(lens_q, lens_k):
+        if nq:
+            o = attend(
+                q[qa : qa + nq].transpose(0, 1),
+                k[ka : ka + nk].transpose(0, 1),
+                v[ka : ka + nk].transpose(0, 1),
+            )
+            outs.append(o.transpose(0, 1))
+        qa, ka = qa + nq, ka + nk
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v.shape[-1])
+    return torch.cat(outs, dim=0)
 
 
 def eager_attention(
@@ -108,23 +124,12 @@ class EagerAttention:
         lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         window = check_options(causal, window, scale, softcap)
         sc = scale if scale is not None else q.shape[-1] ** -0.5
-        outs = []
-        for (qa, qb), (ka, kb) in zip(_split(lens_q), _split(lens_k)):
-            if qb == qa:
-                continue
-            keep = allowed_mask(qb - qa, kb - ka, causal, window, q.device)
-            o = eager_attention(
-                q[qa:qb].transpose(0, 1),
-                k[ka:kb].transpose(0, 1),
-                v[ka:kb].transpose(0, 1),
-                keep,
-                sc,
-                softcap,
-            )
-            outs.append(o.transpose(0, 1))
-        if not outs:
-            return q.new_zeros(0, q.shape[1], v.shape[-1])
-        return torch.cat(outs, dim=0)
+
+        def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+            keep = allowed_mask(qs.shape[1], ks.shape[1], causal, window, q.device)
+            return eager_attention(qs, ks, vs, keep, sc, softcap)
+
+        return _per_sequence(q, k, v, lens_q, lens_k, attend)
 
     def padded(
         self,
@@ -286,25 +291,14 @@ class TorchAttention:
             return self._varlen_attn(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale
             )
-        outs = []
-        for (qa, qb), (ka, kb) in zip(_split(lens_q), _split(lens_k)):
-            if qb == qa:
-                continue
-            sq, sk = qb - qa, kb - ka
+
+        def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+            sq, sk = qs.shape[1], ks.shape[1]
             square_causal = causal and window is None and sq == sk
             keep = None if square_causal else allowed_mask(sq, sk, causal, window, q.device)
-            o = _sdpa(
-                q[qa:qb].transpose(0, 1).unsqueeze(0),
-                k[ka:kb].transpose(0, 1).unsqueeze(0),
-                v[ka:kb].transpose(0, 1).unsqueeze(0),
-                keep,
-                square_causal,
-                scale,
-            )
-            outs.append(o[0].transpose(0, 1))
-        if not outs:
-            return q.new_zeros(0, q.shape[1], v.shape[-1])
-        return torch.cat(outs, dim=0)
+            return _sdpa(qs[None], ks[None], vs[None], keep, square_causal, scale)[0]
+
+        return _per_sequence(q, k, v, lens_q, lens_k, attend)
 
     @staticmethod
     def _varlen_attn(
