@@ -1,0 +1,186 @@
+"""Bad attention input raises ``InvalidInput`` with a message naming the problem, on every portable kernel
+and through the shared helpers of ``underlay.ops.attention``, before any kernel runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from underlay import registry
+from underlay.backends.portable.attention import EagerAttention, TorchAttention
+from underlay.interfaces import AttentionKernel, InvalidInput
+from underlay.ops.attention import (
+    allowed_mask,
+    attention_spec,
+    check_options,
+    normalize_window,
+)
+
+T, H, HK, D = 10, 4, 2, 8
+LENS = [3, 7]
+
+
+def _good() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "q": torch.randn(T, H, D, generator=gen),
+        "k": torch.randn(T, HK, D, generator=gen),
+        "v": torch.randn(T, HK, D, generator=gen),
+        "cu_seqlens_q": torch.tensor([0, 3, 10], dtype=torch.int32),
+        "cu_seqlens_k": torch.tensor([0, 3, 10], dtype=torch.int32),
+        "max_seqlen_q": 7,
+        "max_seqlen_k": 7,
+    }
+
+
+def _set(**kw: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(a: dict[str, Any]) -> None:
+        a.update(kw)
+
+    return edit
+
+
+def _tensor(key: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, Any]], None]:
+    def edit(a: dict[str, Any]) -> None:
+        a[key] = fn(a[key])
+
+    return edit
+
+
+def _both_cu(values: list[int], dtype: torch.dtype = torch.int32) -> Callable[[dict[str, Any]], None]:
+    return _set(
+        cu_seqlens_q=torch.tensor(values, dtype=dtype), cu_seqlens_k=torch.tensor(values, dtype=dtype)
+    )
+
+
+VARLEN_BAD = [
+    (
+        "heads-not-multiple",
+        lambda a: a.update(k=torch.randn(T, 3, D), v=torch.randn(T, 3, D)),
+        "multiple of kv",
+    ),
+    ("k-v-heads-differ", _tensor("v", lambda t: torch.randn(T, 1, D)), "heads"),
+    ("q-rank", _tensor("q", lambda t: t[None]), "rank 3"),
+    ("v-rank", _tensor("v", lambda t: t[0]), "rank 3"),
+    ("dtype-mix", _tensor("k", lambda t: t.double()), "dtypes differ"),
+    ("int-dtype", lambda a: a.update({n: a[n].to(torch.int64) for n in ("q", "k", "v")}), "not supported"),
+    ("device-mix", _tensor("v", lambda t: t.to("meta")), "devices differ"),
+    ("head-dim-mix", _tensor("k", lambda t: torch.randn(T, HK, D + 1)), "head_dim"),
+    ("kv-tokens-mix", _tensor("v", lambda t: t[:-1]), "leading"),
+    ("cu-int64", _both_cu([0, 3, 10], torch.int64), "int32"),
+    ("cu-not-from-0", _both_cu([1, 3, 10]), "start at 0"),
+    ("cu-not-monotonic", _both_cu([0, 8, 3, 10]), "not monotonic"),
+    ("cu-wrong-end", _both_cu([0, 3, 9]), "token count"),
+    ("cu-2d", _both_cu([[0, 3, 10]]), "1-D"),
+    ("cu-one-entry", _both_cu([0]), "1-D"),
+    ("max-too-small", _set(max_seqlen_q=6), "smaller than the longest"),
+    ("max-k-too-small", _set(max_seqlen_k=5), "smaller than the longest"),
+    ("max-not-int", _set(max_seqlen_q=7.0), "must be an int"),
+    ("batch-mismatch", _set(cu_seqlens_k=torch.tensor([0, 3, 5, 10], dtype=torch.int32)), "sequences"),
+]
+
+
+def _kernels() -> list[AttentionKernel]:
+    dev = registry.get_device("cpu")
+    return [EagerAttention(dev), TorchAttention(dev)]
+
+
+@pytest.mark.parametrize("kernel", _kernels(), ids=lambda k: k.name)
+@pytest.mark.parametrize(("edit", "match"), [c[1:] for c in VARLEN_BAD], ids=[c[0] for c in VARLEN_BAD])
+def test_varlen_rejects_bad_input(
+    kernel: AttentionKernel, edit: Callable[[dict[str, Any]], None], match: str
+) -> None:
+    args = _good()
+    kernel.varlen(**args)  # the unedited call is valid
+    edit(args)
+    with pytest.raises(InvalidInput, match=match):
+        kernel.varlen(**args)
+
+
+OPTIONS_BAD = [
+    ({"window": (3,)}, "window"),
+    ({"window": (-2, 0)}, "window"),
+    ({"window": (1.5, 0)}, "window"),
+    ({"scale": 0.0}, "scale"),
+    ({"scale": float("nan")}, "scale"),
+    ({"softcap": -1.0}, "softcap"),
+    ({"causal": 1}, "causal"),
+]
+
+
+@pytest.mark.parametrize("kernel", _kernels(), ids=lambda k: k.name)
+@pytest.mark.parametrize(("kw", "match"), OPTIONS_BAD, ids=[str(c[0]) for c in OPTIONS_BAD])
+def test_options_rejected_in_varlen_and_padded(
+    kernel: AttentionKernel, kw: dict[str, Any], match: str
+) -> None:
+    args = _good()
+    with pytest.raises(InvalidInput, match=match):
+        kernel.varlen(**args, **kw)
+    q, k, v = (args[n].view(2, 5, *args[n].shape[1:]) for n in ("q", "k", "v"))
+    with pytest.raises(InvalidInput, match=match):
+        kernel.padded(q, k, v, **kw)
+
+
+def _padded() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return (
+        torch.randn(2, 5, H, D, generator=gen),
+        torch.randn(2, 6, HK, D, generator=gen),
+        torch.randn(2, 6, HK, D, generator=gen),
+    )
+
+
+PADDED_BAD: list[tuple[str, Callable[[], tuple[Any, ...]], str]] = [
+    ("mask-shape", lambda: (*_padded(), torch.ones(2, 5, dtype=torch.bool)), r"\[B, S_k\]"),
+    ("mask-float", lambda: (*_padded(), torch.ones(2, 6)), "bool or an integer"),
+    ("q-rank", lambda: (_padded()[0][0], *_padded()[1:], None), "rank 4"),
+    ("batch-mismatch", lambda: (_padded()[0][:1], *_padded()[1:], None), "batch sizes differ"),
+    ("heads", lambda: (torch.randn(2, 5, 3, D), *_padded()[1:], None), "multiple of kv heads"),
+    ("dtype", lambda: (_padded()[0].half(), *_padded()[1:], None), "dtypes differ"),
+    (
+        "mask-device",
+        lambda: (*_padded(), torch.ones(2, 6, dtype=torch.bool, device="meta")),
+        "attention_mask is on",
+    ),
+]
+
+
+@pytest.mark.parametrize("kernel", _kernels(), ids=lambda k: k.name)
+@pytest.mark.parametrize(("make", "match"), [c[1:] for c in PADDED_BAD], ids=[c[0] for c in PADDED_BAD])
+def test_padded_rejects_bad_input(
+    kernel: AttentionKernel, make: Callable[[], tuple[Any, ...]], match: str
+) -> None:
+    q, k, v, mask = make()
+    with pytest.raises(InvalidInput, match=match):
+        kernel.padded(q, k, v, attention_mask=mask)
+
+
+def test_attention_spec_from_tensors() -> None:
+    args = _good()
+    q, k = args["q"].requires_grad_(True), args["k"]
+    v = torch.randn(T, HK, 5)
+    spec = attention_spec(q, k, v, "varlen", causal=False, window=(-1, -1), softcap=2.0)
+    assert (spec.dtype, spec.head_dim, spec.head_dim_v, spec.num_heads, spec.num_kv_heads) == (
+        torch.float32, D, 5, H, HK,
+    )  # fmt: skip
+    assert spec.window is None and spec.softcap == 2.0 and spec.requires_grad and not spec.causal
+    assert spec.device_type == "cpu" and spec.layout == "varlen"
+    with pytest.raises(InvalidInput, match="layout"):
+        attention_spec(q, k, v, "thd")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="rank 4"):
+        attention_spec(q, k, v, "padded")
+
+
+def test_window_helpers() -> None:
+    assert normalize_window(None) is None and normalize_window((-1, -1)) is None
+    assert normalize_window((4, -1)) == (4, -1)
+    assert check_options(True, [2, 0], 0.5, None) == (2, 0)  # type: ignore[arg-type]
+    keep = allowed_mask(3, 5, causal=True, window=(1, -1), device=torch.device("cpu"))
+    assert keep is not None
+    # query i sits at key position i + 2; causal and at most one key to the left
+    expected = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(keep, expected)
+    assert allowed_mask(4, 4, causal=False, window=None, device=torch.device("cpu")) is None
