@@ -1,1 +1,36 @@
-"""Hugging Face model integration: attention routing, remove-padding, Ulysses SP, fused head, TiledMLP."""
+"""Hugging Face model integration: attention routing, remove-padding, Ulysses SP, fused head, TiledMLP.
+
+Typical use by an RL trainer (the FSDP2 engine does this for you)::
+
+    model = AutoModelForCausalLM.from_config(cfg)          # or from_pretrained(...)
+    prepare_model(model, sp_group=None, tiled_mlp_tiles=4)  # in place
+    packed = ops.unpad(input_ids, attention_mask)           # PackedBatch, THD
+    out = packed_forward(model, packed, temperature=1.0)    # TokenOutputs with [T] fields
+    log_probs = ops.pad(out.log_probs, packed)              # [B, S]; 0 at position 0 and padding
+
+``import underlay.models`` does not import transformers; it is imported when a model is prepared.
+"""
+
+from underlay.models._compat import (
+    SUPPORTED_ARCHITECTURES,
+    TESTED_TRANSFORMERS,
+    check_transformers_version,
+)
+from underlay.models.attention import ATTN_IMPLEMENTATION, cu_seqlens_from_position_ids
+from underlay.models.forward import next_token_labels, packed_forward, shift_to_tokens
+from underlay.models.prepare import prepare_model
+from underlay.models.tiled_mlp import TiledMLP, apply_tiled_mlp
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SUPPORTED_ARCHITECTURES",
+    "TESTED_TRANSFORMERS",
+    "TiledMLP",
+    "apply_tiled_mlp",
+    "check_transformers_version",
+    "cu_seqlens_from_position_ids",
+    "next_token_labels",
+    "packed_forward",
+    "prepare_model",
+    "shift_to_tokens",
+]

@@ -1,0 +1,264 @@
+"""Routing Hugging Face attention to underlay's AttentionKernel through transformers' AttentionInterface.
+
+:func:`register_attention` registers :func:`underlay_attention_forward` under the implementation name
+``"underlay"`` (``transformers.AttentionInterface``) together with a mask builder
+(``transformers.masking_utils.AttentionMaskInterface``) that hands the attention function the raw 2-D
+padding mask (or ``None``), as flash-attention does. A model whose ``config._attn_implementation`` is
+``"underlay"`` then calls :func:`underlay_attention_forward` in every attention layer, which:
+
+- on **packed** input (batch 1, no padding mask, position ids restarting at 0 for every sequence, or
+  explicit ``cu_seq_lens_q``/``max_length_q`` keyword arguments as transformers' flash path uses)
+  calls ``kernel.varlen`` with the sequence boundaries;
+- otherwise calls ``kernel.padded`` with the ``[B, S]`` keep-mask;
+- under Ulysses sequence parallelism (the route's ``sp_group`` has more than one rank) trades the local
+  token slice for a head slice around ``kernel.varlen`` (:mod:`underlay.parallel.ulysses`).
+
+The per-layer settings (kernel name, sp group) live in an :class:`AttentionRoute` attached to each
+attention module by :func:`underlay.models.prepare_model`; the module's ``scaling``, ``is_causal``,
+``sliding_window`` and softcap (keyword arguments first, module attributes second) are respected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from underlay.interfaces import (
+    AttentionKernel,
+    AttentionSpec,
+    InvalidInput,
+    UnsupportedOperation,
+)
+from underlay.parallel.ulysses import (
+    gather_seq,
+    head_to_seq,
+    repeat_kv_for_sp,
+    seq_to_head,
+    sp_world_size,
+    validate_sp,
+)
+from underlay.registry import get_attention
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ROUTE_ATTR",
+    "AttentionRoute",
+    "cu_seqlens_from_position_ids",
+    "register_attention",
+    "underlay_attention_forward",
+]
+
+ATTN_IMPLEMENTATION = "underlay"
+"""The name registered with ``transformers.AttentionInterface``."""
+
+ROUTE_ATTR = "_underlay_attention_route"
+"""Attribute of an attention module that holds its :class:`AttentionRoute`."""
+
+
+@dataclass
+class AttentionRoute:
+    """Where one attention module sends its calls.
+
+    ``kernel_name`` is an attention backend name (``None``: the registry's selection, i.e.
+    ``UNDERLAY_ATTENTION`` or ``auto``), resolved lazily per :class:`AttentionSpec` and cached.
+    ``sp_group`` is the Ulysses process group (``None``: no sequence parallelism).
+    """
+
+    kernel_name: str | None = None
+    sp_group: Any | None = None
+    _kernels: dict[AttentionSpec, AttentionKernel] = field(default_factory=dict, repr=False)
+    _cu_cache: tuple[torch.Tensor, torch.Tensor, int] | None = field(default=None, repr=False)
+
+    def kernel(self, spec: AttentionSpec) -> AttentionKernel:
+        """The kernel for ``spec`` (``BackendUnavailable`` when the named kernel cannot run it)."""
+        found = self._kernels.get(spec)
+        if found is None:
+            found = get_attention(self.kernel_name, spec=spec)
+            self._kernels[spec] = found
+        return found
+
+    def boundaries(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``(cu_seqlens int32 [B + 1], max_seqlen)`` of the (full, gathered over the sp group) packed
+        sequence whose per-token positions are ``position_ids``; cached for the last tensor seen, so a
+        forward pass computes it once rather than once per layer."""
+        cached = self._cu_cache
+        if cached is not None and cached[0] is position_ids:
+            return cached[1], cached[2]
+        pos = position_ids.reshape(-1)
+        if sp_world_size(self.sp_group) > 1:
+            with torch.no_grad():
+                pos = gather_seq(pos, self.sp_group)
+        cu, max_len = cu_seqlens_from_position_ids(pos)
+        self._cu_cache = (position_ids, cu, max_len)
+        return cu, max_len
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sequence boundaries of packed tokens: a sequence starts at token 0 and wherever the position id
+    is 0. ``position_ids`` ``[T]`` (or ``[1, T]``) int -> ``(cu_seqlens int32 [B + 1], max_seqlen)``.
+    Synchronises with the device (reads the lengths)."""
+    pos = position_ids.reshape(-1)
+    n = int(pos.numel())
+    if n == 0:
+        raise InvalidInput("cu_seqlens_from_position_ids: position_ids is empty")
+    first = torch.zeros_like(pos, dtype=torch.bool)
+    first[0] = True
+    starts = torch.nonzero((pos == 0) | first).reshape(-1)
+    cu = torch.cat([starts, starts.new_tensor([n])]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max().item())
+    return cu, max_len
+
+
+def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
+    # transformers: key j is visible from query i when i - j < sliding_window (and j <= i if causal)
+    if sliding_window is None or sliding_window <= 0:
+        return None
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def _pick(kwargs: dict[str, Any], module: nn.Module, key: str, *attrs: str) -> Any:
+    value = kwargs.pop(key, None)
+    for attr in attrs:
+        if value is not None:
+            break
+        value = getattr(module, attr, None)
+    return value
+
+
+def underlay_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function transformers calls for ``attn_implementation="underlay"``.
+
+    ``query [B, Hq, S, D]``, ``key``/``value [B, Hk, S, D]`` (transformers' layout, after RoPE);
+    ``attention_mask`` a ``[B, S]`` keep-mask or ``None`` (see the module docstring). Returns
+    ``(out [B, S, Hq, Dv], None)`` in the dtype of ``query``; attention weights are never built.
+    Raises ``UnsupportedOperation`` for attention dropout > 0, 4-D custom masks, and Ulysses on padded
+    input; ``BackendUnavailable`` when the routed kernel cannot run the case.
+    """
+    route: AttentionRoute = getattr(module, ROUTE_ATTR, None) or _DEFAULT_ROUTE
+    if dropout and dropout > 0:
+        raise UnsupportedOperation(
+            f"attention dropout={dropout} is not supported by the underlay attention route; set "
+            "config.attention_dropout=0 (RL training runs without attention dropout)"
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise UnsupportedOperation(
+            f"underlay attention got a {attention_mask.dim()}-D attention mask of shape "
+            f"{tuple(attention_mask.shape)}; pass a [batch, seq] padding mask or packed position ids"
+        )
+    causal = bool(_pick(kwargs, module, "is_causal", "is_causal") is not False)
+    scale = scaling if scaling is not None else getattr(module, "scaling", None)
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    if softcap is None:
+        softcap = getattr(module, "attn_logit_softcapping", None)
+    window = _window(sliding_window, causal)
+    bsz, hq, _, dim = (int(s) for s in query.shape)
+    hk, dim_v = int(key.shape[1]), int(value.shape[-1])
+    sp = sp_world_size(route.sp_group)
+    cu_q = kwargs.get("cu_seq_lens_q")
+    position_ids = kwargs.get("position_ids")
+    packed = bsz == 1 and attention_mask is None and (cu_q is not None or position_ids is not None)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+
+    if not packed:
+        if sp > 1:
+            raise UnsupportedOperation(
+                f"Ulysses sequence parallelism (sp={sp}) needs packed input (batch 1, no attention_mask, "
+                "position ids restarting per sequence); got a padded batch. Use underlay.models.packed_forward"
+            )
+        spec = AttentionSpec(
+            query.dtype, dim, hq, hk, query.device.type, "padded", causal, window, softcap, dim_v, needs_grad
+        )
+        out = route.kernel(spec).padded(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attention_mask=attention_mask,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+        )
+        return out, None
+
+    if cu_q is not None:
+        cu = cu_q
+        max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max().item()))
+    else:
+        cu, max_len = route.boundaries(position_ids)  # type: ignore[arg-type]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, H, D]
+    if sp > 1:
+        validate_sp(hq, hk, sp)
+        k, v = repeat_kv_for_sp(k, sp), repeat_kv_for_sp(v, sp)
+        q, k, v = (seq_to_head(t, route.sp_group) for t in (q, k, v))
+    spec = AttentionSpec(
+        query.dtype,
+        dim,
+        int(q.shape[1]),
+        int(k.shape[1]),
+        query.device.type,
+        "varlen",
+        causal,
+        window,
+        softcap,
+        dim_v,
+        needs_grad,
+    )
+    total = int(q.shape[0])
+    if int(cu[-1]) != total:
+        raise InvalidInput(
+            f"underlay attention: cu_seqlens ends at {int(cu[-1])} but the packed input has {total} tokens "
+            f"(over sp={sp} ranks); pass the boundaries of the whole packed sequence"
+        )
+    out = route.kernel(spec).varlen(
+        q, k, v, cu, cu, max_len, max_len, causal=causal, window=window, scale=scale, softcap=softcap
+    )
+    if sp > 1:
+        out = head_to_seq(out, route.sp_group)
+    return out.unsqueeze(0), None
+
+
+_DEFAULT_ROUTE = AttentionRoute()
+
+
+def _padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers mask builder for ``"underlay"``: the ``[B, kv_length]`` bool keep-mask, or ``None``
+    when nothing is padded (causality, windows and packing are the kernel's job)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:]
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+def register_attention() -> None:
+    """Register ``"underlay"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, underlay_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)

@@ -1,0 +1,227 @@
+"""Remove-padding forward with a fused log-prob (or value) head: :func:`packed_forward`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from underlay.interfaces import (
+    IGNORE_INDEX,
+    ConfigError,
+    InvalidInput,
+    LogprobKernel,
+    PackedBatch,
+    TokenOutputs,
+)
+from underlay.models._compat import check_architecture, unwrap_model
+from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
+from underlay.ops.packing import pad_to_multiple
+from underlay.parallel.ulysses import gather_seq, slice_for_rank, sp_world_size
+from underlay.registry import get_logprob_kernel
+
+__all__ = ["next_token_labels", "packed_forward", "shift_to_tokens"]
+
+
+def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Labels for next-token prediction on packed tokens: ``labels[t] = input_ids[t + 1]`` when token
+    ``t + 1`` is in the same sequence, else ``IGNORE_INDEX`` (the last token of every sequence).
+    ``input_ids [T]`` int64, ``cu_seqlens [B + 1]`` -> ``[T]`` int64."""
+    labels = torch.roll(input_ids, -1)
+    last = (cu_seqlens[1:] - 1).to(torch.long)
+    return labels.index_fill(0, last[last >= 0], IGNORE_INDEX)
+
+
+def shift_to_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Move per-position next-token quantities onto the token they predict: ``out[t] = x[t - 1]``
+    inside each sequence and ``out[t] = 0`` at the first token of every sequence. ``x [T]`` ->
+    ``[T]`` (differentiable)."""
+    shifted = torch.cat([x.new_zeros(1), x[:-1]])
+    first = cu_seqlens[:-1].to(torch.long)
+    keep = torch.ones_like(shifted, dtype=torch.bool).index_fill(0, first, False)
+    return torch.where(keep, shifted, torch.zeros_like(shifted))
+
+
+def _run_inside(module: nn.Module, body: Callable[..., Any], *args: Any) -> Any:
+    """Call ``body(*args)`` as ``module``'s forward through ``module.__call__``, so that the hooks of
+    ``module`` run around it (FSDP2 unshards its parameters, CPU offload moves them in)."""
+    previous = module.__dict__.get("forward")
+    module.forward = body
+    try:
+        return module(*args)
+    finally:
+        if previous is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = previous
+
+
+def _route_group(inner: nn.Module) -> tuple[bool, Any | None]:
+    for module in inner.modules():
+        route = getattr(module, ROUTE_ATTR, None)
+        if isinstance(route, AttentionRoute):
+            return True, route.sp_group
+    return False, None
+
+
+def _validate_packed(packed: PackedBatch) -> None:
+    ids, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens
+    if ids.dim() != 1 or pos.shape != ids.shape:
+        raise InvalidInput(
+            f"packed_forward: input_ids {tuple(ids.shape)} and position_ids {tuple(pos.shape)} must both "
+            "be [T]; build the batch with underlay.ops.unpad"
+        )
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != ids.numel():
+        raise InvalidInput(
+            f"packed_forward: cu_seqlens {cu.tolist() if cu.numel() < 16 else tuple(cu.shape)} must start "
+            f"at 0 and end at T={ids.numel()}"
+        )
+    if ids.numel() == 0:
+        raise InvalidInput("packed_forward: the packed batch has no tokens")
+
+
+def packed_forward(
+    model: nn.Module,
+    packed: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    logprob_kernel: LogprobKernel | None = None,
+    sp_group: Any | None = None,
+) -> TokenOutputs:
+    """Run a :func:`prepare_model`-ed model on a packed (padding-free) batch and return per-token outputs.
+
+    The backbone runs on ``input_ids[None]`` / ``position_ids[None]`` (the sequences of ``packed`` side
+    by side, position ids restarting at 0), with the attention kernel told the boundaries directly.
+
+    Causal LMs return ``log_probs`` and (``with_entropy``) ``entropy``, fp32 ``[T]``, **aligned to the
+    token they score**: ``log_probs[t] = log p(input_ids[t] | input_ids[s:t])`` under
+    ``softmax(logits / temperature)``, where ``s`` is the first token of ``t``'s sequence, and
+    ``entropy[t]`` is the entropy of that same predicting distribution. The first token of every
+    sequence has no prediction and gets 0 in both. They are computed from the final hidden states and
+    the ``lm_head`` weight by the :class:`~underlay.interfaces.LogprobKernel` (``logprob_kernel``, or the
+    registry's selection), never materialising ``[T, vocab]`` logits. Token-classification (value)
+    models with ``num_labels == 1`` return ``values`` fp32 ``[T]``: ``values[t]`` is the score head at
+    token ``t`` (no shift). ``ops.pad(x, packed)`` maps any ``[T]`` field back to ``[B, S]``.
+
+    With ``sp_group`` (the group given to :func:`prepare_model`; by default the model's own) every rank
+    passes the same ``packed`` batch, processes a ``1/sp`` slice of its tokens (padded to a multiple of
+    sp) and gets the full ``[T]`` outputs. Gradients follow :mod:`underlay.parallel.ulysses`: each rank's
+    parameter gradients are its share; their sum over the group equals the single-process gradient.
+
+    Raises ``ConfigError`` when the model was not prepared, is not a supported architecture, has an
+    unsupported head (lm_head bias, ``num_labels != 1``), or ``sp_group`` differs from the prepared one;
+    ``InvalidInput`` for an inconsistent batch or ``temperature <= 0``.
+    """
+    if not temperature > 0:
+        raise InvalidInput(f"packed_forward: temperature={temperature} must be > 0")
+    _validate_packed(packed)
+    inner = unwrap_model(model)
+    config = check_architecture(inner)
+    prepared, prepared_group = _route_group(inner)
+    if not prepared or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        raise ConfigError(
+            f"packed_forward: {type(inner).__name__} is not prepared (attn_implementation="
+            f"{getattr(config, '_attn_implementation', None)!r}); call underlay.models.prepare_model(model) first"
+        )
+    if sp_group is not None and sp_group is not prepared_group:
+        raise ConfigError(
+            "packed_forward: sp_group differs from the group given to prepare_model; prepare the model "
+            "with prepare_model(model, sp_group=group) and pass the same group (or none)"
+        )
+    group = prepared_group
+    head = _head_of(inner)
+    kernel = None
+    if head == "lm":
+        kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
+    outs = _run_inside(
+        model, lambda: _packed_body(inner, head, kernel, packed, group, temperature, with_entropy)
+    )
+    log_probs, entropy, values = outs
+    return TokenOutputs(log_probs=log_probs, entropy=entropy, values=values)
+
+
+def _head_of(inner: nn.Module) -> str:
+    score = getattr(inner, "score", None)
+    if isinstance(score, nn.Linear):
+        if score.out_features != 1:
+            raise ConfigError(
+                f"packed_forward: the value head {type(inner).__name__}.score has {score.out_features} "
+                "outputs; build the value model with num_labels=1"
+            )
+        return "value"
+    get_head = getattr(inner, "get_output_embeddings", None)
+    lm_head = get_head() if callable(get_head) else None
+    if not isinstance(lm_head, nn.Linear):
+        raise ConfigError(
+            f"packed_forward: {type(inner).__name__} has neither an lm_head (causal LM) nor a score head "
+            "(token classification); use AutoModelForCausalLM or AutoModelForTokenClassification"
+        )
+    if lm_head.bias is not None:
+        raise ConfigError(
+            f"packed_forward: {type(inner).__name__}.lm_head has a bias, which the fused log-prob kernel "
+            "does not take; supported architectures have bias-free heads"
+        )
+    return "lm"
+
+
+def _packed_body(
+    inner: nn.Module,
+    head: str,
+    kernel: LogprobKernel | None,
+    packed: PackedBatch,
+    group: Any | None,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    ids, pos = packed.input_ids, packed.position_ids
+    cu = packed.cu_seqlens.to(device=ids.device, dtype=torch.int32)
+    total = int(ids.numel())
+    max_len = int(packed.max_seqlen)
+    sp = sp_world_size(group)
+    if sp > 1:
+        ids, pos = pad_to_multiple(ids, sp, dim=0), pad_to_multiple(pos, sp, dim=0)
+        extra = int(ids.numel()) - total
+        if extra:
+            # the padding forms its own sequence, so real tokens never attend to it
+            pos = torch.cat([pos[:total], torch.arange(extra, device=pos.device, dtype=pos.dtype)])
+            cu = torch.cat([cu, cu.new_tensor([total + extra])])
+            max_len = max(max_len, extra)
+    backbone: nn.Module = getattr(inner, str(getattr(inner, "base_model_prefix", "model")))
+    out = backbone(
+        input_ids=slice_for_rank(ids, group)[None],
+        position_ids=slice_for_rank(pos, group)[None],
+        use_cache=False,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max_len,
+        max_length_k=max_len,
+    )
+    hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
+    if head == "value":
+        score: nn.Module = inner.score  # type: ignore[assignment]
+        dropout = getattr(inner, "dropout", None)
+        h = dropout(hidden) if isinstance(dropout, nn.Module) else hidden
+        values = gather_seq(score(h).squeeze(-1).float(), group)[:total]
+        return None, None, values
+    assert kernel is not None
+    lm_head: nn.Linear = inner.get_output_embeddings()  # type: ignore[operator]
+    labels = next_token_labels(ids, cu)
+    if labels.numel() > total:  # the sp padding predicts nothing
+        labels[total:] = IGNORE_INDEX
+    labels = slice_for_rank(labels, group)
+
+    def fused_head() -> tuple[torch.Tensor, torch.Tensor | None]:
+        # a tuple of tensors, so hooks on lm_head (FSDP2) see the outputs they must hook for backward
+        res = kernel(hidden, lm_head.weight, labels, temperature=temperature, with_entropy=with_entropy)
+        return res.log_probs, res.entropy
+
+    lp_local, ent_local = _run_inside(lm_head, fused_head)
+    cu_real = packed.cu_seqlens.to(device=ids.device)
+    log_probs = shift_to_tokens(gather_seq(lp_local, group)[:total], cu_real)
+    entropy = None
+    if with_entropy and ent_local is not None:
+        entropy = shift_to_tokens(gather_seq(ent_local, group)[:total], cu_real)
+    return log_probs, entropy, None

@@ -1,0 +1,119 @@
+"""Tiny random-initialised Hugging Face models of every supported architecture, built from configs.
+
+Nothing is downloaded. Shapes are small (hidden 64, 2 layers, vocab 160) so a CPU forward+backward takes
+milliseconds. ``mistral`` and ``qwen2`` use a short sliding window (4 tokens, on every / the second
+layer) so the window routing is exercised by sequences longer than it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from underlay.interfaces import LogprobKernel
+from underlay.registry import get_logprob_kernel
+
+VOCAB = 160
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def tiny_config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any) -> Any:
+    """A transformers config of ``arch`` with tiny sizes (eager attention, fp32)."""
+    from transformers import AutoConfig
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        common.update(sliding_window=4, head_dim=16)
+    elif arch == "qwen2":
+        common.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    elif arch == "qwen3":
+        common.update(head_dim=16)
+    elif arch == "qwen3_moe":
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    common.update(overrides)
+    cfg = AutoConfig.for_model(arch, **common)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def tiny_model(arch: str, *, value: bool = False, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A random fp32 causal LM (or, with ``value``, a token-classification model with one label)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    if value:
+        cfg.num_labels = 1
+        model = AutoModelForTokenClassification.from_config(cfg, attn_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = model.float()
+    with torch.no_grad():  # larger weights than HF's init so the log-probs are far from uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return model.eval()
+
+
+def clone(model: nn.Module) -> nn.Module:
+    """An independent copy (same weights)."""
+    return copy.deepcopy(model)
+
+
+def logprob_kernel() -> LogprobKernel:
+    """The portable ``torch`` LogprobKernel (what cpu hosts use)."""
+    return get_logprob_kernel("torch")
+
+
+def padded_batch(
+    seqlens: list[int], seqlen: int, *, left: bool = False, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``input_ids [B, S]`` and a 0/1 ``attention_mask`` with the given real lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (len(seqlens), seqlen), generator=g)
+    mask = torch.zeros(len(seqlens), seqlen, dtype=torch.long)
+    for i, n in enumerate(seqlens):
+        if left:
+            mask[i, seqlen - n :] = 1
+        else:
+            mask[i, :n] = 1
+    return ids, mask
+
+
+def reference_logprobs(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 log-probs and entropy ``[B, S]`` from the unpatched model's padded forward:
+    ``logits.log_softmax`` with position ``t`` scoring ``ids[:, t]``; 0 at position 0 of every
+    sequence and at padding."""
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.double() / temperature
+    lsm = logits.log_softmax(-1)
+    lp = torch.zeros(ids.shape, dtype=torch.float64)
+    ent = torch.zeros(ids.shape, dtype=torch.float64)
+    lp[:, 1:] = lsm[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    ent[:, 1:] = -(lsm.exp() * lsm).sum(-1)[:, :-1]
+    # a token scores only when it and its predecessor are real tokens of the same row
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    scored[:, 1:] = (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
+    return lp * scored, ent * scored
+
+
+def reference_values(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 values ``[B, S]`` of an unpatched value model's padded forward (0 at padding)."""
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    values = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].double()
+    return values * mask
