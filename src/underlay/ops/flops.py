@@ -1,0 +1,217 @@
+"""Training FLOPs and model FLOPs utilisation (MFU) from a Hugging Face model config.
+
+Convention (so figures compare with published RL-training MFU): one forward+backward over a token costs
+``6 * N`` FLOPs, where ``N`` counts every *weight matrix* the token passes through: input embedding,
+all attention and MLP projections (for MoE: the router, the ``top_k`` routed experts and the shared
+experts) and the output head. A tied head still runs its matmul, so it is counted next to the
+embedding. Biases, norms and the vision tower of VL models are not counted. Attention adds the causal
+score/value term: ``6 * heads * head_dim * s**2`` per layer and sequence of length ``s`` (i.e.
+``12 * heads * head_dim`` per visible query-key pair, ``s**2 / 2`` pairs under a causal mask); a
+sliding-window layer with window ``w < s`` has ``w**2 / 2 + (s - w) * w`` pairs. MLA (deepseek_v3) uses
+``qk_nope + qk_rope`` for scores and ``v_head_dim`` for values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from underlay.interfaces import ConfigError, Device, InvalidInput
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "FlopsCounter"]
+
+_DENSE = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3", "mistral")
+_VL_TEXT = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl"}
+SUPPORTED_MODEL_TYPES = (*_DENSE, "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma3_text", "gpt_oss")
+
+
+class _Cfg:
+    """Uniform attribute access over a ``PretrainedConfig`` or a plain dict."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if isinstance(self.raw, Mapping):
+            value = self.raw.get(key, default)
+        else:
+            value = getattr(self.raw, key, default)
+        return default if value is None else value
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ConfigError(f"FlopsCounter: the config has no {key!r}; it is needed to count FLOPs")
+        return value
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """Per-layer figures: matrix parameters a token passes through and the attention shape."""
+
+    params: float
+    heads: int
+    qk_dim: int
+    v_dim: int
+    window: int | None
+
+
+def _text_config(hf_config: Any) -> tuple[_Cfg, str]:
+    cfg = _Cfg(hf_config)
+    model_type = str(cfg.get("model_type", ""))
+    text = cfg.get("text_config")
+    if model_type in ("qwen2_vl", "qwen2_5_vl") and text is not None:
+        cfg = _Cfg(text)
+    return cfg, _VL_TEXT.get(model_type, model_type)
+
+
+def _layer_windows(cfg: _Cfg, model_type: str, layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        if model_type == "gemma3_text":
+            pattern = int(cfg.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        elif model_type == "gpt_oss":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        elif model_type == "mistral" and window:
+            types = ["sliding_attention"] * layers
+        else:
+            types = ["full_attention"] * layers
+    if len(types) != layers:
+        raise ConfigError(f"FlopsCounter: layer_types has {len(types)} entries for {layers} layers")
+    return [int(window) if t == "sliding_attention" and window else None for t in types]
+
+
+def _mlp(h: int, inter: int) -> float:
+    return 3.0 * h * inter  # gate, up, down
+
+
+def _gqa_attention(cfg: _Cfg, h: int) -> tuple[float, int, int]:
+    heads = int(cfg.need("num_attention_heads"))
+    kv = int(cfg.get("num_key_value_heads", heads))
+    d = int(cfg.get("head_dim", h // heads))
+    return float(h * heads * d + 2 * h * kv * d + heads * d * h), heads, d
+
+
+def _layers(cfg: _Cfg, model_type: str) -> list[_Layer]:
+    h = int(cfg.need("hidden_size"))
+    n = int(cfg.need("num_hidden_layers"))
+    windows = _layer_windows(cfg, model_type, n)
+    out: list[_Layer] = []
+    if model_type == "deepseek_v3":
+        heads = int(cfg.need("num_attention_heads"))
+        nope, rope = int(cfg.need("qk_nope_head_dim")), int(cfg.need("qk_rope_head_dim"))
+        v_dim, kv_rank = int(cfg.need("v_head_dim")), int(cfg.need("kv_lora_rank"))
+        q_rank = cfg.get("q_lora_rank")
+        q = h * heads * (nope + rope) if not q_rank else h * q_rank + q_rank * heads * (nope + rope)
+        attn = q + h * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * h
+        dense_k = int(cfg.get("first_k_dense_replace", 0))
+        moe_i, experts = int(cfg.need("moe_intermediate_size")), int(cfg.need("n_routed_experts"))
+        top_k, shared = int(cfg.need("num_experts_per_tok")), int(cfg.get("n_shared_experts", 0))
+        for i in range(n):
+            if i < dense_k:
+                mlp = _mlp(h, int(cfg.need("intermediate_size")))
+            else:
+                mlp = h * experts + (top_k + shared) * _mlp(h, moe_i)
+            out.append(_Layer(float(attn) + mlp, heads, nope + rope, v_dim, windows[i]))
+        return out
+    attn, heads, d = _gqa_attention(cfg, h)
+    for i in range(n):
+        if model_type in ("qwen2_moe", "qwen3_moe"):
+            experts = int(cfg.need("num_experts"))
+            step = int(cfg.get("decoder_sparse_step", 1))
+            sparse = i not in list(cfg.get("mlp_only_layers", [])) and experts > 0 and (i + 1) % step == 0
+            if sparse:
+                top_k, moe_i = int(cfg.need("num_experts_per_tok")), int(cfg.need("moe_intermediate_size"))
+                mlp = h * experts + top_k * _mlp(h, moe_i)
+                shared_i = (
+                    int(cfg.get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" else 0
+                )
+                if shared_i:
+                    mlp += _mlp(h, shared_i) + h  # shared expert and its sigmoid gate
+            else:
+                mlp = _mlp(h, int(cfg.need("intermediate_size")))
+        elif model_type == "gpt_oss":
+            experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 0)))
+            if experts < 1:
+                raise ConfigError("FlopsCounter: gpt_oss config has no num_local_experts")
+            mlp = h * experts + int(cfg.need("num_experts_per_tok")) * _mlp(
+                h, int(cfg.need("intermediate_size"))
+            )
+        else:
+            mlp = _mlp(h, int(cfg.need("intermediate_size")))
+        out.append(_Layer(attn + mlp, heads, d, d, windows[i]))
+    return out
+
+
+class FlopsCounter:
+    """FLOPs of one forward+backward pass of a decoder LM, by the convention in the module docstring.
+
+    ``hf_config``: a ``transformers.PretrainedConfig`` or a dict with the same keys (VL configs: the
+    ``text_config`` is used). Supported ``model_type``: see ``SUPPORTED_MODEL_TYPES``. Another model
+    type raises ``ConfigError`` unless ``generic=True``, which counts it as a dense GQA decoder from
+    the standard keys. A missing key raises ``ConfigError`` naming it.
+    """
+
+    def __init__(self, hf_config: Any, generic: bool = False) -> None:
+        cfg, model_type = _text_config(hf_config)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            if not generic:
+                raise ConfigError(
+                    f"FlopsCounter: model_type {model_type!r} is not supported (supported: "
+                    f"{', '.join(SUPPORTED_MODEL_TYPES)}); pass generic=True for a dense-decoder estimate"
+                )
+            model_type = "llama"
+        self.model_type = model_type
+        self._layers = _layers(cfg, model_type)
+        h, vocab = int(cfg.need("hidden_size")), int(cfg.need("vocab_size"))
+        self.embedding_params = float(vocab * h)
+        self.head_params = float(vocab * h)
+
+    @property
+    def params_per_token(self) -> float:
+        """``N``: weight-matrix parameters one token passes through (embedding and head included)."""
+        return self.embedding_params + self.head_params + sum(layer.params for layer in self._layers)
+
+    def estimate_flops(self, seqlens: Sequence[int] | torch.Tensor) -> float:
+        """Total FLOPs of one forward+backward over sequences of these lengths (tokens, each >= 0)."""
+        lens = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
+        if any(int(s) < 0 for s in lens):
+            raise InvalidInput(f"estimate_flops: sequence lengths must be >= 0, got {min(lens)}")
+        tokens = float(sum(int(s) for s in lens))
+        full_pairs = sum(float(s) * s / 2.0 for s in lens)
+        attn = 0.0
+        window_pairs: dict[int, float] = {}
+        for layer in self._layers:
+            if layer.window is None:
+                pairs = full_pairs
+            else:
+                w = layer.window
+                if w not in window_pairs:
+                    window_pairs[w] = sum(
+                        float(s) * s / 2.0 if s <= w else w * w / 2.0 + (float(s) - w) * w for s in lens
+                    )
+                pairs = window_pairs[w]
+            attn += 6.0 * layer.heads * (layer.qk_dim + layer.v_dim) * pairs
+        return 6.0 * self.params_per_token * tokens + attn
+
+    def achieved_tflops(self, seqlens: Sequence[int] | torch.Tensor, seconds: float) -> float:
+        """``estimate_flops(seqlens) / seconds / 1e12``; ``InvalidInput`` unless ``seconds > 0``."""
+        if not seconds > 0:
+            raise InvalidInput(f"achieved_tflops: seconds={seconds} must be > 0 (wall time of the step)")
+        return self.estimate_flops(seqlens) / seconds / 1e12
+
+    def mfu(self, seqlens: Sequence[int] | torch.Tensor, seconds: float, device: Device) -> float | None:
+        """Achieved FLOP/s of one device divided by ``device.peak_flops(torch.bfloat16)``.
+
+        ``seqlens`` are the sequences this device processed in ``seconds``. Returns ``None`` when the
+        device's peak is unknown (report MFU as unavailable; ``UNDERLAY_PEAK_TFLOPS`` sets it).
+        """
+        peak = device.peak_flops(torch.bfloat16)
+        if peak is None or peak <= 0:
+            return None
+        return self.achieved_tflops(seqlens, seconds) * 1e12 / peak
