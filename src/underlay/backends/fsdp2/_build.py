@@ -1,0 +1,166 @@
+"""Building Hugging Face models with parameters on the meta device, and copying full tensors into shards."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from underlay.interfaces import CheckpointError, ConfigError, LoraConfig, ModelConfig
+
+__all__ = [
+    "build_model",
+    "copy_into_param",
+    "hf_config_of",
+    "hf_name",
+    "local_shard",
+    "meta_params",
+    "seeded_state",
+]
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def hf_config_of(model_cfg: ModelConfig) -> Any:
+    """The ``transformers.PretrainedConfig`` to build: ``hf_config`` as given or ``config.json`` of
+    ``path`` (``ConfigError`` when the directory has none)."""
+    if model_cfg.hf_config is not None:
+        return model_cfg.hf_config
+    from transformers import AutoConfig
+
+    assert model_cfg.path is not None
+    path = Path(model_cfg.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"ModelConfig.path={model_cfg.path!r} has no config.json; give a local Hugging Face model "
+            "directory (nothing is downloaded)"
+        )
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+@contextlib.contextmanager
+def meta_params() -> Iterator[None]:
+    """Create every ``nn.Parameter`` registered inside the block on the meta device; buffers (rotary
+    frequencies, ...) stay real on the cpu so they can be restored after ``to_empty``."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None:
+            kwargs = {"requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _auto_model(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if model_cfg.kind == "value":
+        hf_config.num_labels = 1
+        model = AutoModelForTokenClassification.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    return model  # type: ignore[no-any-return]
+
+
+def _add_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError as exc:
+        raise ConfigError("ModelConfig.lora needs peft: pip install 'underlay[hf]'") from exc
+    peft_cfg = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+    )
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as exc:
+        raise ConfigError(
+            f"LoraConfig.target_modules={lora.target_modules}: {exc}; name linear layers of the model"
+        ) from exc
+
+
+def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.nn.Module:
+    """The fp32 model ``model_cfg`` describes (causal LM, or a 1-label token-classification value
+    model), with peft LoRA adapters when ``model_cfg.lora`` is set. With ``meta`` the parameters are on
+    the meta device (no memory); otherwise they are initialised on the cpu from ``model_cfg.seed``
+    (rank independent, so every rank builds the same values as a single process would)."""
+    if meta:
+        with meta_params():
+            model = _auto_model(model_cfg, hf_config)
+            if model_cfg.lora is not None:
+                model = _add_lora(model, model_cfg.lora)
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model_cfg.seed)
+        model = _auto_model(model_cfg, hf_config)
+        if model_cfg.lora is not None:
+            model = _add_lora(model, model_cfg.lora)
+    return model
+
+
+def seeded_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.Tensor]:
+    """Parameters of the seed-initialised cpu model (``build_model(meta=False)``) by engine name,
+    including tied aliases."""
+    model = build_model(model_cfg, hf_config, meta=False)
+    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def hf_name(engine_name: str) -> str:
+    """Hugging Face name of an engine parameter: drops the peft wrapper prefix and ``.base_layer``."""
+    name = engine_name
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX) :]
+    return name.replace(".base_layer.", ".")
+
+
+def local_shard(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's piece of ``full`` under the placements of ``like`` (``Shard(d)`` splits dim ``d``
+    into ``torch.chunk`` pieces, as DTensor and FSDP2 do; ``Replicate`` keeps it whole)."""
+    coord = like.device_mesh.get_coordinate()
+    if coord is None:
+        raise CheckpointError("this rank is not part of the parameter's device mesh")
+    piece = full
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            n = like.device_mesh.size(mesh_dim)
+            chunks = list(torch.chunk(piece, n, dim=placement.dim))
+            idx = coord[mesh_dim]
+            if idx < len(chunks):
+                piece = chunks[idx]
+            else:
+                shape = list(piece.shape)
+                shape[placement.dim] = 0
+                piece = piece.new_empty(shape)
+    return piece
+
+
+def copy_into_param(param: torch.Tensor, full: torch.Tensor, name: str) -> int:
+    """Copy this rank's shard of the full tensor ``full`` into ``param`` (a DTensor or plain tensor),
+    converting dtype and device. No communication: every rank holds ``full``. Returns the bytes of
+    the local shard written. Raises ``CheckpointError`` on a shape mismatch (before writing)."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"tensor {name!r}: shape {tuple(full.shape)} in the source != model shape "
+            f"{tuple(param.shape)}; the weights belong to another model configuration"
+        )
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            local.copy_(local_shard(full, param).to(device=local.device, dtype=local.dtype))
+            return int(local.numel() * local.element_size())
+        param.copy_(full.to(device=param.device, dtype=param.dtype))
+        return int(param.numel() * param.element_size())

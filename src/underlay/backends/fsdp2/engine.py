@@ -1,0 +1,668 @@
+"""``FSDP2Engine``: the ``ParallelEngine`` protocol on PyTorch FSDP2 (``fully_shard``).
+
+Build order: validate the layout (dp_replicate x dp_shard, Ulysses sp inside dp_shard; tp/pp/cp/ep are
+refused), build the model with parameters on the meta device (peft LoRA adapters when configured),
+activation checkpointing, ``underlay.models.prepare_model`` (attention routing, Ulysses), ``apply_fsdp``
+(per decoder layer, then the root), ``to_empty`` on the device and materialise the shards: streamed
+from the safetensors of ``config.model.path`` or copied from the seed-initialised cpu model (so the
+sharded model equals the single-process model built with the same seed), then AdamW and the LR schedule.
+
+Backend options (``EngineConfig.options``): ``reshard_after_forward`` (bool, default True),
+``fused_adamw`` (bool, default False; fused AdamW kernel on accelerators).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from underlay.backends.fsdp2 import _build
+from underlay.backends.fsdp2.parallelize import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    build_layout,
+    build_meshes,
+    mp_policy_for,
+    offload_policy_for,
+    torch_dtype,
+    validate_sp_heads,
+)
+from underlay.interfaces import (
+    CheckpointError,
+    Device,
+    EngineConfig,
+    InvalidInput,
+    LossFn,
+    OptimizerStepResult,
+    ParallelLayout,
+    StepResult,
+    TokenBatch,
+    TokenOutputs,
+)
+
+__all__ = ["FSDP2Engine"]
+
+_STATE_FILE = "engine_state.pt"
+_SIGNATURE_FILE = "engine_signature.json"
+
+
+class FSDP2Engine:
+    """A model sharded with FSDP2 over the default process group, with AdamW and an LR schedule.
+
+    Collective: every rank of the default process group constructs it (a single process without a
+    group starts a 1-rank group through ``underlay.parallel.init_distributed``). Raises ``ConfigError``
+    for tp/pp/cp/ep > 1, a world size that ``dp_replicate`` or ``sp`` does not divide, heads not
+    divisible by sp, or a model directory without ``config.json``.
+    """
+
+    def __init__(self, config: EngineConfig, device: Device) -> None:
+        from underlay.parallel.distributed import init_distributed
+
+        if not dist.is_initialized():
+            init_distributed(device)
+        self._config = config
+        self._device = device
+        world = dist.get_world_size()
+        layout = build_layout(config.parallel, world)
+        self._hf_config = _build.hf_config_of(config.model)
+        validate_sp_heads(self._hf_config, layout.sp)
+        self._torch_device = device.torch_device() if device.is_accelerator else torch.device("cpu")
+        self._meshes = build_meshes(layout, device.device_type)
+        groups: dict[str, Any] = {
+            "world": dist.group.WORLD,
+            "dp": self._meshes.group("dp"),
+            "sp": self._meshes.group("sp") if layout.sp > 1 else None,
+            "fsdp": self._meshes.fsdp,
+        }
+        self._layout = ParallelLayout(
+            layout.world_size,
+            layout.dp_replicate,
+            layout.dp_shard,
+            sp=layout.sp,
+            groups=groups,
+        )
+        self._param_dtype = torch_dtype(config.param_dtype)
+        model = _build.build_model(config.model, self._hf_config, meta=True)
+        buffers = {n: b for n, b in model.named_buffers()}
+        if config.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        self._prepare(model)
+        options = dict(config.options)
+        apply_fsdp(
+            model,
+            self._meshes.fsdp,
+            mp_policy_for(config.param_dtype, config.reduce_dtype),
+            offload_policy_for(config.cpu_offload, pin_memory=device.is_accelerator),
+            reshard_after_forward=bool(options.get("reshard_after_forward", True)),
+        )
+        model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
+        self._restore_buffers(model, buffers)
+        self._model = model
+        self._materialise()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        fused = bool(options.get("fused_adamw", False)) and device.is_accelerator
+        optim = config.optim
+        self._optimizer = torch.optim.AdamW(
+            trainable,
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            **({"fused": True} if fused else {"foreach": True}),
+        )
+        from underlay.ops import build_lr_scheduler
+
+        self._scheduler = build_lr_scheduler(self._optimizer, optim)
+        self._global_step = 0
+        self._offloaded: dict[str, Any] = {}
+        self._logprob_kernel = self._pick_logprob_kernel()
+
+    # ------------------------------------------------------------------------------ construction
+
+    def _prepare(self, model: torch.nn.Module) -> None:
+        from underlay.models import prepare_model
+
+        mc = self._config.model
+        prepare_model(
+            model,
+            attention=mc.attention,
+            sp_group=self._layout.groups.get("sp"),
+            tiled_mlp_tiles=mc.tiled_mlp_tiles,
+        )
+
+    def _restore_buffers(self, model: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Buffers were created on the cpu; ``to_empty`` emptied them: put the saved values back on the
+        compute device (buffers are not sharded)."""
+        for name, value in buffers.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            owner._buffers[leaf] = value.to(self._torch_device)
+
+    def _pick_logprob_kernel(self) -> Any:
+        if not self._config.model.fused_head or self._config.model.kind != "causal_lm":
+            return None
+        from underlay.registry import get_logprob_kernel
+
+        return get_logprob_kernel()
+
+    def _materialise(self) -> None:
+        """Fill the shards: from the safetensors of ``model.path`` (a value head or LoRA adapters the
+        files lack are initialised from the seed), or entirely from the seed."""
+        mc = self._config.model
+        fill: set[str] | None = None
+        if mc.path is not None and mc.load_weights:
+            from underlay.backends.fsdp2.weights import FSDP2WeightLoader
+
+            report = FSDP2WeightLoader(self._device).load_hf(self, mc.path, strict=mc.kind == "causal_lm")
+            fill = set(report.missing)
+            if not fill and mc.lora is None:
+                return
+        full = _build.seeded_state(mc, self._hf_config)
+        for name, param in self._model.named_parameters():
+            if fill is None or "lora_" in name or _build.hf_name(name) in fill:
+                _build.copy_into_param(param, full[name], name)
+
+    # ------------------------------------------------------------------------------- properties
+
+    @property
+    def name(self) -> str:
+        """``"fsdp2"``."""
+        return "fsdp2"
+
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration it was built from."""
+        return self._config
+
+    @property
+    def device(self) -> Device:
+        """The device it computes on."""
+        return self._device
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """dp_replicate x dp_shard (sp inside dp_shard); groups ``world``, ``dp`` (one rank per sp group:
+        distinct data), ``sp`` (``None`` when sp == 1) and ``fsdp`` (the parameter mesh)."""
+        return self._layout
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The FSDP2-sharded module (a peft ``PeftModel`` when LoRA is configured)."""
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The AdamW optimizer over the trainable sharded parameters."""
+        return self._optimizer
+
+    @property
+    def hf_config(self) -> Any:
+        """The ``transformers`` config of the model."""
+        return self._hf_config
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (skipped ones included)."""
+        return self._global_step
+
+    # --------------------------------------------------------------------------------- compute
+
+    def _check_batch(self, batch: TokenBatch) -> TokenBatch:
+        ids, mask = batch.input_ids, batch.attention_mask
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
+        if batch.batch_size < 1:
+            raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
+        lengths = mask.sum(dim=1)
+        if bool((lengths < 1).any()):
+            rows = torch.nonzero(lengths < 1).flatten().tolist()
+            raise InvalidInput(
+                f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
+            )
+        vocab = int(getattr(self._hf_config, "vocab_size", 0) or 0)
+        if (vocab and int(ids.max()) >= vocab) or int(ids.min()) < 0:
+            raise InvalidInput(
+                f"TokenBatch.input_ids out of range [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}"
+            )
+        return batch.to(self._torch_device)
+
+    def _plan(self, batch: TokenBatch) -> list[list[int]]:
+        from underlay.ops import plan_micro_batches
+
+        seqlens = batch.attention_mask.sum(dim=1).tolist()
+        return plan_micro_batches(
+            seqlens, self._config.micro_batch_max_tokens, group=self._layout.groups["dp"]
+        )
+
+    def _forward(self, batch: TokenBatch, temperature: float, with_entropy: bool) -> TokenOutputs:
+        """Packed forward of one micro-batch; outputs padded back to ``[b, S]``."""
+        from underlay.models import packed_forward
+        from underlay.ops import pad, unpad
+
+        packed = unpad(batch.input_ids, batch.attention_mask)
+        out = packed_forward(
+            self._model,
+            packed,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            logprob_kernel=self._logprob_kernel,
+            sp_group=self._layout.groups.get("sp"),
+        )
+
+        def back(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else pad(t, packed)
+
+        return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values))
+
+    def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
+        """Accumulate gradients of the global token-mean loss over ``batch`` (this rank's share).
+
+        Micro-batches come from ``ops.plan_micro_batches`` (same count on every dp rank); each is
+        packed, run through ``models.packed_forward``, padded back and handed to ``loss_fn``. Every
+        ``loss_sum`` is scaled by ``world_size / N`` (``N``: loss tokens of the whole global batch,
+        counted once per sp group) before backward, which with FSDP's mean over ranks gives the
+        gradient of ``sum(loss) / N``. Metrics are summed over micro-batches and dp ranks and divided
+        by ``N``; ``"loss"`` is always reported."""
+        batch = self._check_batch(batch)
+        self._ensure_onloaded("forward_backward")
+        dp_group = self._layout.groups["dp"]
+        count = batch.loss_mask.sum().to(torch.float64)
+        dist.all_reduce(count, group=dp_group)
+        n_tokens = int(count.item())
+        denom = float(max(n_tokens, 1))
+        scale = self._layout.world_size / denom
+        plan = self._plan(batch)
+        self._model.train()
+        sums: dict[str, torch.Tensor] = {}
+        for idx in plan:
+            if not idx:
+                self._dummy_backward(batch)
+                continue
+            sub = batch.select(idx)
+            outputs = self._forward(sub, self._config.temperature, self._config.with_entropy)
+            loss_sum, metrics = loss_fn(outputs, sub)
+            if loss_sum.dim() != 0:
+                raise InvalidInput(
+                    f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar"
+                )
+            (loss_sum * scale).backward()  # type: ignore[no-untyped-call]
+            _accumulate(sums, "loss", loss_sum.detach())
+            for key, value in metrics.items():
+                _accumulate(sums, key, torch.as_tensor(value).detach())
+        keys = sorted(sums)
+        stacked = torch.stack([sums[k].to(torch.float64).reshape(()).cpu() for k in keys])
+        dist.all_reduce(stacked, group=dp_group)
+        values = (stacked / denom).tolist()
+        return StepResult(dict(zip(keys, values)), len(plan), n_tokens)
+
+    def _dummy_backward(self, batch: TokenBatch) -> None:
+        """This rank has no sequence for a micro-batch that other dp ranks run: take part in FSDP's
+        collectives with a one-token forward whose loss is multiplied by zero."""
+        sub = batch.select([0])
+        one = TokenBatch(
+            sub.input_ids[:, :1],
+            torch.ones_like(sub.attention_mask[:, :1]),
+            torch.zeros_like(sub.loss_mask[:, :1]),
+        )
+        out = self._forward(one, self._config.temperature, False)
+        tensor = out.values if out.values is not None else out.log_probs
+        assert tensor is not None
+        (tensor.sum() * 0.0).backward()  # type: ignore[no-untyped-call]
+
+    @torch.no_grad()
+    def infer(
+        self, batch: TokenBatch, *, temperature: float | None = None, with_entropy: bool = False
+    ) -> TokenOutputs:
+        """Per-token log-probs (causal LM; entropy when ``with_entropy``) or values (value model),
+        ``[B, S]`` fp32 on the device, rows in the order of ``batch``; 0 at position 0 and padding."""
+        batch = self._check_batch(batch)
+        self._ensure_onloaded("infer")
+        temp = self._config.temperature if temperature is None else temperature
+        if not temp > 0:
+            raise InvalidInput(f"infer: temperature={temp} must be > 0")
+        self._model.eval()
+        shape = tuple(batch.input_ids.shape)
+        result: dict[str, torch.Tensor] = {}
+        for idx in self._plan(batch):
+            if not idx:
+                self._forward(batch.select([0]), temp, False)
+                continue
+            out = self._forward(batch.select(idx), temp, with_entropy)
+            rows = torch.as_tensor(idx, device=self._torch_device)
+            for key in ("log_probs", "entropy", "values"):
+                t = getattr(out, key)
+                if t is not None:
+                    buf = result.setdefault(
+                        key, torch.zeros(shape, dtype=torch.float32, device=self._torch_device)
+                    )
+                    buf[rows] = t.to(torch.float32)
+        self._reshard()
+        return TokenOutputs(result.get("log_probs"), result.get("entropy"), result.get("values"))
+
+    def _reshard(self) -> None:
+        reshard = getattr(self._model, "reshard", None)
+        if callable(reshard):
+            reshard()
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (set to ``None``)."""
+        self._optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> OptimizerStepResult:
+        """Clip to ``optim.grad_clip`` by the global L2 norm over all shards, then step AdamW; a
+        non-finite norm skips the update. Gradients are zeroed in both cases; ``global_step`` grows."""
+        self._ensure_onloaded("optimizer_step")
+        params = [p for p in self._model.parameters() if p.requires_grad and p.grad is not None]
+        lr = float(self._optimizer.param_groups[0]["lr"])
+        clip = self._config.optim.grad_clip
+        if params:
+            if clip is not None and clip > 0:
+                norm_t = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            else:
+                norm_t = torch.nn.utils.get_total_norm(
+                    [p.grad for p in params if p.grad is not None], foreach=True
+                )
+            if isinstance(norm_t, DTensor):
+                norm_t = norm_t.full_tensor()
+            norm = float(norm_t.item())
+        else:
+            norm = 0.0
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            self._optimizer.step()
+        self.zero_grad()
+        self._global_step += 1
+        return OptimizerStepResult(grad_norm=norm, skipped=skipped, lr=lr)
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule one step; returns the new learning rate."""
+        self._scheduler.step()
+        return float(self._optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------------------ offloading
+
+    def _ensure_onloaded(self, what: str) -> None:
+        if self._offloaded:
+            raise InvalidInput(
+                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
+            )
+
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Move parameters, gradients and/or optimizer state to host memory and release the device
+        memory (``device.empty_cache``). Idempotent per kind. With ``cpu_offload`` the sharded
+        parameters already live on the host and stay there."""
+        host = torch.device("cpu")
+        pin = self._device.is_accelerator
+        if grads and "grads" not in self._offloaded:
+            saved = {}
+            for i, p in enumerate(self._model.parameters()):
+                if p.grad is not None:
+                    saved[i] = _to_host(p.grad, pin)
+                    p.grad = None
+            self._offloaded["grads"] = saved
+        if optimizer and "optimizer" not in self._offloaded:
+            state: dict[int, dict[str, Any]] = {}
+            for i, group_param in enumerate(_optim_params(self._optimizer)):
+                entry = self._optimizer.state.get(group_param)
+                if entry:
+                    state[i] = {k: _to_host(v, pin) for k, v in entry.items()}
+                    self._optimizer.state[group_param] = {}
+            self._offloaded["optimizer"] = state
+        if params and "params" not in self._offloaded:
+            if not self._config.cpu_offload and self._device.is_accelerator:
+                self._model.to(host)
+            self._offloaded["params"] = True
+        self._device.synchronize()
+        self._device.empty_cache()
+
+    def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Bring offloaded state back to where it lived before ``offload``; values are bit-identical."""
+        moved = params and self._offloaded.pop("params", None) is not None
+        if moved and not self._config.cpu_offload and self._device.is_accelerator:
+            self._model.to(self._torch_device)
+        if grads and "grads" in self._offloaded:
+            saved = self._offloaded.pop("grads")
+            for i, p in enumerate(self._model.parameters()):
+                if i in saved:
+                    p.grad = _to_device(saved[i])
+        if optimizer and "optimizer" in self._offloaded:
+            state = self._offloaded.pop("optimizer")
+            for i, group_param in enumerate(_optim_params(self._optimizer)):
+                if i in state:
+                    self._optimizer.state[group_param] = {k: _to_device(v) for k, v in state[i].items()}
+        self._device.synchronize()
+
+    # ----------------------------------------------------------------------------------- weights
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) fp32 parameters with Hugging Face names, one at a time; LoRA adapters are
+        merged into their base weights (``W + scaling * B @ A``) and not yielded themselves.
+        Collective: every rank iterates and receives every tensor, on the compute device."""
+        self._ensure_onloaded("weights")
+        self._reshard()
+        lora = _lora_modules(self._model)
+        params = dict(self._model.named_parameters())
+        for name, param in params.items():
+            if ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name:
+                continue
+            full = self._full(param)
+            prefix = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+            if prefix is not None and prefix in lora and name.endswith(".base_layer.weight"):
+                module = lora[prefix]
+                for adapter in module.active_adapters:
+                    a = self._full(params[f"{prefix}.lora_A.{adapter}.weight"])
+                    b = self._full(params[f"{prefix}.lora_B.{adapter}.weight"])
+                    full = full + module.scaling[adapter] * (b @ a)
+            yield _build.hf_name(name), full
+
+    def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full LoRA adapter tensors (peft names without the ``.default`` adapter segment, as
+        ``PeftModel.save_pretrained`` writes them), one at a time. Empty without LoRA. Collective."""
+        self._reshard()
+        for name, param in self._model.named_parameters():
+            if "lora_" in name:
+                yield name.replace(".default.", "."), self._full(param)
+
+    def _full(self, param: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return param.detach().to(self._torch_device)
+        dt: DTensor = param
+        local = dt.to_local()
+        if local.device.type != dt.device_mesh.device_type:
+            dt = DTensor.from_local(
+                local.to(self._torch_device),
+                dt.device_mesh,
+                dt.placements,
+                shape=dt.shape,
+                stride=dt.stride(),
+            )
+        with torch.no_grad():
+            return dt.full_tensor()
+
+    def iter_weights(self, bucket_bytes: int = 1 << 29) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of ``(hf_name, full tensor)`` in ``param_dtype`` on the device, each about
+        ``bucket_bytes`` (a tensor larger than that gets a bucket of its own). LoRA: merged weights.
+        Collective. Raises ``InvalidInput`` for ``bucket_bytes < 1``."""
+        if bucket_bytes < 1:
+            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes} must be >= 1")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, full in self.named_full_tensors():
+            t = full.to(self._param_dtype)
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def model_signature(self) -> Mapping[str, Any]:
+        """Architecture, kind, LoRA rank, and every parameter's engine name and full shape."""
+        cfg = self._hf_config
+        lora = self._config.model.lora
+        return {
+            "engine": "fsdp2",
+            "architecture": type(cfg).__name__,
+            "model_type": getattr(cfg, "model_type", None),
+            "kind": self._config.model.kind,
+            "lora_rank": lora.rank if lora is not None else None,
+            "params": {n: list(p.shape) for n, p in self._model.named_parameters()},
+        }
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Sharded model and optimizer state with ``torch.distributed.checkpoint`` (loadable at another
+        world size), plus the LR schedule, ``global_step`` and the model signature (rank 0).
+        ``directory`` must exist. Collective."""
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        self._ensure_onloaded("save_checkpoint")
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise CheckpointError(f"save_checkpoint: {directory} is not an existing directory")
+        self._reshard()
+        state = {
+            "model": get_model_state_dict(self._model),
+            "optim": get_optimizer_state_dict(self._model, self._optimizer),
+        }
+        dcp_save(state, checkpoint_id=str(directory))
+        if dist.get_rank() == 0:
+            extra = {"global_step": self._global_step, "scheduler": self._scheduler.state_dict()}
+            torch.save(extra, directory / _STATE_FILE)
+            (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))
+        dist.barrier()
+
+    def check_signature(self, directory: Path) -> None:
+        """Raise ``CheckpointError`` unless ``directory`` holds an engine checkpoint of this model
+        (same architecture, kind, LoRA rank, parameter names and shapes). Changes nothing."""
+        sig_path = Path(directory) / _SIGNATURE_FILE
+        if not sig_path.is_file() or not (Path(directory) / _STATE_FILE).is_file():
+            raise CheckpointError(
+                f"{directory} is not a complete fsdp2 engine checkpoint (missing {_SIGNATURE_FILE} or "
+                f"{_STATE_FILE}); pass a directory written by save_checkpoint"
+            )
+        try:
+            saved = json.loads(sig_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{sig_path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
+        mine = json.loads(json.dumps(self.model_signature()))
+        diff = signature_diff(saved, mine)
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {directory} belongs to another model: {diff}; load it into an engine built "
+                "from the same model config"
+            )
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what ``save_checkpoint`` wrote, at any world size. The signature is checked first:
+        ``CheckpointError`` before any state changes when it belongs to another model or shape."""
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        directory = Path(directory)
+        self.check_signature(directory)
+        self._ensure_onloaded("load_checkpoint")
+        extra = torch.load(directory / _STATE_FILE, weights_only=True)
+        self._reshard()
+        model_sd = get_model_state_dict(self._model)
+        optim_sd = get_optimizer_state_dict(self._model, self._optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp_load(state, checkpoint_id=str(directory))
+        set_model_state_dict(self._model, model_sd)
+        set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
+        self._scheduler.load_state_dict(extra["scheduler"])
+        self._global_step = int(extra["global_step"])
+        self.zero_grad()
+
+
+def signature_diff(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
+    """Human-readable first differences between two model signatures ("" when equal)."""
+    problems: list[str] = []
+    for key in sorted(set(saved) | set(mine)):
+        if key == "params":
+            continue
+        if saved.get(key) != mine.get(key):
+            problems.append(f"{key}: checkpoint {saved.get(key)!r} != model {mine.get(key)!r}")
+    sp, mp = saved.get("params", {}), mine.get("params", {})
+    missing = sorted(set(mp) - set(sp))
+    extra = sorted(set(sp) - set(mp))
+    if missing:
+        problems.append(f"parameters missing from the checkpoint: {missing[:3]}")
+    if extra:
+        problems.append(f"parameters the model does not have: {extra[:3]}")
+    shapes = [f"{n} {sp[n]} != {mp[n]}" for n in sorted(set(sp) & set(mp)) if sp[n] != mp[n]]
+    if shapes:
+        problems.append(f"shape mismatch: {shapes[:3]}")
+    return "; ".join(problems)
+
+
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    value = value.to(torch.float64).reshape(())
+    sums[key] = sums[key] + value if key in sums else value
+
+
+def _optim_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A host copy of a tensor (or a DTensor's local shard) and what is needed to rebuild it."""
+
+    host: torch.Tensor
+    device: torch.device
+    dtensor: tuple[Any, ...] | None
+
+
+def _to_host(t: Any, pin: bool) -> Any:
+    """``_Saved`` host copy of a tensor or DTensor; other values are returned unchanged."""
+    if not torch.is_tensor(t):
+        return t
+    meta = None
+    local = t
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        meta = (t.device_mesh, t.placements, t.shape, t.stride())
+    host = torch.empty_like(local, device="cpu", pin_memory=pin and local.device.type != "cpu")
+    host.copy_(local)
+    return _Saved(host, local.device, meta)
+
+
+def _to_device(saved: Any) -> Any:
+    """Inverse of ``_to_host``: the same values on the device they came from."""
+    if not isinstance(saved, _Saved):
+        return saved
+    local = saved.host.to(saved.device)
+    if saved.dtensor is None:
+        return local
+    mesh, placements, shape, stride = saved.dtensor
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
+
+
+def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
+    """peft LoRA layers by module name (empty without peft)."""
+    found: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "scaling") and hasattr(module, "base_layer"):
+            found[name] = module
+    return found

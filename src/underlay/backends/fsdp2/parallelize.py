@@ -1,0 +1,186 @@
+"""Parallelisation of a Hugging Face model with FSDP2, composed torchtitan style.
+
+Order (each step a function): validate the layout against the world size (``build_layout``), build the
+device meshes (``build_meshes``), enable activation checkpointing (``apply_activation_checkpointing``),
+then shard with ``fully_shard`` per decoder layer and finally the root (``apply_fsdp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from underlay.interfaces import ConfigError, ParallelConfig, ParallelLayout
+
+__all__ = [
+    "Meshes",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "build_layout",
+    "build_meshes",
+    "decoder_layers",
+    "mp_policy_for",
+    "offload_policy_for",
+    "torch_dtype",
+    "validate_sp_heads",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (the names ``EngineConfig`` accepts)."""
+    try:
+        return _DTYPES[name]
+    except KeyError as exc:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(_DTYPES)}") from exc
+
+
+def build_layout(parallel: ParallelConfig, world_size: int) -> ParallelLayout:
+    """Sizes of every dimension for ``world_size`` ranks; ``dp_shard`` takes what remains.
+
+    Raises ``ConfigError`` when tp/pp/cp/ep > 1 (fsdp2 supports dp and sp only), when
+    ``dp_replicate`` does not divide the world size, or when sp does not divide ``dp_shard``.
+    """
+    others = {k: getattr(parallel, k) for k in ("tp", "pp", "cp", "ep")}
+    bad = {k: v for k, v in others.items() if v != 1}
+    if bad:
+        raise ConfigError(
+            f"fsdp2 supports dp and sp only; use mcore for tp/pp/cp/ep (got {bad}); "
+            "set them to 1 or select UNDERLAY_ENGINE=mcore"
+        )
+    return ParallelLayout.infer(world_size, sp=parallel.sp, dp_replicate=parallel.dp_replicate)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """Device meshes of one engine.
+
+    ``fsdp``: the mesh parameters are sharded over (1-D ``("dp_shard",)`` or 2-D HSDP
+    ``("dp_replicate", "dp_shard")``); ``data``: 2-D ``("dp", "sp")`` mesh whose ``dp`` dimension
+    indexes distinct data shards and whose ``sp`` dimension is one Ulysses group (ranks of one sp group
+    are consecutive and consume the same data). ``None`` meshes only occur without a process group.
+    """
+
+    fsdp: DeviceMesh
+    data: DeviceMesh
+
+    def group(self, name: str) -> Any:
+        """Process group of the data mesh dimension ``"dp"`` or ``"sp"``."""
+        return self.data.get_group(name)
+
+
+def build_meshes(layout: ParallelLayout, device_type: str) -> Meshes:
+    """Device meshes for ``layout`` over the default process group (which must be initialised with
+    ``layout.world_size`` ranks; ``ConfigError`` otherwise)."""
+    if not dist.is_initialized():
+        raise ConfigError(
+            "fsdp2 needs a torch.distributed process group; call underlay.parallel.init_distributed() first"
+        )
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise ConfigError(f"layout world_size {layout.world_size} != process group size {world}")
+    if layout.dp_replicate > 1:
+        fsdp = init_device_mesh(
+            device_type,
+            (layout.dp_replicate, layout.dp_shard),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
+    else:
+        fsdp = init_device_mesh(device_type, (layout.dp_shard,), mesh_dim_names=("dp_shard",))
+    data = init_device_mesh(device_type, (world // layout.sp, layout.sp), mesh_dim_names=("dp", "sp"))
+    return Meshes(fsdp=fsdp, data=data)
+
+
+def validate_sp_heads(hf_config: Any, sp: int) -> None:
+    """Ulysses splits attention heads over the sp ranks: q and kv head counts must be divisible by
+    ``sp`` (``ConfigError`` naming both counts otherwise)."""
+    if sp == 1:
+        return
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    if heads % sp or kv % sp:
+        raise ConfigError(
+            f"Ulysses sp={sp} must divide the attention heads (num_attention_heads={heads}, "
+            f"num_key_value_heads={kv}); choose sp from the common divisors of both"
+        )
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder-layer modules of a Hugging Face model (classes named in its ``_no_split_modules``,
+    looked up through peft wrappers), in module order. Raises ``ConfigError`` when there are none."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(
+            f"{type(model).__name__}: found no decoder layers (no module class in _no_split_modules); "
+            "fsdp2 shards per decoder layer and needs a transformers model"
+        )
+    return layers
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant ``torch.utils.checkpoint``
+    through transformers' ``gradient_checkpointing_enable``; parameter names stay unchanged)."""
+    target = model
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        target = get_base()
+    enable = getattr(target, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise ConfigError(
+            f"{type(target).__name__} has no gradient_checkpointing_enable(); activation checkpointing "
+            "needs a transformers PreTrainedModel"
+        )
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg: Any = getattr(target, "config", None)
+    if cfg is not None and getattr(cfg, "use_cache", False):
+        cfg.use_cache = False
+
+
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
+    """``fully_shard`` every decoder layer, then the root, over ``mesh`` (1-D: FSDP; 2-D with dims
+    ``("dp_replicate", "dp_shard")``: HSDP). The root keeps its parameters unsharded after forward (it
+    is needed again at once in backward). Returns ``model`` (now an ``FSDPModule``)."""
+    mp = mp_policy or MixedPrecisionPolicy()
+    off = offload_policy or OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=off,
+            reshard_after_forward=reshard_after_forward,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=False)
+    return model
+
+
+def mp_policy_for(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2 mixed precision: compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; the
+    sharded master parameters stay fp32."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch_dtype(param_dtype),
+        reduce_dtype=torch_dtype(reduce_dtype),
+        cast_forward_inputs=True,
+    )
+
+
+def offload_policy_for(cpu_offload: bool, *, pin_memory: bool) -> OffloadPolicy:
+    """``CPUOffloadPolicy`` (sharded parameters, gradients and optimizer step on the host; pinned host
+    memory when ``pin_memory``, i.e. on accelerators) or no offload."""
+    return CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()

@@ -1,0 +1,251 @@
+"""``FSDP2WeightLoader``: Hugging Face safetensors <-> FSDP2 shards, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from underlay.backends.fsdp2 import _build
+from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
+
+__all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def _engine(engine: ParallelEngine) -> Any:
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+
+    if not isinstance(engine, FSDP2Engine):
+        raise InvalidInput(
+            f"FSDP2WeightLoader serves fsdp2 engines, got {type(engine).__name__}; use "
+            "underlay.get_weight_loader(engine.name)"
+        )
+    return engine
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class FSDP2WeightLoader:
+    """Streams safetensors into FSDP2 shards and exports full HF checkpoints from rank 0.
+
+    Memory: loading holds one full tensor per rank at a time; export holds one tensor on every rank
+    and at most one output shard (``max_shard_bytes``) on rank 0.
+    """
+
+    def __init__(self, device: Device | None = None) -> None:
+        self._device = device
+
+    @property
+    def name(self) -> str:
+        """``"fsdp2"``."""
+        return "fsdp2"
+
+    def _index(self, path: Path) -> tuple[list[Path], dict[str, tuple[Path, tuple[int, ...]]]]:
+        from safetensors import safe_open
+
+        if not path.is_dir():
+            raise CheckpointError(f"load_hf: {path} is not a directory; give a local HF model directory")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(
+                f"load_hf: no *.safetensors in {path}; convert the weights to safetensors first"
+            )
+        where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    shape = tuple(handle.get_slice(key).get_shape())
+                    where[key] = (f, shape)
+        return files, where
+
+    def load_hf(self, engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
+        """Load every base-model tensor of ``path`` into ``engine``'s shards (LoRA adapters are not
+        part of HF files and are left alone). Names and shapes are all checked from the file headers
+        before any parameter changes: a shape mismatch always raises ``CheckpointError``; missing or
+        unexpected names raise it with ``strict``. Collective (each rank reads the files itself)."""
+        from safetensors import safe_open
+
+        eng = _engine(engine)
+        files, where = self._index(Path(path))
+        targets: dict[str, torch.Tensor] = {}
+        for name, param in eng.model.named_parameters(remove_duplicate=False):
+            if "lora_" not in name:
+                targets[_build.hf_name(name)] = param
+        present = {id(targets[n]) for n in where if n in targets}
+        uniq = _unique(targets)
+        missing = tuple(n for n, p in targets.items() if id(p) not in present and n in uniq)
+        unexpected = tuple(sorted(n for n in where if n not in targets))
+        bad = [
+            f"{n}: file {where[n][1]} != model {tuple(targets[n].shape)}"
+            for n in where
+            if n in targets and where[n][1] != tuple(targets[n].shape)
+        ]
+        if bad:
+            raise CheckpointError(
+                f"load_hf({path}): shape mismatch for {len(bad)} tensors, e.g. {bad[:3]}; the weights "
+                "belong to another model configuration"
+            )
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"load_hf({path}): missing {list(missing[:5])} ({len(missing)} in all), unexpected "
+                f"{list(unexpected[:5])} ({len(unexpected)} in all); fix the model config or pass strict=False"
+            )
+        loaded, nbytes = 0, 0
+        done: set[int] = set()
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    param = targets.get(key)
+                    if param is None or id(param) in done:
+                        continue
+                    tensor = handle.get_tensor(key)
+                    nbytes += tensor.numel() * tensor.element_size()
+                    _build.copy_into_param(param, tensor, key)
+                    del tensor
+                    done.add(id(param))
+                    loaded += 1
+        if dist.is_initialized():
+            dist.barrier()
+        return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
+
+    def iter_hf_tensors(self, engine: ParallelEngine) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full fp32 tensors with HF names (LoRA merged), one at a time. Collective."""
+        yield from _engine(engine).named_full_tensors()
+
+    def export_hf(
+        self,
+        engine: ParallelEngine,
+        out_dir: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_bytes: int = 5 << 30,
+    ) -> Path | None:
+        """Rank 0 writes ``config.json``, ``model-XXXXX-of-YYYYY.safetensors`` shards of at most
+        ``max_shard_bytes`` (a larger tensor gets a shard of its own), ``model.safetensors.index.json``
+        and the tokenizer files of the source directory when it had them. Tensors are gathered one
+        at a time in ``dtype`` (default: the engine's ``param_dtype``); LoRA models export merged
+        weights. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere."""
+        eng = _engine(engine)
+        if max_shard_bytes < 1:
+            raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes} must be >= 1")
+        out = Path(out_dir)
+        dtype = dtype or eng._param_dtype
+        writer = _ShardWriter(out, max_shard_bytes) if _rank() == 0 else None
+        for name, full in eng.named_full_tensors():
+            if writer is not None:
+                writer.add(name, full.to(dtype).cpu())
+            del full
+        if writer is not None:
+            writer.finish()
+            self._write_config(eng, out)
+        if dist.is_initialized():
+            dist.barrier()
+        return out if writer is not None else None
+
+    def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
+        """Rank 0 writes the LoRA adapters alone in peft's format (``adapter_model.safetensors`` +
+        ``adapter_config.json``; loadable by ``PeftModel.from_pretrained`` on the base model).
+        ``InvalidInput`` when the engine has no LoRA. Collective; ``out_dir`` on rank 0, else ``None``."""
+        from safetensors.torch import save_file
+
+        eng = _engine(engine)
+        peft_config = getattr(eng.model, "peft_config", None)
+        if not peft_config:
+            raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
+        tensors = {n: t.cpu().contiguous() for n, t in eng.named_adapter_tensors()}
+        out = Path(out_dir)
+        if _rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+            peft_config["default"].save_pretrained(str(out))
+        if dist.is_initialized():
+            dist.barrier()
+        return out if _rank() == 0 else None
+
+    @staticmethod
+    def _write_config(eng: Any, out: Path) -> None:
+        cfg = eng.hf_config
+        base = eng.model
+        get_base = getattr(base, "get_base_model", None)
+        if callable(get_base):
+            base = get_base()
+        cfg.architectures = [type(base).__name__]
+        cfg.save_pretrained(str(out))
+        src = eng.config.model.path
+        if src is not None:
+            for fname in TOKENIZER_FILES:
+                if (Path(src) / fname).is_file():
+                    shutil.copyfile(Path(src) / fname, out / fname)
+
+
+def _unique(targets: dict[str, torch.Tensor]) -> set[str]:
+    """The first name of every distinct parameter (tied aliases count once)."""
+    seen: set[int] = set()
+    names: set[str] = set()
+    for n, p in targets.items():
+        if id(p) not in seen:
+            seen.add(id(p))
+            names.add(n)
+    return names
+
+
+class _ShardWriter:
+    """Buffers tensors up to ``max_bytes``, flushes numbered safetensors shards, writes the index."""
+
+    def __init__(self, out: Path, max_bytes: int) -> None:
+        self.out, self.max_bytes = out, max_bytes
+        out.mkdir(parents=True, exist_ok=True)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        tmp = self.out / f"shard-{len(self.shards):05d}.safetensors.tmp"
+        save_file(self.pending, str(tmp), metadata={"format": "pt"})
+        self.shards.append((tmp, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        n = len(self.shards)
+        weight_map: dict[str, str] = {}
+        for i, (tmp, names) in enumerate(self.shards):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, self.out / final)
+            weight_map.update({name: final for name in names})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
