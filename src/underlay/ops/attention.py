@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from underlay.interfaces import AttentionSpec, InvalidInput
+from underlay.interfaces import AttentionSpec, InvalidInput, UnsupportedOperation
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -31,6 +31,7 @@ __all__ = [
     "effective_window",
     "normalize_window",
     "padded_key_mask",
+    "require_supported",
     "seqlens_from_cu",
 ]
 
@@ -339,3 +340,13 @@ def padded_key_mask(
         return None if band is None else band.view(1, 1, s_q, s_k)
     keys = (attention_mask != 0).view(attention_mask.shape[0], 1, 1, s_k)
     return keys if band is None else keys & band.view(1, 1, s_q, s_k)
+
+
+def require_supported(kernel: str, reasons: tuple[str, ...], alternatives: str) -> None:
+    """Raise ``UnsupportedOperation`` when ``reasons`` (from ``kernel.supports(spec)``) is non-empty,
+    naming the kernel, each reason and the kernels to use instead (``alternatives``)."""
+    if reasons:
+        raise UnsupportedOperation(
+            f"attention backend {kernel!r} cannot run this call: {'; '.join(reasons)}. Use "
+            f"get_attention(spec=...) to pick a kernel that can, or UNDERLAY_ATTENTION={alternatives}"
+        )

@@ -14,8 +14,14 @@ from typing import Any, cast
 
 import torch
 
-from underlay.interfaces import AttentionSpec, BackendUnavailable, Device, InvalidInput, UnsupportedOperation
-from underlay.ops.attention import attention_spec, check_options, check_padded, check_varlen
+from underlay.interfaces import AttentionSpec, BackendUnavailable, Device, InvalidInput
+from underlay.ops.attention import (
+    attention_spec,
+    check_options,
+    check_padded,
+    check_varlen,
+    require_supported,
+)
 
 __all__ = ["FlashAttnKernel"]
 
@@ -92,11 +98,7 @@ class FlashAttnKernel:
         return tuple(reasons)
 
     def _require(self, spec: AttentionSpec) -> None:
-        if reasons := self.supports(spec):
-            raise UnsupportedOperation(
-                f"attention backend 'flash_attn' cannot run this call: {'; '.join(reasons)}. Use "
-                "get_attention(spec=...) to pick a kernel that can (e.g. UNDERLAY_ATTENTION=torch or eager)"
-            )
+        require_supported(self.name, self.supports(spec), "torch")
 
     @staticmethod
     def _options(causal: bool, window: tuple[int, int] | None, softcap: float | None) -> dict[str, Any]:

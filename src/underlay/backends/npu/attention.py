@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from underlay.interfaces import AttentionSpec, BackendUnavailable, Device, UnsupportedOperation
+from underlay.interfaces import AttentionSpec, BackendUnavailable, Device
 from underlay.ops.attention import (
     attention_spec,
     check_options,
@@ -25,6 +25,7 @@ from underlay.ops.attention import (
     check_varlen,
     effective_window,
     padded_key_mask,
+    require_supported,
 )
 
 __all__ = ["FusionMask", "NpuFusionAttention", "fusion_mask"]
@@ -106,11 +107,7 @@ class NpuFusionAttention:
         return tuple(reasons)
 
     def _require(self, spec: AttentionSpec) -> None:
-        if reasons := self.supports(spec):
-            raise UnsupportedOperation(
-                f"attention backend 'npu' cannot run this call: {'; '.join(reasons)}. Use "
-                "get_attention(spec=...) to pick a kernel that can (e.g. UNDERLAY_ATTENTION=eager)"
-            )
+        require_supported(self.name, self.supports(spec), "eager")
 
     def _compressed(self, device: torch.device) -> torch.Tensor:
         if device not in self._masks:

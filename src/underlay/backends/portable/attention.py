@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from underlay.interfaces import AttentionSpec, Device, UnsupportedOperation
+from underlay.interfaces import AttentionSpec, Device
 from underlay.ops.attention import (
     FLOAT_DTYPES,
     allowed_mask,
@@ -25,6 +25,7 @@ from underlay.ops.attention import (
     check_varlen,
     effective_window,
     padded_key_mask,
+    require_supported,
 )
 
 __all__ = ["EagerAttention", "TorchAttention", "eager_attention"]
@@ -259,11 +260,7 @@ class TorchAttention:
         return ("sdpa_per_sequence", tuple(why)) if why else ("varlen_attn", ())
 
     def _require(self, spec: AttentionSpec) -> None:
-        if reasons := self.supports(spec):
-            raise UnsupportedOperation(
-                f"attention backend 'torch' cannot run this call: {'; '.join(reasons)}. Use "
-                "UNDERLAY_ATTENTION=eager, or get_attention(spec=...) to pick a kernel that can"
-            )
+        require_supported(self.name, self.supports(spec), "eager")
 
     def varlen(
         self,
