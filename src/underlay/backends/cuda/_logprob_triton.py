@@ -1,0 +1,457 @@
+"""Triton kernels and the autograd function behind :class:`TritonLogprobKernel`.
+
+Forward: one program per ``[BLOCK_N, BLOCK_V]`` tile of ``z = hidden @ weight.T / T`` (fp32 ``tl.dot``
+accumulation over ``H``); each program writes its per-row partial statistics (max ``m``, ``sum exp(z - m)``,
+``sum exp(z - m) * z``) into an ``[N, cdiv(V, BLOCK_V)]`` fp32 workspace and the label logit of the rows
+whose label falls inside its columns. A few torch reductions combine the partials (and, with a vocabulary
+group, all-reduce them). The ``[N, V]`` logits never exist.
+
+Backward: the vocabulary is walked in chunks of ``v_chunk`` columns and the rows in splits of ``row_split``
+rows. A Triton kernel recomputes the logits tile by tile and writes ``dlogits`` for one ``[rows, v_chunk]``
+chunk (dtype of the inputs); two cuBLAS matmuls turn it into ``grad_weight[chunk]`` and a fp32 accumulator of
+``grad_hidden[rows]``. Workspace: one dlogits chunk plus the fp32 accumulator, both bounded by
+``_BWD_BUDGET_BYTES`` independently of ``V``.
+
+Setting ``TRITON_INTERPRET=1`` before this module is imported runs every kernel in Triton's interpreter on
+CPU tensors (slow; small shapes only) with one small tile configuration instead of autotuning.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRET", "fused_linear_logprobs", "plan_backward"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Whether the kernels were built for Triton's CPU interpreter (read once, at import)."""
+
+_UPCAST = tl.constexpr(INTERPRET)
+"""The interpreter's ``tl.dot`` mishandles 16-bit floats: upcast operands to fp32 there (exact products)."""
+_BWD_BUDGET_BYTES = 128 << 20
+"""Target size of each backward buffer (dlogits chunk, fp32 grad_hidden accumulator)."""
+
+
+_SHAPES = (
+    # BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (64, 256, 64, 4, 4),
+    (128, 256, 32, 8, 5),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 64, 32, 4, 3),
+    (64, 64, 32, 4, 3),
+)
+
+
+def _configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "GROUP_N": 2})]
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=s)
+        for bn, bv, bk, w, s in _SHAPES
+    ]
+
+
+def fwd_block_v(dtype: torch.dtype) -> int:
+    """BLOCK_V of the forward kernel for ``dtype``; fixes the partial-statistics workspace width."""
+    if INTERPRET:
+        return 32
+    return 64 if dtype == torch.float32 else 256
+
+
+def _prune_fwd(configs: list[triton.Config], nargs: dict[str, Any], **_: Any) -> list[triton.Config]:
+    """Keep the configs whose BLOCK_V matches the workspace allocated for this dtype."""
+    bv = fwd_block_v(nargs["h_ptr"].dtype)
+    return [c for c in configs if c.kwargs["BLOCK_V"] == bv]
+
+
+def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **_: Any) -> list[triton.Config]:
+    """fp32 tiles need half the block size to fit shared memory."""
+    if nargs["h_ptr"].dtype != torch.float32 or INTERPRET:
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_K"] == 32]
+
+
+_EVEN_K = {"EVEN_K": lambda args: args["H"] % args["BLOCK_K"] == 0}
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _program_logits(  # type: ignore[no-untyped-def]
+    h_ptr,
+    w_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    inv_t,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """This program's tile: ``(pid_v, offs_n, offs_v, z)`` with ``z = hidden[offs_n] @ weight[offs_v].T *
+    inv_t`` in fp32 (masked rows/columns read zeros). Programs are grouped by ``GROUP_N`` row blocks so
+    neighbours share weight tiles in L2."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_N * tl.cdiv(V, BLOCK_V)
+    first_n = (pid // per_group) * GROUP_N
+    size = min(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % size
+    pid_v = (pid % per_group) // size
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    v_mask = offs_v < V
+    h_ptrs = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hk
+    w_ptrs = w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(h_ptrs, mask=n_mask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=v_mask[None, :], other=0.0)
+        else:
+            k_left = H - k * BLOCK_K
+            a = tl.load(h_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(w_ptrs, mask=v_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        if _UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_K * stride_hk
+        w_ptrs += BLOCK_K * stride_wk
+    return pid_v, offs_n, offs_v, acc * inv_t
+
+
+@triton.autotune(
+    configs=_configs(), key=["V", "H", "WITH_ENTROPY"], prune_configs_by={"early_config_prune": _prune_fwd}
+)  # type: ignore[untyped-decorator]
+@triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
+@triton.jit  # type: ignore[untyped-decorator]
+def _fwd_kernel(  # type: ignore[no-untyped-def]
+    h_ptr,
+    w_ptr,
+    lab_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    zl_ptr,
+    N,
+    V,
+    H,
+    label_offset,
+    inv_t,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    stride_ws,
+    WITH_ENTROPY: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid_v, offs_n, offs_v, z = _program_logits(
+        h_ptr, w_ptr, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION,
+    )  # fmt: skip
+    n_mask = offs_n < N
+    v_mask = offs_v < V
+    z = tl.where(v_mask[None, :], z, float("-inf"))
+    m = tl.max(z, 1)
+    e = tl.exp2((z - m[:, None]) * 1.4426950408889634)
+    ws = offs_n.to(tl.int64) * stride_ws + pid_v
+    tl.store(m_ptr + ws, m, mask=n_mask)
+    tl.store(s_ptr + ws, tl.sum(e, 1), mask=n_mask)
+    if WITH_ENTROPY:
+        tl.store(t_ptr + ws, tl.sum(e * tl.where(v_mask[None, :], z, 0.0), 1), mask=n_mask)
+    local = tl.load(lab_ptr + offs_n, mask=n_mask, other=-1) - label_offset
+    lo = pid_v * BLOCK_V
+    hit = n_mask & (local >= lo) & (local < lo + BLOCK_V) & (local < V)
+    zl = tl.sum(tl.where(offs_v[None, :] == local[:, None], z, 0.0), 1)
+    tl.store(zl_ptr + offs_n, zl, mask=hit)
+
+
+@triton.autotune(
+    configs=_configs(), key=["V", "H", "WITH_ENTROPY"], prune_configs_by={"early_config_prune": _prune_bwd}
+)  # type: ignore[untyped-decorator]
+@triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
+@triton.jit  # type: ignore[untyped-decorator]
+def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
+    h_ptr,
+    w_ptr,
+    lab_ptr,
+    lse_ptr,
+    ez_ptr,
+    glp_ptr,
+    gent_ptr,
+    d_ptr,
+    N,
+    V,
+    H,
+    label_offset,
+    inv_t,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    stride_dn,
+    WITH_ENTROPY: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid_v, offs_n, offs_v, z = _program_logits(
+        h_ptr, w_ptr, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION,
+    )  # fmt: skip
+    n_mask = offs_n < N
+    v_mask = offs_v < V
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    g_lp = tl.load(glp_ptr + offs_n, mask=n_mask, other=0.0)
+    p = tl.exp2((z - lse[:, None]) * 1.4426950408889634)
+    local = tl.load(lab_ptr + offs_n, mask=n_mask, other=-1) - label_offset
+    onehot = offs_v[None, :] == local[:, None]
+    dz = tl.where(onehot, g_lp[:, None], 0.0) - p * g_lp[:, None]
+    if WITH_ENTROPY:
+        ez = tl.load(ez_ptr + offs_n, mask=n_mask, other=0.0)
+        g_ent = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
+        dz -= p * (z - ez[:, None]) * g_ent[:, None]
+    d_ptrs = d_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_v[None, :]
+    tl.store(d_ptrs, (dz * inv_t).to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products ("ieee"), not tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _grid(n: int, v: int) -> Any:
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(v, meta["BLOCK_V"]),)
+
+
+def _forward_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_offset: int,
+    inv_t: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row max, sum-exp relative to it, sum exp * z relative to it, and label logit (0 where not local)."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    nvb = triton.cdiv(v, fwd_block_v(hidden.dtype))
+    dev = hidden.device
+    m_ws = torch.empty((n, nvb), device=dev, dtype=torch.float32)
+    s_ws = torch.empty_like(m_ws)
+    t_ws = torch.empty_like(m_ws) if with_entropy else m_ws
+    zl = torch.zeros(n, device=dev, dtype=torch.float32)
+    if n == 0:
+        return zl, zl.clone(), zl.clone(), zl.clone()
+    _fwd_kernel[_grid(n, v)](
+        hidden, weight, labels, m_ws, s_ws, t_ws, zl, n, v, h, label_offset, inv_t,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), m_ws.stride(0),
+        WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+    )  # fmt: skip
+    m = m_ws.max(dim=1).values
+    rescale = torch.exp(m_ws - m[:, None])
+    s = (s_ws * rescale).sum(dim=1)
+    t = (t_ws * rescale).sum(dim=1) if with_entropy else torch.zeros_like(s)
+    return m, s, t, zl
+
+
+def plan_backward(n: int, h: int, elem_bytes: int) -> tuple[int, int]:
+    """``(row_split, v_chunk)`` for the backward so each buffer stays near ``_BWD_BUDGET_BYTES``.
+
+    ``row_split`` rows get one fp32 ``[row_split, H]`` grad-hidden accumulator; the dlogits chunk is
+    ``[row_split, v_chunk]`` of ``elem_bytes``. Both are multiples of 256 (at least 256).
+    """
+    rows = max(256, (_BWD_BUDGET_BYTES // max(1, 4 * h)) // 256 * 256)
+    rows = min(rows, max(n, 1))
+    chunk = max(256, (_BWD_BUDGET_BYTES // max(1, rows * elem_bytes)) // 256 * 256)
+    return rows, chunk
+
+
+_MM_OUT_DTYPE: list[bool] = []
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with fp32 accumulation and output; ``a``/``b`` may be bf16/fp16/fp32."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if not _MM_OUT_DTYPE or _MM_OUT_DTYPE[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            if not _MM_OUT_DTYPE:
+                _MM_OUT_DTYPE.append(True)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if not _MM_OUT_DTYPE:
+                _MM_OUT_DTYPE.append(False)
+    acc.add_(torch.mm(a, b).float())
+
+
+def _backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ez: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    label_offset: int,
+    inv_t: float,
+    need_hidden: bool,
+    need_weight: bool,
+    row_split: int | None,
+    v_chunk: int | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    n, h = hidden.shape
+    v = weight.shape[0]
+    auto_rows, auto_chunk = plan_backward(n, h, hidden.element_size())
+    rows = row_split or auto_rows
+    chunk = min(v_chunk or auto_chunk, v)
+    grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+    grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else None
+    d_buf = torch.empty((min(rows, n), chunk), device=hidden.device, dtype=hidden.dtype)
+    fp32_acc = hidden.dtype != torch.float32
+    acc = (
+        torch.empty((min(rows, n), h), device=hidden.device, dtype=torch.float32)
+        if need_hidden and fp32_acc
+        else None
+    )
+    with_entropy = g_ent is not None
+    if n == 0 and grad_w is not None:
+        grad_w.zero_()
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        hid = hidden[r0:r1]
+        target = None
+        if need_hidden:
+            assert grad_h is not None
+            target = acc[: r1 - r0] if acc is not None else grad_h[r0:r1]
+            target.zero_()
+        for v0 in range(0, v, chunk):
+            v1 = min(v, v0 + chunk)
+            w = weight[v0:v1]
+            d = d_buf[: r1 - r0, : v1 - v0]
+            _bwd_dlogits_kernel[_grid(r1 - r0, v1 - v0)](
+                hid, w, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
+                (g_ent if g_ent is not None else g_lp)[r0:r1], d,
+                r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
+                hid.stride(0), hid.stride(1), w.stride(0), w.stride(1), d.stride(0),
+                WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+            )  # fmt: skip
+            if grad_w is not None:
+                if r0 == 0:
+                    torch.mm(d.t(), hid, out=grad_w[v0:v1])
+                else:
+                    grad_w[v0:v1].addmm_(d.t(), hid)
+            if target is not None:
+                _addmm_fp32(target, d, w)
+        if acc is not None and grad_h is not None:
+            grad_h[r0:r1].copy_(acc[: r1 - r0])
+    return grad_h, grad_w
+
+
+class _FusedLinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        group: Any,
+        label_offset: int,
+        row_split: int | None,
+        v_chunk: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_t = 1.0 / temperature
+        m, s, t, zl = _forward_stats(hidden, weight, labels, label_offset, inv_t, with_entropy)
+        if group is not None:
+            import torch.distributed as dist
+
+            m_glob = m.clone()
+            dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
+            rescale = torch.exp(m - m_glob)
+            packed = torch.stack([s * rescale, t * rescale, zl])
+            dist.all_reduce(packed, group=group)
+            s, t, zl = packed[0], packed[1], packed[2]
+            m = m_glob
+        lse = m + torch.log(s)
+        valid = labels != -100
+        log_probs = torch.where(valid, zl - lse, 0.0)
+        ez = t / s
+        entropy = torch.where(valid, lse - ez, 0.0) if with_entropy else torch.zeros_like(lse)
+        ctx.save_for_backward(hidden, weight, labels, lse, ez)
+        ctx.cfg = (inv_t, with_entropy, group, label_offset, row_split, v_chunk)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, labels, lse, ez = ctx.saved_tensors
+        inv_t, with_entropy, group, label_offset, row_split, v_chunk = ctx.cfg
+        valid = labels != -100
+        g_lp = torch.where(valid, g_lp, 0.0) if g_lp is not None else torch.zeros_like(lse)
+        g_ent = torch.where(valid, g_ent, 0.0) if (g_ent is not None and with_entropy) else None
+        grad_h, grad_w = _backward(
+            hidden, weight, labels, lse, ez, g_lp.float().contiguous(),
+            g_ent.float().contiguous() if g_ent is not None else None,
+            label_offset, inv_t, ctx.needs_input_grad[0], ctx.needs_input_grad[1], row_split, v_chunk,
+        )  # fmt: skip
+        if group is not None and grad_h is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(grad_h, group=group)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    group: Any | None = None,
+    label_offset: int = 0,
+    row_split: int | None = None,
+    v_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused ``log_softmax(hidden @ weight.T / temperature)[labels]`` and entropy, fp32 ``[N]`` each.
+
+    No validation here (the caller, :class:`TritonLogprobKernel`, validates). ``label_offset`` is the
+    global id of ``weight``'s first row (vocabulary shard start); with ``group`` the statistics are
+    all-reduced over it and the hidden gradient is summed over it. ``row_split`` / ``v_chunk`` override the
+    backward's planned buffer sizes (tests use them to exercise several chunks at small shapes).
+    """
+    lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, labels, float(temperature), bool(with_entropy), group, int(label_offset),
+        row_split, v_chunk,
+    )  # fmt: skip
+    return lp, (ent if with_entropy else None)
