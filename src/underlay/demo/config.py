@@ -1,0 +1,118 @@
+"""Settings of ``underlay demo`` and the tiny Hugging Face model configs it trains."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from underlay.interfaces import ConfigError
+
+__all__ = ["MODEL_SIZES", "DemoConfig", "tiny_hf_config"]
+
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "heads": 4, "kv_heads": 2},
+    "small": {
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "heads": 8,
+        "kv_heads": 4,
+    },
+}
+"""Qwen3-shaped sizes (head_dim 16, untied embeddings)."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What one ``underlay demo`` run does.
+
+    ``steps`` GRPO steps (>= 2: the last one is redone after a checkpoint reload to prove resume);
+    each step samples ``responses_per_prompt`` responses (>= 2, so group advantages are defined) for
+    ``prompts_per_step`` prompts split over ``world_size`` processes (must divide evenly), at most
+    ``max_new_tokens`` tokens each at ``temperature``. ``profile_step`` is the step whose torch-profiler
+    trace is written (``None``: step 1, or 0 with fewer than 3 steps). Outputs go under ``out_dir``.
+    """
+
+    steps: int = 8
+    model_size: Literal["tiny", "small"] = "tiny"
+    out_dir: str = "underlay_out"
+    seed: int = 0
+    world_size: int = 2
+    prompts_per_step: int = 8
+    responses_per_prompt: int = 4
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    lr: float = 2e-3
+    clip_eps: float = 0.2
+    micro_batch_max_tokens: int = 256
+    profile_step: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 2:
+            raise ConfigError(
+                f"demo --steps={self.steps}: need >= 2 (the last step is redone after a checkpoint reload)"
+            )
+        if self.model_size not in MODEL_SIZES:
+            raise ConfigError(f"demo --model-size={self.model_size!r}: use one of {sorted(MODEL_SIZES)}")
+        if self.world_size < 1:
+            raise ConfigError(f"demo --world-size={self.world_size}: must be >= 1")
+        if self.responses_per_prompt < 2:
+            raise ConfigError(
+                f"demo --responses-per-prompt={self.responses_per_prompt}: need >= 2 for group advantages"
+            )
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"demo --prompts-per-step={self.prompts_per_step}: must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"demo max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if not self.temperature > 0:
+            raise ConfigError(f"demo temperature={self.temperature}: must be > 0")
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError(f"demo clip_eps={self.clip_eps}: must be in (0, 1)")
+        if self.profile_step is not None and not 0 <= self.profile_step < self.steps:
+            raise ConfigError(f"demo profile_step={self.profile_step}: must be in [0, steps={self.steps})")
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ``ConfigError`` unless ``prompts_per_step`` splits evenly over ``world_size`` processes."""
+        if self.prompts_per_step % world_size:
+            raise ConfigError(
+                f"demo --prompts-per-step={self.prompts_per_step} does not split over {world_size} "
+                f"processes; use a multiple of {world_size}"
+            )
+
+    @property
+    def trace_step(self) -> int:
+        """The profiled step (see the class docstring)."""
+        if self.profile_step is not None:
+            return self.profile_step
+        return 1 if self.steps >= 3 else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (for the run record)."""
+        return asdict(self)
+
+
+def tiny_hf_config(size: str, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Any:
+    """A ``transformers.Qwen3Config`` (no weights: the engine initialises them randomly) of the
+    ``MODEL_SIZES`` entry ``size``, with the tokenizer's vocabulary size and special ids and no dropout.
+    Raises ``ConfigError`` for an unknown size."""
+    from transformers import Qwen3Config
+
+    if size not in MODEL_SIZES:
+        raise ConfigError(f"model size {size!r}: use one of {sorted(MODEL_SIZES)}")
+    s = MODEL_SIZES[size]
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_hidden_layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["hidden_size"] // s["heads"],
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )

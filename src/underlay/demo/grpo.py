@@ -1,0 +1,530 @@
+"""The per-process body of ``underlay demo``: a miniature GRPO loop over the whole library.
+
+Every rank holds a shard of the policy in the parallel engine and a plain Hugging Face copy of the same
+model as its "rollout engine". One step:
+
+1. ``sync``: stream the engine's full HF-named weights (``engine.iter_weights``) into the rollout copy;
+2. ``gen``: sample ``responses_per_prompt`` responses for this rank's share of the prompts;
+3. score them with the rule-based arithmetic reward and turn scores into GRPO advantages with
+   ``ops.group_normalize`` over the responses of each prompt;
+4. ``old_logprob``: ``engine.infer`` (no grad) for the PPO ratio's denominator;
+5. ``update``: ``engine.forward_backward`` with a clipped policy-gradient loss (packed, balanced
+   micro-batches and the LogprobKernel inside the engine), ``optimizer_step``, ``lr_scheduler_step``.
+
+Around the loop: a torch-profiler trace of one step, a checkpoint before the last step that is reloaded
+afterwards to redo that step with identical numbers, an HF export reloaded with ``transformers`` whose
+logits equal the rollout copy's, and per-step metrics through ``underlay.tracking``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from underlay.data.arithmetic import Problem, make_problems, reward
+from underlay.demo.config import DemoConfig, tiny_hf_config
+from underlay.demo.tokenizer import build_tokenizer
+from underlay.interfaces import (
+    CheckpointError,
+    Device,
+    EngineConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelEngine,
+    Profiler,
+    ProfilerConfig,
+    TokenBatch,
+    TokenOutputs,
+)
+
+__all__ = ["CONSOLE_KEYS", "PolicyLoss", "run_rank"]
+
+CONSOLE_KEYS = (
+    "loss",
+    "reward/mean",
+    "accuracy",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "timing/gen",
+    "timing/old_logprob",
+    "timing/update",
+    "timing/sync",
+)
+"""What the console prints per step (the jsonl and TensorBoard get every metric)."""
+
+
+class PolicyLoss:
+    """PPO-clip policy-gradient loss for ``ParallelEngine.forward_backward``.
+
+    Needs ``batch.extras["advantages"]`` ``[b]`` and ``batch.extras["old_log_probs"]`` ``[b, S]``.
+    Per token ``t`` of ``batch.loss_mask``: ``ratio = exp(logp - old_logp)``,
+    ``loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))``. Returns the **sum** over loss tokens
+    (the engine divides by the global loss-token count: token-mean) and metric sums of the same kind:
+    ``pg_loss``, ``clip_frac``, ``approx_kl`` (``old_logp - logp``) and ``entropy`` when available.
+    """
+
+    def __init__(self, clip_eps: float) -> None:
+        self.clip_eps = clip_eps
+
+    def __call__(
+        self, outputs: TokenOutputs, batch: TokenBatch
+    ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]:
+        """Loss sum and metric sums of one micro-batch (see the class docstring)."""
+        assert outputs.log_probs is not None, "the demo trains a causal LM"
+        logp = outputs.log_probs
+        mask = batch.loss_mask.to(logp.dtype)
+        old = batch.extras["old_log_probs"].to(logp.dtype)
+        adv = batch.extras["advantages"].to(logp.dtype)[:, None]
+        ratio = torch.exp(logp - old)
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1.0 - self.clip_eps, 1.0 + self.clip_eps)
+        per_token = torch.maximum(unclipped, clipped)
+        loss = (per_token * mask).sum()
+        metrics: dict[str, torch.Tensor | float] = {
+            "pg_loss": loss.detach(),
+            "clip_frac": ((clipped > unclipped).to(logp.dtype) * mask).sum().detach(),
+            "approx_kl": ((old - logp).detach() * mask).sum(),
+        }
+        if outputs.entropy is not None:
+            metrics["entropy"] = (outputs.entropy.detach() * mask).sum()
+        return loss, metrics
+
+
+@dataclass
+class _Rollout:
+    """Prompt/response batch of this rank for one step."""
+
+    batch: TokenBatch
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    response_lengths: torch.Tensor
+
+
+class _LineStream:
+    """A text stream that writes whole lines through ``tqdm.write`` so the progress bar stays intact."""
+
+    def __init__(self, bar: Any) -> None:
+        self._bar = bar
+        self._buf = ""
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            self._bar.write(line)
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing buffered beyond an incomplete line."""
+
+
+class _Progress:
+    """tqdm when installed (else a plain ``[k/n]`` line per step), or nothing."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar: Any = None
+        self._done = 0
+        self._total = total
+        self._enabled = enabled
+        self.stream: TextIO | None = None
+        if not enabled:
+            return
+        try:
+            import importlib
+
+            tqdm: Any = importlib.import_module("tqdm").tqdm
+            self._bar = tqdm(total=total, desc="underlay demo", unit="step", leave=True, file=sys.stderr)
+            self.stream = _LineStream(self._bar)  # type: ignore[assignment]
+        except ImportError:
+            self._bar = None
+
+    def update(self, label: str) -> None:
+        """One step done."""
+        self._done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+        elif self._enabled:
+            print(f"[{self._done}/{self._total}] {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Close the bar."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+class _Trainer:
+    """State of one rank: engine, rollout copy, tokenizer, profiler."""
+
+    def __init__(self, cfg: DemoConfig, device: Device, rank: int, world: int, out: Path) -> None:
+        import underlay
+
+        self.cfg, self.device, self.rank, self.world, self.out = cfg, device, rank, world, out
+        self.tok = build_tokenizer()
+        self.hf_config = tiny_hf_config(
+            cfg.model_size, len(self.tok), self.tok.pad_token_id, self.tok.bos_token_id, self.tok.eos_token_id
+        )
+        accel = device.is_accelerator
+        self.param_dtype = "bfloat16" if accel else "float32"
+        self.dtype = torch.bfloat16 if accel else torch.float32
+        self.engine: ParallelEngine = underlay.get_engine(
+            EngineConfig(
+                model=ModelConfig(hf_config=self.hf_config, seed=cfg.seed),
+                optim=OptimConfig(lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0, grad_clip=1.0),
+                micro_batch_max_tokens=cfg.micro_batch_max_tokens,
+                param_dtype=self.param_dtype,
+                temperature=cfg.temperature,
+                with_entropy=True,
+            )
+        )
+        import transformers
+
+        auto: Any = transformers.AutoModelForCausalLM
+        self.torch_device = self.engine.device.torch_device()
+        self.rollout: Any = auto.from_config(self.hf_config, dtype=self.dtype).to(self.torch_device)
+        self.rollout.eval()
+        self.loss_fn = PolicyLoss(cfg.clip_eps)
+        from underlay.ops import FlopsCounter
+
+        self.flops = FlopsCounter(self.hf_config)
+        self.per_rank = cfg.prompts_per_step // world
+        self.last_batch: TokenBatch | None = None
+
+    # ------------------------------------------------------------------------------------ pieces
+
+    @contextlib.contextmanager
+    def phase(self, name: str, prof: Profiler, into: MutableMapping[str, float]) -> Iterator[None]:
+        """Time ``name`` into ``into["timing/<name>"]`` and mark it as a profiler range."""
+        from underlay.profiling import timer
+
+        with prof.range(name), timer(f"timing/{name}", into=into, device=self.device):
+            yield
+
+    def sync_rollout(self) -> int:
+        """Copy the engine's full weights into the rollout copy; returns the bytes moved. Raises
+        ``CheckpointError`` when the engine's names do not cover the rollout model's parameters."""
+        params = dict(self.rollout.named_parameters(remove_duplicate=False))
+        seen: set[int] = set()
+        moved = 0
+        with torch.no_grad():
+            for bucket in self.engine.iter_weights(bucket_bytes=1 << 22):
+                for name, tensor in bucket:
+                    if name not in params:
+                        raise CheckpointError(
+                            f"iter_weights yielded {name!r}, which the rollout model does not have"
+                        )
+                    params[name].copy_(tensor)
+                    seen.add(id(params[name]))
+                    moved += tensor.numel() * tensor.element_size()
+        missing = [n for n, p in params.items() if id(p) not in seen]
+        if missing:
+            raise CheckpointError(f"iter_weights did not yield {missing}; the rollout copy would be stale")
+        return moved
+
+    def problems(self, step: int) -> list[Problem]:
+        """This rank's share of step ``step``'s prompts (the same on every run with the same seed)."""
+        allp = make_problems(self.cfg.prompts_per_step, seed=self.cfg.seed * 7919 + step)
+        return allp[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+
+    def generate(self, step: int) -> _Rollout:
+        """Sample, score and pack this rank's responses for ``step`` (deterministic given the weights)."""
+        cfg, tok = self.cfg, self.tok
+        probs = self.problems(step)
+        n = cfg.responses_per_prompt
+        prompts = [p.prompt for p in probs for _ in range(n)]
+        answers = [p.answer for p in probs for _ in range(n)]
+        enc = tok(prompts, padding=True, return_tensors="pt")
+        ids = enc["input_ids"].to(self.torch_device)
+        am = enc["attention_mask"].to(self.torch_device)
+        self.device.manual_seed(cfg.seed * 100_003 + step * self.world + self.rank)
+        with torch.no_grad():
+            out = self.rollout.generate(
+                input_ids=ids,
+                attention_mask=am,
+                do_sample=True,
+                temperature=cfg.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=cfg.max_new_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        from underlay.ops import response_mask
+
+        resp = out[:, ids.shape[1] :].cpu()
+        rlen = response_mask(resp, tok.eos_token_id).sum(dim=1)
+        plen = am.sum(dim=1).cpu()
+        texts = [tok.decode(resp[i, : int(rlen[i])], skip_special_tokens=True) for i in range(len(prompts))]
+        rewards = torch.tensor([reward(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
+        # right-padded rows: prompt tokens, then response tokens (up to and including the first eos)
+        seq = int((plen + rlen).max())
+        input_ids = torch.full((len(prompts), seq), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros(len(prompts), seq, dtype=torch.long)
+        loss_mask = torch.zeros(len(prompts), seq, dtype=torch.long)
+        ids_cpu, am_cpu = ids.cpu(), am.cpu().bool()
+        for i in range(len(prompts)):
+            p, r = int(plen[i]), int(rlen[i])
+            input_ids[i, :p] = ids_cpu[i][am_cpu[i]]
+            input_ids[i, p : p + r] = resp[i, :r]
+            attn[i, : p + r] = 1
+            loss_mask[i, p : p + r] = 1
+        batch = TokenBatch(input_ids, attn, loss_mask)
+        return _Rollout(batch, rewards, (rewards == 1.0).to(torch.float32), rlen.to(torch.float32))
+
+    def step(self, step: int, prof: Profiler) -> dict[str, float]:
+        """One GRPO step; returns the global metrics (identical on every rank)."""
+        from underlay.ops import group_normalize
+        from underlay.profiling import reduce_timings
+
+        timings: dict[str, float] = {}
+        with self.phase("sync", prof, timings):
+            sync_bytes = self.sync_rollout()
+        with self.phase("gen", prof, timings):
+            ro = self.generate(step)
+        self.last_batch = ro.batch
+        group_ids = torch.arange(self.per_rank).repeat_interleave(self.cfg.responses_per_prompt)
+        group_ids = group_ids + self.rank * self.per_rank
+        adv = group_normalize(ro.rewards, group_ids)
+        batch = TokenBatch(
+            ro.batch.input_ids, ro.batch.attention_mask, ro.batch.loss_mask, {"advantages": adv}
+        ).to(self.torch_device)
+        with self.phase("old_logprob", prof, timings):
+            old = self.engine.infer(batch).log_probs
+        assert old is not None
+        batch = TokenBatch(
+            batch.input_ids,
+            batch.attention_mask,
+            batch.loss_mask,
+            {"advantages": batch.extras["advantages"], "old_log_probs": old.detach()},
+        )
+        with self.phase("update", prof, timings):
+            res = self.engine.forward_backward(batch, self.loss_fn)
+            opt = self.engine.optimizer_step()
+            lr = self.engine.lr_scheduler_step()
+        seqlens = ro.batch.attention_mask.sum(dim=1).tolist()
+        # MFU against the peak of the dtype we compute in (FlopsCounter.mfu assumes bf16)
+        peak = self.device.peak_flops(self.dtype)
+        achieved = self.flops.achieved_tflops(seqlens, timings["timing/update"]) * 1e12
+        mfu = None if not peak else achieved / peak
+        local = torch.tensor(
+            [
+                float(ro.rewards.sum()),
+                float(ro.correct.sum()),
+                float(ro.response_lengths.sum()),
+                float(ro.rewards.numel()),
+                float(sum(seqlens)),
+                float("nan") if mfu is None else float(mfu),
+            ],
+            dtype=torch.float64,
+        )
+        if dist.is_initialized():
+            dist.all_reduce(local)
+        r_sum, c_sum, len_sum, count, tokens, mfu_sum = local.tolist()
+        t = reduce_timings(timings)
+        metrics: dict[str, float] = {
+            "loss": float(res.metrics["pg_loss"]),
+            "reward/mean": r_sum / count,
+            "accuracy": c_sum / count,
+            "grad_norm": float(opt.grad_norm),
+            "lr": float(lr),
+            "step_skipped": float(opt.skipped),
+            "response_length/mean": len_sum / count,
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(t["timing/update/max"], 1e-9),
+            "mfu": mfu_sum / self.world,
+            "micro_batches": float(res.num_micro_batches),
+            "sync_mib": sync_bytes / 2**20,
+        }
+        for k in ("clip_frac", "approx_kl", "entropy"):
+            if k in res.metrics:
+                metrics[k] = float(res.metrics[k])
+        for name in timings:
+            metrics[name] = t[f"{name}/max"]
+        return metrics
+
+    # --------------------------------------------------------------------------- export check
+
+    def export_and_compare(self, probe: TokenBatch) -> dict[str, Any]:
+        """Export HF weights + tokenizer, reload them with ``transformers`` on rank 0, and compare its
+        logits with the rollout copy (synced from the engine) and its log-probs with ``engine.infer``.
+        Collective."""
+        import underlay
+
+        export_dir = self.out / "hf_export"
+        path = underlay.get_weight_loader().export_hf(self.engine, export_dir, dtype=self.dtype)
+        self.sync_rollout()
+        probe = probe.to(self.torch_device)
+        engine_lp = self.engine.infer(probe).log_probs
+        assert engine_lp is not None
+        result: dict[str, Any] = {}
+        if self.rank == 0:
+            assert path is not None
+            self.tok.save_pretrained(str(path))
+            import transformers
+
+            auto: Any = transformers.AutoModelForCausalLM
+            reloaded: Any = auto.from_pretrained(str(path), dtype=self.dtype, local_files_only=True)
+            reloaded = reloaded.to(self.torch_device).eval()
+            tok2: Any = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            with torch.no_grad():
+                a = self.rollout(input_ids=probe.input_ids, attention_mask=probe.attention_mask).logits
+                b = reloaded(input_ids=probe.input_ids, attention_mask=probe.attention_mask).logits
+            mask = probe.attention_mask.bool()
+            logit_diff = float((a.float() - b.float()).abs()[mask].max())
+            lp = torch.log_softmax(b.float()[:, :-1], dim=-1)
+            lp = lp.gather(-1, probe.input_ids[:, 1:, None]).squeeze(-1)
+            lmask = probe.loss_mask[:, 1:].bool()
+            lp_diff = float((lp - engine_lp[:, 1:].float()).abs()[lmask].max())
+            text = "What is 3+4?"
+            result = {
+                "path": str(path),
+                "max_abs_logit_diff": logit_diff,
+                "max_abs_logprob_diff_vs_engine": lp_diff,
+                "tokenizer_roundtrip": tok2.decode(tok2(text)["input_ids"], skip_special_tokens=True) == text,
+            }
+        return result
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _profiler(cfg: DemoConfig, out: Path) -> Profiler:
+    import underlay
+
+    pcfg = ProfilerConfig(
+        ranks=(0,), steps=(cfg.trace_step,), output_dir=str(out / "profile"), warmup=min(1, cfg.trace_step)
+    )
+    # an explicit name that differs from UNDERLAY_PROFILER would be an error: respect the environment
+    return underlay.get_profiler(pcfg, name=None if os.environ.get("UNDERLAY_PROFILER") else "torch")
+
+
+def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
+    """Run the demo on this process (the process group is already initialised or the world is 1).
+    Returns the summary on rank 0 (also written to ``out_dir/summary.json``) and ``{}`` elsewhere.
+
+    Raises ``CheckpointError`` when the redone step after the checkpoint reload differs from the first
+    run of it, or when the reloaded HF export's logits differ from the rollout copy's.
+    """
+    import underlay
+    from underlay.checkpoint import CheckpointManager
+    from underlay.tracking import Tracking
+
+    t_start = time.perf_counter()
+    out = Path(out_dir)
+    device = underlay.get_device()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg.check_world(world)
+    tr = _Trainer(cfg, device, rank, world, out)
+    progress = _Progress(cfg.steps + 1, cfg.progress and rank == 0)
+    backends: list[str] = ["console", "jsonl"]
+    notes: list[str] = []
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        backends.append("tensorboard")
+    else:
+        notes.append("tensorboard not installed: no TensorBoard events (pip install 'underlay[tracking]')")
+    tracker = Tracking(
+        backends,
+        out,
+        "demo",
+        config=cfg.to_dict(),
+        rank=rank,
+        console_keys=CONSOLE_KEYS,
+        stream=progress.stream,
+    )
+    ckpt = CheckpointManager(out / "checkpoints", tr.engine, max_to_keep=2)
+    prof = _profiler(cfg, out)
+    resume_step = cfg.steps - 1
+    history: list[dict[str, float]] = []
+    ckpt_path: Path | None = None
+    prof.start()
+    for step in range(cfg.steps):
+        if step == resume_step:
+            ckpt_path = Path(ckpt.save(step, {"next_step": step, "seed": cfg.seed}))
+        t0 = time.perf_counter()
+        metrics = tr.step(step, prof)
+        metrics["timing/step"] = time.perf_counter() - t0
+        prof.step()
+        history.append(tracker.log(metrics, step))
+        progress.update(f"reward {metrics['reward/mean']:.2f}")
+    prof.stop()
+    first = history[-1]
+    last_batch = tr.last_batch
+    assert last_batch is not None
+
+    # reload the checkpoint taken before the last step and redo it: the numbers must be identical
+    assert ckpt_path is not None
+    state = ckpt.load(ckpt_path)
+    redo_step = int(state["next_step"])
+    redo = tr.step(redo_step, _noop_profiler(cfg, out))
+    progress.update("resume check")
+    progress.close()
+    resume = {
+        "checkpoint": str(ckpt_path),
+        "step": redo_step,
+        "loss": first["loss"],
+        "loss_after_reload": redo["loss"],
+        "grad_norm": first["grad_norm"],
+        "grad_norm_after_reload": redo["grad_norm"],
+        "identical": redo["loss"] == first["loss"] and redo["grad_norm"] == first["grad_norm"],
+    }
+    export = tr.export_and_compare(last_batch)
+    tracker.close()
+    summary: dict[str, Any] = {}
+    if rank == 0:
+        traces = sorted(str(p) for p in (out / "profile").rglob("*") if p.is_file())
+        summary = {
+            "config": cfg.to_dict(),
+            "device": device.name,
+            "device_model": device.model_name(),
+            "world_size": world,
+            "engine": tr.engine.name,
+            "param_dtype": tr.param_dtype,
+            "parameters": sum(p.numel() for p in tr.rollout.parameters()),
+            "history": history,
+            "resume": resume,
+            "export": export,
+            "traces": traces,
+            "metrics_jsonl": str(tracker.jsonl_path),
+            "tensorboard": str(tracker.tensorboard_dir) if "tensorboard" in backends else None,
+            "notes": notes,
+            "wall_s": time.perf_counter() - t_start,
+        }
+        _write_json(out / "summary.json", summary)
+    if not resume["identical"]:
+        raise CheckpointError(
+            f"resume check failed: step {redo_step} after reloading {ckpt_path} gave loss "
+            f"{redo['loss']!r} / grad norm {redo['grad_norm']!r}, first run {first['loss']!r} / "
+            f"{first['grad_norm']!r}; the checkpoint does not restore the full training state"
+        )
+    tol = 1e-5 if tr.dtype == torch.float32 else 1e-2
+    if rank == 0 and not export["max_abs_logit_diff"] <= tol:
+        raise CheckpointError(
+            f"HF export check failed: reloaded logits differ from the rollout copy by "
+            f"{export['max_abs_logit_diff']:.3g} (> {tol}); see {export['path']}"
+        )
+    return summary
+
+
+def _noop_profiler(cfg: DemoConfig, out: Path) -> Profiler:
+    """A profiler that records nothing, for the redone step (the trace already has its step)."""
+    import underlay
+
+    pcfg = ProfilerConfig(enabled=False, output_dir=str(out / "profile"))
+    return underlay.get_profiler(pcfg, name=None if os.environ.get("UNDERLAY_PROFILER") else "off")

@@ -1,0 +1,175 @@
+"""Starting the demo's processes and printing its summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import traceback
+from pathlib import Path
+from typing import Any
+
+from underlay.demo.config import DemoConfig
+from underlay.interfaces import ConfigError, UnderlayError
+
+__all__ = ["OUTPUTS", "format_summary", "launch", "world_size_for"]
+
+OUTPUTS = ("demo", "checkpoints", "profile", "hf_export", "summary.json", ".errors")
+"""What a run writes under ``out_dir`` (and removes from an earlier run there before it starts)."""
+
+
+def world_size_for(requested: int) -> int:
+    """``requested`` on the cpu; ``min(requested, visible devices)`` on an accelerator (one process per
+    device). Raises ``ConfigError`` when an accelerator is selected but none is visible."""
+    from underlay import registry
+
+    device = registry.get_device()
+    if not device.is_accelerator:
+        return requested
+    count = device.device_count()
+    if count < 1:
+        raise ConfigError(
+            f"UNDERLAY_DEVICE selects {device.name!r} but no device is visible; check {device.visible_devices_env}"
+        )
+    return min(requested, count)
+
+
+def _worker(rank: int, cfg: DemoConfig, world: int, port: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        import transformers
+
+        from underlay.demo.grpo import run_rank
+
+        transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar in the demo output
+        from underlay.parallel.distributed import init_distributed
+
+        init_distributed(timeout_s=600.0)
+        run_rank(cfg, out_dir)
+    except BaseException as exc:
+        errors = Path(out_dir) / ".errors"
+        errors.mkdir(parents=True, exist_ok=True)
+        record = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "underlay_error": isinstance(exc, UnderlayError),
+            "traceback": traceback.format_exc(),
+        }
+        (errors / f"rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _raise_child_error(out: Path, exc: BaseException) -> None:
+    records = []
+    for p in sorted((out / ".errors").glob("rank*.json")):
+        records.append((p.stem, json.loads(p.read_text(encoding="utf-8"))))
+    for rank, rec in records:
+        if rec["underlay_error"]:
+            raise UnderlayError(f"demo {rank}: {rec['type']}: {rec['message']}") from exc
+    if records:
+        rank, rec = records[0]
+        raise RuntimeError(f"demo {rank} failed:\n{rec['traceback']}") from exc
+    raise exc
+
+
+def launch(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the demo in ``world_size_for(cfg.world_size)`` spawned processes (gloo on the cpu, the
+    device's collective backend otherwise) and return rank 0's summary (also in
+    ``out_dir/summary.json``). Earlier demo outputs in ``out_dir`` (``OUTPUTS``) are removed first.
+
+    An ``UnderlayError`` in any process is re-raised here as ``UnderlayError`` naming the rank and the
+    original type and message; any other failure as ``RuntimeError`` carrying the child's traceback.
+    """
+    import importlib
+
+    from underlay.parallel.distributed import free_port
+
+    # the module (``torch.multiprocessing.spawn`` as an attribute is the function of that name)
+    spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
+
+    world = world_size_for(cfg.world_size)
+    cfg.check_world(world)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    try:
+        spawn.start_processes(
+            _worker, args=(cfg, world, free_port(), str(out)), nprocs=world, join=True, start_method="spawn"
+        )
+    except (spawn.ProcessRaisedException, spawn.ProcessExitedException) as exc:
+        _raise_child_error(out, exc)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return summary
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "n/a"
+    return format(v, spec)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The final table of a run: one row per step, then the resume, export, trace and output lines."""
+    cfg = summary["config"]
+    hist = summary["history"]
+    head = (
+        f"underlay demo: {len(hist)} GRPO steps, Qwen3-shaped {cfg['model_size']} model "
+        f"({summary['parameters'] / 1e6:.2f} M params), {summary['engine']} on {summary['world_size']} x "
+        f"{summary['device']} ({summary['device_model']}, {summary['param_dtype']}), {summary['wall_s']:.1f} s"
+    )
+    cols = [
+        ("step", "step", "d"),
+        ("loss", "loss", ".4f"),
+        ("reward", "reward/mean", ".3f"),
+        ("acc", "accuracy", ".2f"),
+        ("grad_norm", "grad_norm", ".3f"),
+        ("tokens/s", "tokens_per_s", ".0f"),
+        ("mfu", "mfu", ".2e"),
+        ("gen_s", "timing/gen", ".3f"),
+        ("oldlp_s", "timing/old_logprob", ".3f"),
+        ("update_s", "timing/update", ".3f"),
+        ("sync_s", "timing/sync", ".3f"),
+    ]
+    rows = [[h for h, _, _ in cols]]
+    for i, m in enumerate(hist):
+        rows.append([str(i) if k == "step" else _fmt(m.get(k), spec) for _, k, spec in cols])
+    widths = [max(len(r[j]) for r in rows) for j in range(len(cols))]
+    lines = [head, ""]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    r, e = summary["resume"], summary["export"]
+    verdict = "identical" if r["identical"] else "DIFFERENT"
+    lines += [
+        "",
+        f"resume:  step {r['step']} redone after reloading {r['checkpoint']}: loss {r['loss']!r} vs "
+        f"{r['loss_after_reload']!r}, grad norm {r['grad_norm']!r} vs {r['grad_norm_after_reload']!r} -> {verdict}",
+        f"export:  {e['path']} reloaded with transformers: max |logits - rollout copy| = "
+        f"{e['max_abs_logit_diff']:.3g}, max |log-prob - engine.infer| = "
+        f"{e['max_abs_logprob_diff_vs_engine']:.3g}, tokenizer round trip "
+        f"{'ok' if e['tokenizer_roundtrip'] else 'FAILED'}",
+        f"trace:   {', '.join(summary['traces']) or '(none written)'}",
+        f"metrics: {summary['metrics_jsonl']}"
+        + (f", TensorBoard: {summary['tensorboard']}" if summary["tensorboard"] else ""),
+    ]
+    lines += [f"note:    {n}" for n in summary["notes"]]
+    return "\n".join(lines)
