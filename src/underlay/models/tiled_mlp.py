@@ -25,6 +25,14 @@ from underlay.interfaces import ConfigError, InvalidInput
 __all__ = ["TiledMLP", "apply_tiled_mlp", "tiled_forward"]
 
 
+def _call_tile(fn: Callable[[torch.Tensor], torch.Tensor], part: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``fn`` on a ``[n, H]`` tile, shown to it with the input's rank (``[1, ..., 1, n, H]``) because
+    modules such as MoE blocks unpack ``batch, seq, hidden``; returns ``[n, H_out]``."""
+    shaped = part.reshape(*([1] * (ndim - 2)), *part.shape) if ndim > 2 else part
+    out = fn(shaped)
+    return out.reshape(part.shape[0], out.shape[-1])
+
+
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -38,7 +46,7 @@ class _TiledFunction(torch.autograd.Function):
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
         with torch.no_grad():
-            outs = [fn(part) for part in flat.tensor_split(tiles, dim=0)]
+            outs = [_call_tile(fn, part, x.dim()) for part in flat.tensor_split(tiles, dim=0)]
         out = torch.cat(outs, dim=0)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -59,7 +67,7 @@ class _TiledFunction(torch.autograd.Function):
             lo, hi = int(idx[0]), int(idx[-1]) + 1
             part = flat[lo:hi].requires_grad_(ctx.needs_input_grad[2])
             with torch.enable_grad():
-                y = ctx.fn(part)
+                y = _call_tile(ctx.fn, part, x.dim())
             inputs = ([part] if part.requires_grad else []) + wanted
             grads = torch.autograd.grad(y, inputs, g_flat[lo:hi], allow_unused=True) if inputs else ()
             if part.requires_grad:

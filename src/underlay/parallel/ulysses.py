@@ -111,8 +111,9 @@ def slice_for_rank(x: torch.Tensor, group: Any | None, *, dim: int = 0) -> torch
 
 def _a2a(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``all_to_all_single`` over dim 0 in equal chunks (out-of-place, contiguous input)."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 

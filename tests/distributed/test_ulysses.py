@@ -1,0 +1,101 @@
+"""Ulysses sequence parallelism on 2 real gloo processes equals one process: the all-to-all primitives,
+and packed_forward of tiny models (log-probs, entropy, values and parameter gradients, the latter summed
+over the sp group)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+# (architecture, q heads, kv heads, value model): kv == sp, kv < sp (repeated kv heads), kv > sp, MoE
+CASES = [
+    ("llama", 4, 2, False),
+    ("qwen2", 4, 1, False),
+    ("mistral", 4, 4, False),
+    ("qwen3_moe", 4, 2, False),
+    ("llama", 4, 2, True),
+]
+
+
+def _check_primitives(rank: int, world: int) -> None:
+    from underlay.parallel.ulysses import (
+        gather_seq,
+        head_to_seq,
+        repeat_kv_for_sp,
+        seq_to_head,
+        slice_for_rank,
+    )
+
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(6 * world, 4, 3, generator=g, dtype=torch.float64)
+    scale = torch.randn(4, generator=g, dtype=torch.float64)
+    upstream = torch.randn(6 * world, 4, 3, generator=g, dtype=torch.float64)
+    local = slice_for_rank(full, dist.group.WORLD).clone().requires_grad_(True)
+    heads = seq_to_head(local, dist.group.WORLD)
+    hl = 4 // world
+    torch.testing.assert_close(heads, full[:, rank * hl : (rank + 1) * hl], rtol=0, atol=0)
+    back = head_to_seq(heads * scale[rank * hl : (rank + 1) * hl, None], dist.group.WORLD)
+    torch.testing.assert_close(back, local * scale[:, None], rtol=0, atol=0)
+    (back * slice_for_rank(upstream, dist.group.WORLD)).sum().backward()
+    assert local.grad is not None
+    torch.testing.assert_close(local.grad, slice_for_rank(upstream * scale[:, None], dist.group.WORLD))
+    # gather: every rank gets the whole sequence; backward keeps this rank's slice
+    x = local.detach().clone().requires_grad_(True)
+    gathered = gather_seq(x, dist.group.WORLD)
+    torch.testing.assert_close(gathered, full, rtol=0, atol=0)
+    (gathered * upstream).sum().backward()
+    torch.testing.assert_close(x.grad, slice_for_rank(upstream, dist.group.WORLD))
+    # kv heads fewer than sp are repeated so that rank r gets the kv head its q heads use
+    kv = torch.randn(5, 1, 3, generator=g)
+    assert repeat_kv_for_sp(kv, world).shape == (5, world, 3)
+
+
+def _check_model(arch: str, heads: int, kv_heads: int, value: bool) -> None:
+    from tests.unit.models._tiny import clone, logprob_kernel, padded_batch, tiny_model
+    from underlay.models import packed_forward, prepare_model
+    from underlay.ops.packing import unpad
+
+    ref = tiny_model(arch, heads=heads, kv_heads=kv_heads, value=value)
+    ids, mask = padded_batch([6, 2, 3], 6, seed=5)  # 11 tokens: padded to 12 over 2 ranks
+    packed = unpad(ids, mask)
+    g = torch.Generator().manual_seed(11)
+    w1 = torch.randn(packed.total_tokens, generator=g)
+    w2 = torch.randn(packed.total_tokens, generator=g)
+
+    def run(group: Any | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        model = prepare_model(clone(ref), attention="eager", sp_group=group)
+        out = packed_forward(model, packed, temperature=0.9, logprob_kernel=logprob_kernel())
+        fields = [t for t in (out.log_probs, out.entropy, out.values) if t is not None]
+        loss = sum((t * w).sum() for t, w in zip(fields, (w1, w2)))
+        loss.backward()  # type: ignore[union-attr]
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return [t.detach() for t in fields], grads
+
+    single, single_grads = run(None)
+    sp_out, sp_grads = run(dist.group.WORLD)
+    assert len(single) == len(sp_out) == (1 if value else 2)
+    for a, b in zip(sp_out, single):
+        assert a.shape == (packed.total_tokens,)
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    assert sp_grads.keys() == single_grads.keys()
+    for name, grad in sp_grads.items():
+        dist.all_reduce(grad)  # each rank holds its share; the sum is the whole gradient
+        torch.testing.assert_close(grad, single_grads[name], atol=2e-5, rtol=1e-4, msg=f"{arch}: {name}")
+
+
+def _worker(rank: int, world: int) -> int:
+    _check_primitives(rank, world)
+    for case in CASES:
+        _check_model(*case)
+    return len(CASES)
+
+
+def test_ulysses_two_processes_match_one() -> None:
+    assert run_distributed(_worker, 2, timeout_s=300) == [len(CASES)] * 2
