@@ -79,6 +79,12 @@ VARLEN_BAD = [
     ("max-too-small", _set(max_seqlen_q=6), "smaller than the longest"),
     ("max-k-too-small", _set(max_seqlen_k=5), "smaller than the longest"),
     ("max-not-int", _set(max_seqlen_q=7.0), "must be an int"),
+    (
+        "max-k-not-int-shared-cu",
+        lambda a: a.update(cu_seqlens_k=a["cu_seqlens_q"], max_seqlen_k="7"),
+        "an int",
+    ),
+    ("max-k-small-shared-cu", lambda a: a.update(cu_seqlens_k=a["cu_seqlens_q"], max_seqlen_k=2), "smaller"),
     ("batch-mismatch", _set(cu_seqlens_k=torch.tensor([0, 3, 5, 10], dtype=torch.int32)), "sequences"),
 ]
 

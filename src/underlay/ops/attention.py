@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from typing import Literal
 
 import torch
@@ -192,15 +193,25 @@ def seqlens_from_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name:
             f"attention (varlen): {name} ends at {cu[-1]} but the tensor has {total} tokens; the last entry "
             "must equal the token count"
         )
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise InvalidInput(f"attention (varlen): max_seqlen for {name} must be an int, got {max_seqlen!r}")
-    longest = max(lens)
-    if max_seqlen < longest:
+    _check_max_seqlen(max_seqlen, lens, name)
+    return lens
+
+
+def _check_max_seqlen(max_seqlen: int, lens: list[int], name: str) -> None:
+    try:
+        if isinstance(max_seqlen, bool):
+            raise TypeError
+        value = operator.index(max_seqlen)
+    except TypeError:
         raise InvalidInput(
-            f"attention (varlen): max_seqlen {max_seqlen} is smaller than the longest sequence {longest} "
+            f"attention (varlen): max_seqlen for {name} must be an int, got {max_seqlen!r}"
+        ) from None
+    longest = max(lens)
+    if value < longest:
+        raise InvalidInput(
+            f"attention (varlen): max_seqlen {value} is smaller than the longest sequence {longest} "
             f"in {name}; pass max_seqlen >= {longest}"
         )
-    return lens
 
 
 def check_varlen(
@@ -222,11 +233,7 @@ def check_varlen(
     lens_q = seqlens_from_cu(cu_seqlens_q, int(q.shape[0]), max_seqlen_q, "cu_seqlens_q")
     if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]:
         lens_k = lens_q
-        if max_seqlen_k < max(lens_k):
-            raise InvalidInput(
-                f"attention (varlen): max_seqlen_k {max_seqlen_k} is smaller than the longest sequence "
-                f"{max(lens_k)}; pass max_seqlen_k >= {max(lens_k)}"
-            )
+        _check_max_seqlen(max_seqlen_k, lens_k, "cu_seqlens_k")
     else:
         lens_k = seqlens_from_cu(cu_seqlens_k, int(k.shape[0]), max_seqlen_k, "cu_seqlens_k")
     if len(lens_q) != len(lens_k):
