@@ -525,11 +525,11 @@ class FSDP2Engine:
         """Sharded model and optimizer state with ``torch.distributed.checkpoint`` (loadable at another
         world size), plus the LR schedule, ``global_step`` and the model signature (rank 0).
         ``directory`` must exist. Collective."""
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
         )
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         self._ensure_onloaded("save_checkpoint")
         directory = Path(directory)
@@ -571,13 +571,13 @@ class FSDP2Engine:
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what ``save_checkpoint`` wrote, at any world size. The signature is checked first:
         ``CheckpointError`` before any state changes when it belongs to another model or shape."""
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         directory = Path(directory)
         self.check_signature(directory)

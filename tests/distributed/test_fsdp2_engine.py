@@ -1,0 +1,346 @@
+"""FSDP2 engine on real 2-process gloo groups: sharded steps against a plain float64 torch reference,
+checkpoint resume (also on 1 rank from 2), offload exactness, weight streaming, HF export/load, LoRA,
+Ulysses sp, and the bad-input errors. Each spawned job runs many checks and returns their figures, so
+the suite pays for three process spawns only."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import ChildFailure, run_distributed
+from tests.distributed import _fsdp_helpers as H
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+TOL = 2e-5  # fp32 engine vs float64 reference
+
+
+def _weights(engine: Any, bucket_bytes: int = 1 << 29) -> dict[str, torch.Tensor]:
+    return {n: t.detach().cpu().clone() for b in engine.iter_weights(bucket_bytes) for n, t in b}
+
+
+def _step(engine: Any, batch: Any, loss_fn: Any = H.pg_loss) -> tuple[Any, Any]:
+    res = engine.forward_backward(batch, loss_fn)
+    return res, engine.optimizer_step()
+
+
+def _snapshot(engine: Any) -> list[torch.Tensor]:
+    """Local shards of every parameter, gradient and optimizer-state tensor, cloned."""
+    out: list[torch.Tensor] = []
+    for p in engine.model.parameters():
+        out.append(p.to_local().detach().clone())
+        if p.grad is not None:
+            out.append(p.grad.to_local().detach().clone())
+    for state in engine.optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                out.append((v.to_local() if hasattr(v, "to_local") else v).detach().clone())
+    return out
+
+
+def _equivalence(
+    rank: int, world: int, hf_config: Any, kind: str = "causal_lm", **cfg: Any
+) -> dict[str, float]:
+    """One sharded step on this rank's share vs the float64 reference on the whole batch."""
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.interfaces import ModelConfig
+    from underlay.registry import get_device
+
+    ec = H.engine_config(hf_config, **cfg)
+    if kind == "value":
+        ec = H.engine_config(hf_config, model=ModelConfig(hf_config=hf_config, kind="value"))
+    engine = FSDP2Engine(ec, get_device("cpu"))
+    gb = H.global_batch(11)
+    loss_fn = H.value_loss if kind == "value" else H.pg_loss
+    res, st = _step(engine, H.shard(gb, rank, world), loss_fn)
+    import copy
+
+    ref = H.reference_model(copy.deepcopy(hf_config), 0, ec.model.lora, kind)
+    loss, norm, ref_w = H.reference_step(ref, gb, ec, loss_fn, kind)
+    return {
+        "loss": abs(res.metrics["loss"] - loss),
+        "norm": abs(st.grad_norm - norm),
+        "weights": H.max_diff(_weights(engine), ref_w),
+        "micro_batches": float(res.num_micro_batches),
+        "loss_tokens": float(res.loss_tokens - int(gb.loss_mask.sum())),
+    }
+
+
+def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Everything that needs 2 ranks."""
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.backends.fsdp2.weights import FSDP2WeightLoader
+    from underlay.checkpoint import CheckpointManager
+    from underlay.interfaces import CheckpointError, ConfigError, LoraConfig, ParallelConfig
+    from underlay.registry import get_device
+
+    dev = get_device("cpu")
+    out: dict[str, Any] = {}
+    base = Path(root)
+    ec = H.engine_config(H.llama_config())
+    engine = FSDP2Engine(ec, dev)
+    ref = H.reference_model(H.llama_config(), 0)
+    gb1, gb2 = H.global_batch(1), H.global_batch(2)
+    local1, local2 = H.shard(gb1, rank, world), H.shard(gb2, rank, world)
+
+    # inference, in input order, against the padded float64 forward
+    inf = engine.infer(local1, with_entropy=True)
+    with torch.no_grad():
+        ref_out = H.reference_outputs(ref, local1)
+    out["infer_logp"] = float((inf.log_probs.double() - ref_out.log_probs).abs().max())
+    out["infer_entropy"] = float((inf.entropy.double() - ref_out.entropy).abs().max())
+    # weight streaming before any step equals the unsharded state dict; small buckets split it
+    buckets = list(engine.iter_weights(bucket_bytes=8 << 10))
+    out["buckets"] = len(buckets)
+    out["bucket_max_bytes"] = max(
+        sum(t.numel() * t.element_size() for _, t in b) for b in buckets if len(b) > 1
+    )
+    out["iter_init"] = H.max_diff({n: t for b in buckets for n, t in b}, H.merged_weights(ref))
+    out["iter_names"] = sorted(n for b in buckets for n, _ in b) == sorted(ref.state_dict())
+
+    # step 1: sharded, micro-batched == single-process reference
+    res, st = _step(engine, local1)
+    loss, norm, ref_w = H.reference_step(ref, gb1, ec)
+    out["step_loss"] = abs(res.metrics["loss"] - loss)
+    out["step_norm"] = abs(st.grad_norm - norm)
+    out["step_weights"] = H.max_diff(_weights(engine), ref_w)
+    out["micro_batches"] = res.num_micro_batches
+    out["loss_tokens_ok"] = res.loss_tokens == int(gb1.loss_mask.sum())
+
+    manager = CheckpointManager(base / "ckpt", engine, max_to_keep=2)
+    manager.save(1, {"step": 1, "tag": "after-one"})
+
+    # step 2 with an offload/onload round trip between backward and the optimizer step
+    res2 = engine.forward_backward(local2, H.pg_loss)
+    before = _snapshot(engine)
+    engine.offload()
+    out["offloaded_grads_dropped"] = all(p.grad is None for p in engine.model.parameters())
+    engine.onload()
+    after = _snapshot(engine)
+    out["offload_exact"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    engine.optimizer_step()
+    w2 = _weights(engine)
+    if rank == 0:
+        torch.save({"loss2": res2.metrics["loss"], "w2": w2}, base / "expected.pt")
+
+    # resume from step 1 on the same world: identical next step
+    state = manager.load()
+    out["trainer_state"] = state == {"step": 1, "tag": "after-one"}
+    out["global_step"] = engine.global_step
+    res2b, _ = _step(engine, local2)
+    out["resume_loss"] = abs(res2b.metrics["loss"] - res2.metrics["loss"])
+    out["resume_weights"] = H.max_diff(_weights(engine), w2)
+
+    # HF export in several shards, reloaded by transformers and by the weight loader
+    exported = manager.export_hf(base / "hf", dtype=torch.float32, max_shard_bytes=40 << 10)
+    current = _weights(engine)
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        assert exported is not None
+        out["export_files"] = len(list(exported.glob("*.safetensors")))
+        out["export_index"] = (exported / "model.safetensors.index.json").is_file()
+        hf = AutoModelForCausalLM.from_pretrained(str(exported))
+        out["export_hf"] = H.max_diff(dict(hf.state_dict()), current)
+    from underlay.interfaces import ModelConfig
+
+    loaded = FSDP2Engine(H.engine_config(H.llama_config(), model=ModelConfig(path=str(base / "hf"))), dev)
+    out["load_hf"] = H.max_diff(_weights(loaded), current)
+
+    # another model: checkpoint and HF weights are refused before anything changes
+    other = FSDP2Engine(H.engine_config(H.llama_config(intermediate_size=48)), dev)
+    pristine = _weights(other)
+    for name, fn in (
+        ("ckpt_other", lambda: CheckpointManager(base / "ckpt", other).load()),
+        ("hf_other", lambda: FSDP2WeightLoader(dev).load_hf(other, base / "hf")),
+    ):
+        try:
+            fn()
+            out[name] = "no error"
+        except CheckpointError as exc:
+            out[name] = str(exc)
+    out["other_unchanged"] = H.max_diff(_weights(other), pristine) == 0.0
+    try:
+        FSDP2Engine(
+            H.engine_config(H.llama_config(num_key_value_heads=1), parallel=ParallelConfig(sp=2)), dev
+        )
+        out["sp_heads"] = "no error"
+    except ConfigError as exc:
+        out["sp_heads"] = str(exc)
+
+    # LoRA: only adapters train; merged weights stream; adapters export alone
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    le = FSDP2Engine(H.engine_config(H.llama_config(), lora=lora), dev)
+    base_before = {n: p.to_local().clone() for n, p in le.model.named_parameters() if "lora_" not in n}
+    lora_before = {n: p.to_local().clone() for n, p in le.model.named_parameters() if "lora_" in n}
+    _step(le, local1)
+    out["lora_base_same"] = all(
+        torch.equal(p.to_local(), base_before[n]) for n, p in le.model.named_parameters() if "lora_" not in n
+    )
+    out["lora_changed"] = all(
+        not torch.equal(p.to_local(), lora_before[n]) for n, p in le.model.named_parameters() if "lora_B" in n
+    )
+    lref = H.reference_model(H.llama_config(), 0, lora)
+    _, _, lref_w = H.reference_step(lref, gb1, H.engine_config(H.llama_config(), lora=lora))
+    out["lora_merged"] = H.max_diff(_weights(le), lref_w)
+    adir = FSDP2WeightLoader(dev).export_adapters(le, base / "adapters")
+    if rank == 0:
+        assert adir is not None
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(adir / "adapter_model.safetensors"))
+        out["adapter_tensors"] = len(tensors)
+        out["adapter_config"] = (adir / "adapter_config.json").is_file()
+
+    # Qwen3-MoE and a value model: the same step equivalence
+    moe = _equivalence(rank, world, H.qwen3_moe_config())
+    out.update({f"moe_{k}": v for k, v in moe.items()})
+    val = _equivalence(rank, world, H.llama_config(classifier_dropout=0.0), kind="value")
+    out.update({f"value_{k}": v for k, v in val.items()})
+    return out
+
+
+def job_single(rank: int, world: int, root: str, killed_root: str) -> dict[str, Any]:
+    """1 rank: resume the 2-rank checkpoint, the latest of a save killed midway, layout errors."""
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.checkpoint import CheckpointManager, latest
+    from underlay.interfaces import CheckpointError, ConfigError, ParallelConfig
+    from underlay.registry import get_device
+
+    dev = get_device("cpu")
+    out: dict[str, Any] = {}
+    base = Path(root)
+    engine = FSDP2Engine(H.engine_config(H.llama_config()), dev)
+    state = CheckpointManager(base / "ckpt", engine).load(base / "ckpt" / "step_1")
+    out["trainer_state"] = state["tag"]
+    expected = torch.load(base / "expected.pt", weights_only=True)
+    res, _ = _step(engine, H.global_batch(2))
+    out["resume1_loss"] = abs(res.metrics["loss"] - expected["loss2"])
+    out["resume1_weights"] = H.max_diff(_weights(engine), expected["w2"])
+
+    killed = CheckpointManager(killed_root, engine)
+    out["killed_latest"] = str(latest(killed_root))
+    out["killed_state"] = killed.load()["step"]
+    try:
+        killed.load(Path(killed_root) / "step_4")
+        out["incomplete"] = "no error"
+    except CheckpointError as exc:
+        out["incomplete"] = str(exc)
+    for name, par in (("tp", ParallelConfig(tp=2)), ("replicate", ParallelConfig(dp_replicate=2))):
+        try:
+            FSDP2Engine(H.engine_config(H.llama_config(), parallel=par), dev)
+            out[name] = "no error"
+        except ConfigError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def job_killed(rank: int, world: int, root: str) -> None:
+    """Save steps 1-3 (rotation keeps 2), then die inside the engine write of step 4."""
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.checkpoint import CheckpointManager
+    from underlay.registry import get_device
+
+    engine = FSDP2Engine(H.engine_config(H.llama_config()), get_device("cpu"))
+    manager = CheckpointManager(root, engine, max_to_keep=2)
+    for step in (1, 2, 3):
+        _step(engine, H.global_batch(step))
+        manager.save(step, {"step": step})
+    original = engine.save_checkpoint
+
+    def dying(directory: Path) -> None:
+        original(directory)
+        os._exit(3)
+
+    engine.save_checkpoint = dying  # type: ignore[method-assign]
+    manager.save(4, {"step": 4})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("fsdp2")
+    killed = tmp_path_factory.mktemp("killed")
+    with pytest.raises(ChildFailure):
+        run_distributed(job_killed, 1, str(killed), timeout_s=240)
+    pair = run_distributed(job_pair, 2, str(root), timeout_s=240)
+    single = run_distributed(job_single, 1, str(root), str(killed), timeout_s=240)
+    return {"pair": pair, "single": single[0], "killed": killed}
+
+
+def test_sharded_step_equals_reference(runs: dict[str, Any]) -> None:
+    for r in runs["pair"]:
+        assert r["micro_batches"] >= 2, "the test batch must be split into several micro-batches"
+        assert r["loss_tokens_ok"]
+        assert r["step_loss"] < TOL and r["step_norm"] < TOL and r["step_weights"] < TOL, r
+
+
+def test_moe_and_value_model_steps(runs: dict[str, Any]) -> None:
+    for r in runs["pair"]:
+        for p in ("moe", "value"):
+            assert r[f"{p}_loss"] < TOL and r[f"{p}_norm"] < TOL and r[f"{p}_weights"] < TOL, (p, r)
+            assert r[f"{p}_loss_tokens"] == 0
+
+
+def test_infer_and_iter_weights(runs: dict[str, Any]) -> None:
+    for r in runs["pair"]:
+        assert r["infer_logp"] < TOL and r["infer_entropy"] < TOL
+        assert r["iter_init"] == 0.0 and r["iter_names"]
+        assert r["buckets"] > 3 and r["bucket_max_bytes"] <= 8 << 10
+
+
+def test_resume_identical(runs: dict[str, Any]) -> None:
+    for r in runs["pair"]:
+        assert r["trainer_state"] and r["global_step"] == 1
+        assert r["resume_loss"] == 0.0 and r["resume_weights"] == 0.0
+    s = runs["single"]
+    assert s["trainer_state"] == "after-one"
+    assert s["resume1_loss"] < 1e-6 and s["resume1_weights"] < 1e-6
+
+
+def test_offload_onload_exact(runs: dict[str, Any]) -> None:
+    for r in runs["pair"]:
+        assert r["offloaded_grads_dropped"] and r["offload_exact"]
+
+
+def test_export_and_load_hf(runs: dict[str, Any]) -> None:
+    r0 = runs["pair"][0]
+    assert r0["export_files"] > 1 and r0["export_index"]
+    assert r0["export_hf"] == 0.0
+    for r in runs["pair"]:
+        assert r["load_hf"] == 0.0
+
+
+def test_lora_trains_adapters_only(runs: dict[str, Any]) -> None:
+    for r in runs["pair"]:
+        assert r["lora_base_same"] and r["lora_changed"]
+        assert r["lora_merged"] < TOL
+    assert runs["pair"][0]["adapter_tensors"] == 8 and runs["pair"][0]["adapter_config"]
+
+
+def test_bad_inputs_rejected_before_state_changes(runs: dict[str, Any]) -> None:
+    r = runs["pair"][0]
+    assert "another model" in r["ckpt_other"]
+    assert "shape mismatch" in r["hf_other"]
+    assert r["other_unchanged"]
+    assert "sp=2" in r["sp_heads"] and "num_key_value_heads=1" in r["sp_heads"]
+    s = runs["single"]
+    assert "use mcore for tp/pp/cp/ep" in s["tp"]
+    assert "not divisible by" in s["replicate"]
+    assert "COMPLETE" in s["incomplete"]
+
+
+def test_killed_save_leaves_previous_loadable(runs: dict[str, Any]) -> None:
+    from underlay.checkpoint import complete_checkpoints
+
+    killed = runs["killed"]
+    assert [s for s, _ in complete_checkpoints(killed)] == [2, 3]
+    assert (killed / "step_4.tmp").is_dir()
+    s = runs["single"]
+    assert s["killed_latest"].endswith("step_3") and s["killed_state"] == 3
+    assert not math.isnan(s["resume1_loss"])
