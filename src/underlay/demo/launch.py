@@ -54,7 +54,8 @@ def _worker(rank: int, cfg: DemoConfig, world: int, port: int, out_dir: str) -> 
 
         from underlay.demo.grpo import run_rank
 
-        transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar in the demo output
+        hf_logging: Any = transformers.utils.logging
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar in the demo output
         from underlay.parallel.distributed import init_distributed
 
         init_distributed(timeout_s=600.0)
