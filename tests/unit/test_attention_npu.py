@@ -40,7 +40,7 @@ def _spec(**kw: object) -> AttentionSpec:
 
 
 def test_supports() -> None:
-    kernel = NpuFusionAttention(registry.get_device("cpu"))
+    kernel = NpuFusionAttention(registry.get_device())
     assert kernel.supports(_spec()) == ()
     assert kernel.supports(_spec(dtype=torch.float32, window=(32, 0))) == ()
     for spec, reason in (
@@ -54,7 +54,7 @@ def test_supports() -> None:
 
 
 def test_cpu_tensors_are_refused_before_torch_npu_is_needed() -> None:
-    kernel = NpuFusionAttention(registry.get_device("cpu"))
+    kernel = NpuFusionAttention(registry.get_device())
     q = torch.randn(4, 2, 16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(UnsupportedOperation, match="runs on npu"):

@@ -36,7 +36,7 @@ def _cu(lens: list[int]) -> torch.Tensor:
 
 
 def test_varlen_path_choice() -> None:
-    kernel = TorchAttention(registry.get_device("cpu"))
+    kernel = TorchAttention(registry.get_device())
     has_varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
     path, why = kernel.varlen_path(_spec())
     assert (path == "varlen_attn") == has_varlen and bool(why) != has_varlen
@@ -51,7 +51,7 @@ def test_varlen_path_choice() -> None:
 
 
 def test_supports_reports_softcap_and_device() -> None:
-    kernel = TorchAttention(registry.get_device("cpu"))
+    kernel = TorchAttention(registry.get_device())
     assert kernel.supports(_spec()) == ()
     assert kernel.supports(_spec(device_type="cpu", dtype=torch.float64, window=(8, 0))) == ()
     assert any("softcap" in r for r in kernel.supports(_spec(softcap=30.0)))

@@ -90,7 +90,7 @@ VARLEN_BAD = [
 
 
 def _kernels() -> list[AttentionKernel]:
-    dev = registry.get_device("cpu")
+    dev = registry.get_device()
     return [EagerAttention(dev), TorchAttention(dev)]
 
 
