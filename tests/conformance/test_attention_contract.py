@@ -52,6 +52,7 @@ class Case:
     window: tuple[int, int] | None
     heads: int
     kv_heads: int
+    softcap: float | None = None
 
 
 CASES = [
@@ -60,6 +61,7 @@ CASES = [
     Case("causal-window", True, (48, 0), 4, 2),
     Case("bidirectional-window", False, (24, 12), 2, 2),
     Case("causal-mha", True, None, 2, 2),
+    Case("causal-softcap", True, None, 4, 2, softcap=5.0),  # only kernels with a softcap (flash-attn >= 2.6)
 ]
 
 
@@ -124,23 +126,21 @@ def test_varlen_matches_eager(name: str, case: Case, dtype: torch.dtype) -> None
     lens = _lengths(gen, dev)
     total, d = sum(lens), 64
     q, k, v = _inputs(gen, (total, case.heads, d), (total, case.kv_heads, d), d, dtype)
-    spec = attention_spec(q, k, v, "varlen", case.causal, case.window)
+    spec = attention_spec(q, k, v, "varlen", case.causal, case.window, case.softcap)
     _skip_unless_supported(kernel, spec)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     scale = 0.7 * d**-0.5
 
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
-    out = kernel.varlen(
-        q, k, v, cu, cu, max(lens), max(lens), causal=case.causal, window=case.window, scale=scale
-    )
+    opts = {"causal": case.causal, "window": case.window, "scale": scale, "softcap": case.softcap}
+    out = kernel.varlen(q, k, v, cu, cu, max(lens), max(lens), **opts)  # type: ignore[arg-type]
     assert out.dtype == dtype and out.shape == (total, case.heads, d)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dev)
     grads = _grads(out, dout, q, k, v)
 
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    ref = EagerAttention(registry.get_device()).varlen(
-        q64, k64, v64, cu, cu, max(lens), max(lens), causal=case.causal, window=case.window, scale=scale
-    )
+    eager = EagerAttention(registry.get_device())
+    ref = eager.varlen(q64, k64, v64, cu, cu, max(lens), max(lens), **opts)  # type: ignore[arg-type]
     ref_grads = _grads(ref, dout, q64, k64, v64)
     _close("out", out, ref, dtype)
     for gname, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
