@@ -47,20 +47,22 @@ def _snapshot(engine: Any) -> list[torch.Tensor]:
 def _equivalence(
     rank: int, world: int, hf_config: Any, kind: str = "causal_lm", **cfg: Any
 ) -> dict[str, float]:
-    """One sharded step on this rank's share vs the float64 reference on the whole batch."""
+    """One sharded step on this rank's data share vs the float64 reference on the whole batch (ranks
+    of one sp group share their data)."""
+    import copy
+
     from underlay.backends.fsdp2.engine import FSDP2Engine
     from underlay.interfaces import ModelConfig
     from underlay.registry import get_device
 
-    ec = H.engine_config(hf_config, **cfg)
     if kind == "value":
-        ec = H.engine_config(hf_config, model=ModelConfig(hf_config=hf_config, kind="value"))
+        cfg["model"] = ModelConfig(hf_config=hf_config, kind="value")
+    ec = H.engine_config(hf_config, **cfg)
     engine = FSDP2Engine(ec, get_device("cpu"))
+    sp = engine.layout.sp
     gb = H.global_batch(11)
     loss_fn = H.value_loss if kind == "value" else H.pg_loss
-    res, st = _step(engine, H.shard(gb, rank, world), loss_fn)
-    import copy
-
+    res, st = _step(engine, H.shard(gb, rank // sp, world // sp), loss_fn)
     ref = H.reference_model(copy.deepcopy(hf_config), 0, ec.model.lora, kind)
     loss, norm, ref_w = H.reference_step(ref, gb, ec, loss_fn, kind)
     return {
@@ -203,6 +205,11 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     out.update({f"moe_{k}": v for k, v in moe.items()})
     val = _equivalence(rank, world, H.llama_config(classifier_dropout=0.0), kind="value")
     out.update({f"value_{k}": v for k, v in val.items()})
+    # Ulysses sp=2 (both ranks consume the same data) and HSDP (replicate 2 x shard 1)
+    usp = _equivalence(rank, world, H.llama_config(), parallel=ParallelConfig(sp=2))
+    out.update({f"sp_{k}": v for k, v in usp.items()})
+    hsdp = _equivalence(rank, world, H.llama_config(), parallel=ParallelConfig(dp_replicate=2))
+    out.update({f"hsdp_{k}": v for k, v in hsdp.items()})
     return out
 
 
@@ -280,9 +287,9 @@ def test_sharded_step_equals_reference(runs: dict[str, Any]) -> None:
         assert r["step_loss"] < TOL and r["step_norm"] < TOL and r["step_weights"] < TOL, r
 
 
-def test_moe_and_value_model_steps(runs: dict[str, Any]) -> None:
+def test_moe_value_sp_hsdp_steps(runs: dict[str, Any]) -> None:
     for r in runs["pair"]:
-        for p in ("moe", "value"):
+        for p in ("moe", "value", "sp", "hsdp"):
             assert r[f"{p}_loss"] < TOL and r[f"{p}_norm"] < TOL and r[f"{p}_weights"] < TOL, (p, r)
             assert r[f"{p}_loss_tokens"] == 0
 
