@@ -1,0 +1,303 @@
+"""bf16 equivalence of the Hugging Face integration on the GPU (issue 5, item 6, GPU part).
+
+For tiny random models of every supported architecture, on cuda in bf16 with the kernels the registry
+picks there (attention: ``torch`` = varlen_attn/SDPA unless flash_attn is installed; log-prob:
+``triton``), compares against an fp32 eager padded forward of the *unpatched* model (ground truth):
+
+- ``ours``: ``prepare_model`` + ``packed_forward`` (packed THD, fused head), bf16;
+- ``hf``:   the unpatched model in bf16 with transformers' own ``sdpa`` padded forward and
+            ``logits.log_softmax`` -- the error a bf16 run has anyway.
+
+A row passes when our log-prob/entropy errors are within 1.5x (+ a small floor) of the ``hf`` bf16
+errors and the cosine of our parameter gradient (of a weighted log-prob loss) to the fp32 gradient is
+>= 0.99. Value models (token classification, ``num_labels=1``), the padded route (an attention mask
+through ``kernel.padded``) and TiledMLP (vs the plain MLP in bf16) are checked the same way.
+
+Run on the GPU host from the repo root::
+
+    PYTHONPATH=src python benchmarks/gpu/check_models_bf16.py
+
+Prints a table and writes ``$OUT/check_models_bf16.json`` (``--device cpu --quick`` is a smoke run).
+Exit status 1 when any row fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from underlay.models import TiledMLP, packed_forward, prepare_model
+from underlay.ops.packing import pad, unpad
+from underlay.registry import get_attention, get_logprob_kernel, resolve
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def tiny_config(arch: str, quick: bool) -> Any:
+    from transformers import AutoConfig
+
+    kw: dict[str, Any] = dict(
+        vocab_size=512 if quick else 4096,
+        hidden_size=64 if quick else 256,
+        intermediate_size=128 if quick else 688,
+        num_hidden_layers=2,
+        num_attention_heads=4 if quick else 8,
+        num_key_value_heads=2,
+        head_dim=16 if quick else 32,
+        max_position_embeddings=1024,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        kw.update(sliding_window=16)
+    elif arch == "qwen2":
+        kw.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    elif arch == "qwen3_moe":
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    cfg = AutoConfig.for_model(arch, **kw)
+    return cfg
+
+
+def build(arch: str, quick: bool, value: bool, device: torch.device) -> nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cfg = tiny_config(arch, quick)
+    torch.manual_seed(0)
+    if value:
+        cfg.num_labels = 1
+        model = AutoModelForTokenClassification.from_config(cfg, attn_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model.float().to(device).eval()
+
+
+def batch(quick: bool, device: torch.device, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = [23, 7, 16, 1] if quick else [300, 57, 129, 1, 211]
+    s = max(lens)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (len(lens), s), generator=g)
+    mask = torch.zeros(len(lens), s, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 1
+    return ids.to(device), mask.to(device)
+
+
+def padded_logprobs(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    lsm = logits.log_softmax(-1)
+    lp = torch.zeros(ids.shape, device=ids.device)
+    ent = torch.zeros(ids.shape, device=ids.device)
+    lp[:, 1:] = lsm[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    ent[:, 1:] = -(lsm.exp() * lsm).sum(-1)[:, :-1]
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    scored[:, 1:] = (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
+    return lp * scored, ent * scored
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat(
+        [p.grad.float().reshape(-1) for _, p in sorted(model.named_parameters()) if p.grad is not None]
+    )
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+def errs(x: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor) -> tuple[float, float]:
+    d = (x.detach().double() - ref.detach().double()).abs()[keep]
+    return float(d.max()), float(d.mean())
+
+
+def check_causal(arch: str, quick: bool, device: torch.device, attention: str | None) -> dict[str, Any]:
+    ref = build(arch, quick, False, device)
+    ids, mask = batch(quick, device, ref.config.vocab_size)
+    keep = mask.bool()
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)).to(device)
+
+    ref_lp, ref_ent = padded_logprobs(ref, ids, mask)
+    (ref_lp * w).sum().backward()
+    g_ref = flat_grad(ref)
+
+    hf = copy.deepcopy(ref).to(torch.bfloat16)
+    hf.zero_grad(set_to_none=True)
+    hf.set_attn_implementation("sdpa")
+    hf_lp, hf_ent = padded_logprobs(hf, ids, mask)
+    (hf_lp * w).sum().backward()
+    g_hf = flat_grad(hf)
+
+    ours = prepare_model(copy.deepcopy(ref).to(torch.bfloat16), attention=attention)
+    ours.zero_grad(set_to_none=True)
+    packed = unpad(ids, mask)
+    kernel = get_logprob_kernel()
+    out = packed_forward(ours, packed, logprob_kernel=kernel)
+    assert out.log_probs is not None and out.entropy is not None
+    lp, ent = pad(out.log_probs, packed), pad(out.entropy, packed)
+    (lp * w).sum().backward()
+    g_ours = flat_grad(ours)
+
+    # the padded route: the prepared model called with an attention mask (kernel.padded)
+    with torch.no_grad():
+        pad_lp, _ = padded_logprobs(ours, ids, mask)
+
+    row: dict[str, Any] = {"check": f"{arch} causal-lm", "logprob_kernel": kernel.name}
+    row["lp_max_ours"], row["lp_mean_ours"] = errs(lp, ref_lp, keep)
+    row["lp_max_hf"], row["lp_mean_hf"] = errs(hf_lp, ref_lp, keep)
+    row["ent_max_ours"], row["ent_mean_ours"] = errs(ent, ref_ent, keep)
+    row["ent_max_hf"], row["ent_mean_hf"] = errs(hf_ent, ref_ent, keep)
+    row["lp_max_padded_route"], row["lp_mean_padded_route"] = errs(pad_lp, ref_lp, keep)
+    row["grad_cos_ours"], row["grad_cos_hf"] = cosine(g_ours, g_ref), cosine(g_hf, g_ref)
+    row["ok"] = bool(
+        row["lp_mean_ours"] <= 1.5 * row["lp_mean_hf"] + 2e-3
+        and row["lp_max_ours"] <= 1.5 * row["lp_max_hf"] + 2e-2
+        and row["ent_mean_ours"] <= 1.5 * row["ent_mean_hf"] + 2e-3
+        and row["lp_mean_padded_route"] <= 1.5 * row["lp_mean_hf"] + 2e-3
+        and row["grad_cos_ours"] >= 0.99
+    )
+    return row
+
+
+def check_value(arch: str, quick: bool, device: torch.device, attention: str | None) -> dict[str, Any]:
+    ref = build(arch, quick, True, device)
+    ids, mask = batch(quick, device, ref.config.vocab_size)
+    keep = mask.bool()
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].float()
+    (want * keep).sum().backward()
+    g_ref = flat_grad(ref)
+    hf = copy.deepcopy(ref).to(torch.bfloat16)
+    hf.zero_grad(set_to_none=True)
+    hf.set_attn_implementation("sdpa")
+    hf_v = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].float()
+    ours = prepare_model(copy.deepcopy(ref).to(torch.bfloat16), attention=attention)
+    ours.zero_grad(set_to_none=True)
+    packed = unpad(ids, mask)
+    out = packed_forward(ours, packed)
+    assert out.values is not None
+    values = pad(out.values, packed)
+    values.sum().backward()
+    row: dict[str, Any] = {"check": f"{arch} value-model", "logprob_kernel": "-"}
+    row["lp_max_ours"], row["lp_mean_ours"] = errs(values, want, keep)
+    row["lp_max_hf"], row["lp_mean_hf"] = errs(hf_v, want, keep)
+    row["grad_cos_ours"] = cosine(flat_grad(ours), g_ref)
+    row["ok"] = bool(row["lp_mean_ours"] <= 1.5 * row["lp_mean_hf"] + 2e-3 and row["grad_cos_ours"] >= 0.99)
+    return row
+
+
+def check_tiled(quick: bool, device: torch.device) -> dict[str, Any]:
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    h, f, n = (64, 256, 512) if quick else (1024, 4096, 8192)
+    torch.manual_seed(0)
+    mlp = Qwen2MLP(Qwen2Config(hidden_size=h, intermediate_size=f)).to(device, torch.bfloat16)
+    x = torch.randn(1, n, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn(1, n, h, device=device, dtype=torch.bfloat16)
+    y = mlp(x)
+    (y.float() * up.float()).sum().backward()
+    gx, gp = x.grad.clone(), [p.grad.clone() for p in mlp.parameters()]  # type: ignore[union-attr]
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    yt = TiledMLP(mlp, 8)(x)
+    (yt.float() * up.float()).sum().backward()
+    assert x.grad is not None
+    fwd = float((yt.float() - y.float()).abs().max())
+    cos_x = cosine(x.grad.float().reshape(-1), gx.float().reshape(-1))
+    cos_p = min(
+        cosine(p.grad.float().reshape(-1), g.float().reshape(-1)) for p, g in zip(mlp.parameters(), gp)
+    )  # type: ignore[union-attr]
+    return {
+        "check": f"TiledMLP x8 ({n} tok, {h}->{f})",
+        "logprob_kernel": "-",
+        "lp_max_ours": fwd,
+        "grad_cos_ours": min(cos_x, cos_p),
+        "ok": bool(fwd <= 0.05 * float(y.float().abs().max()) and min(cos_x, cos_p) >= 0.999),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
+    ap.add_argument("--attention", default=None, help="attention backend (default: registry auto)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible; run on the GPU host (or --device cpu --quick for a smoke run)")
+        return 2
+    import transformers
+
+    probe_spec = None
+    try:
+        from underlay.interfaces import AttentionSpec
+
+        probe_spec = AttentionSpec(torch.bfloat16, 32, 8, 2, device.type, "varlen")
+        attn_name = get_attention(args.attention, spec=probe_spec).name
+    except Exception as exc:  # reported, the rows will fail with the real error
+        attn_name = f"unavailable: {exc}"
+    t0 = time.time()
+    rows: list[dict[str, Any]] = []
+    for arch in ARCHS:
+        rows.append(check_causal(arch, args.quick, device, args.attention))
+    for arch in ("llama", "qwen3_moe"):
+        rows.append(check_value(arch, args.quick, device, args.attention))
+    rows.append(check_tiled(args.quick, device))
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "attention_kernel": attn_name,
+        "logprob_backend": resolve("logprob").name,
+        "command": " ".join([sys.executable, *sys.argv]),
+        "seconds": round(time.time() - t0, 1),
+    }
+    print(
+        f"# {meta['device']} torch {meta['torch']} transformers {meta['transformers']} attention={attn_name}"
+    )
+    head = f"{'check':<34}{'lp max ours/hf':>22}{'lp mean ours/hf':>24}{'ent mean ours/hf':>24}{'grad cos ours/hf':>22}  ok"
+    print(head)
+    for r in rows:
+
+        def pair(a: str, b: str, r: dict[str, Any] = r) -> str:
+            x, y = r.get(a), r.get(b)
+            return (
+                f"{x:.2e}/{y:.2e}"
+                if x is not None and y is not None
+                else (f"{x:.2e}" if x is not None else "-")
+            )
+
+        cos = r.get("grad_cos_ours")
+        cos_s = f"{cos:.5f}" + (f"/{r['grad_cos_hf']:.5f}" if "grad_cos_hf" in r else "")
+        print(
+            f"{r['check']:<34}{pair('lp_max_ours', 'lp_max_hf'):>22}{pair('lp_mean_ours', 'lp_mean_hf'):>24}"
+            f"{pair('ent_mean_ours', 'ent_mean_hf'):>24}{cos_s:>22}  {'PASS' if r['ok'] else 'FAIL'}"
+        )
+    out_dir = os.environ.get("OUT", ".")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "check_models_bf16.json")
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=2)
+    print(f"wrote {path}; {sum(r['ok'] for r in rows)}/{len(rows)} pass")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
