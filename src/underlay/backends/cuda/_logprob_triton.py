@@ -220,7 +220,7 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
     GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    pid_v, offs_n, offs_v, z = _program_logits(
+    _pid_v, offs_n, offs_v, z = _program_logits(
         h_ptr, w_ptr, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
         BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION,
     )  # fmt: skip

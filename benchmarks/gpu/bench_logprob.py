@@ -1,0 +1,168 @@
+"""Fused linear -> log-prob + entropy, forward + backward, on one GPU (issue 9, item 5).
+
+Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as arguments):
+- ``triton``: underlay's TritonLogprobKernel (log-prob + entropy, both with upstream gradients);
+- ``triton_no_ent``: the same kernel with ``with_entropy=False``;
+- ``chunked_torch``: ``underlay.ops.linear_logprobs`` (log-prob + entropy);
+- ``naive_torch``: matmul, float, log_softmax, gather, entropy (materialises [N, V] fp32);
+- ``liger_flce``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss (loss only, reduction="sum"), when
+  ``liger_kernel`` is importable (carry its wheel);
+and the plain bf16 matmul rate ``N x H x V``. Each method: 2 warm-up calls (the first includes Triton's
+autotuning), then the median of 5 timed forward + backward calls (CUDA events); peak extra memory is
+``max_memory_allocated`` during one call minus the allocation before it (inputs excluded, gradients
+included).
+
+Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/bench_logprob.py``; prints a table and writes
+``$OUT/bench_logprob.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from underlay import registry
+from underlay.ops import linear_logprobs
+
+
+def timed(fn: Callable[[], None], reps: int = 5, warm: int = 2) -> tuple[float, float]:
+    """(median ms, peak extra GiB) of ``fn``."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), peak
+
+
+def main() -> None:
+    """Run all methods and print/write the table."""
+    n, h, v = (int(a) for a in sys.argv[1:4]) if len(sys.argv) >= 4 else (32768, 4096, 152064)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, device=dev, dtype=torch.bfloat16)
+    weight = (torch.randn(v, h, device=dev) * (2.5 / h**0.5)).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), device=dev)
+    labels[::17] = -100
+    g_lp, g_ent = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    hh, ww = hidden.requires_grad_(), weight.requires_grad_()
+    kernel = registry.get_logprob_kernel("triton")
+
+    def clear() -> None:
+        hh.grad = None
+        ww.grad = None
+
+    def ours(with_entropy: bool = True) -> Callable[[], None]:
+        def fn() -> None:
+            clear()
+            out = kernel(hh, ww, labels, with_entropy=with_entropy)
+            loss = (out.log_probs * g_lp).sum()
+            if out.entropy is not None:
+                loss = loss + (out.entropy * g_ent).sum()
+            loss.backward()
+
+        return fn
+
+    def ours_fwd() -> None:
+        with torch.no_grad():
+            kernel(hidden.detach(), weight.detach(), labels)
+
+    def chunked() -> None:
+        clear()
+        out = linear_logprobs(hh, ww, labels)
+        assert out.entropy is not None
+        ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+
+    def naive() -> None:
+        clear()
+        logits = (hh @ ww.T).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        valid = labels != -100
+        lp = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+        ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+
+    def matmul() -> None:
+        with torch.no_grad():
+            torch.mm(hidden.detach(), weight.detach().T)
+
+    methods: list[tuple[str, Callable[[], None], int]] = [
+        ("matmul_bf16", matmul, 1),
+        ("triton", ours(), 4),
+        ("triton_fwd_only", ours_fwd, 1),
+        ("triton_no_ent", ours(False), 4),
+    ]
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger_loss = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+        def liger() -> None:
+            clear()
+            liger_loss(ww, hh, labels).backward()
+
+        methods.append(("liger_flce", liger, 3))
+    except Exception as exc:  # report, keep benchmarking the rest
+        print(f"liger_kernel unavailable: {type(exc).__name__}: {exc}")
+    methods += [("chunked_torch", chunked, 4), ("naive_torch", naive, 4)]
+
+    flop = 2.0 * n * h * v
+    rows: dict[str, dict[str, Any]] = {}
+    for name, fn, gemms in methods:
+        try:
+            ms, gib = timed(fn)
+            rows[name] = {"ms": ms, "peak_extra_gib": gib, "tflops": gemms * flop / ms / 1e9, "gemms": gemms}
+        except torch.OutOfMemoryError as exc:
+            rows[name] = {"error": f"OOM: {str(exc)[:120]}"}
+        clear()
+        torch.cuda.empty_cache()
+    from underlay.backends.cuda import _logprob_triton as impl
+
+    info: dict[str, Any] = {
+        "shape": [n, h, v],
+        "torch": torch.__version__,
+        "triton": impl.triton.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
+        "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
+        "backward_plan(row_split, v_chunk)": impl.plan_backward(n, h, 2),
+        "results": rows,
+    }
+    for ref in ("liger_flce", "chunked_torch", "naive_torch"):
+        if "ms" in rows.get(ref, {}) and "ms" in rows["triton"]:
+            info[f"speedup_vs_{ref}"] = rows[ref]["ms"] / rows["triton"]["ms"]
+    print(f"shape N={n} H={h} V={v} bf16 | torch {torch.__version__} triton {impl.triton.__version__} | "
+          f"{torch.cuda.get_device_name()}")  # fmt: skip
+    print(f"{'method':>16} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} (gemms counted)")
+    for name, r in rows.items():
+        if "ms" in r:
+            print(f"{name:>16} {r['ms']:9.1f} {r['peak_extra_gib']:9.2f} {r['tflops']:8.0f} ({r['gemms']})")
+        else:
+            print(f"{name:>16} {r['error']}")
+    for key, val in info.items():
+        if key.startswith("speedup") or key.endswith("config") or key.startswith("backward"):
+            print(f"{key}: {val}")
+    with open(os.path.join(os.environ.get("OUT", "."), "bench_logprob.json"), "w") as f:
+        json.dump(info, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Correctness of the triton LogprobKernel on the GPU against a float64 reference (issue 9, item 4).
+
+For each issue shape (N, H, V) in bf16, and a few fp32/fp16 and strided cases, draws fresh random
+inputs, runs the kernel through ``underlay.get_logprob_kernel("triton")`` with random upstream gradients
+for both outputs, and compares log-probs, entropy and both gradients with a chunked float64 reference
+computed on the GPU (analytic gradients: dz = g_lp (onehot - p) - g_ent p (z - E_p[z]), divided by T).
+
+Pass criteria: log-prob |err| <= 1e-3 + 2e-4 |ref|, entropy |err| <= 5e-3 + 5e-4 |ref| elementwise;
+gradients: normwise relative error <= 2^-8 (bf16/fp16 rounding) or 1e-5 (fp32); ignored rows exactly 0.
+
+Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/check_logprob.py``; writes
+``$OUT/check_logprob.json`` (or ./check_logprob.json without $OUT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from underlay import registry
+from underlay.interfaces import IGNORE_INDEX
+
+SHAPES = [
+    (1937, 3584, 152064),
+    (2169, 896, 151936),
+    (1530, 2048, 32256),
+    (1388, 4096, 102400),
+    (8192, 4096, 102400),
+]
+
+
+def reference(
+    h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, t: float, g_lp: torch.Tensor, g_ent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 log-probs, entropy, grad_hidden, grad_weight (row chunks of at most 1 GiB of logits)."""
+    h64, w64 = h.double(), w.double()
+    n, v = h.shape[0], w.shape[0]
+    rows = max(1, (1 << 27) // v)
+    lp = torch.zeros(n, dtype=torch.float64, device=h.device)
+    ent = torch.zeros_like(lp)
+    gh = torch.zeros_like(h64)
+    gw = torch.zeros_like(w64)
+    valid = y != IGNORE_INDEX
+    for r0 in range(0, n, rows):
+        sl = slice(r0, min(n, r0 + rows))
+        z = h64[sl] @ w64.T / t
+        logp = torch.log_softmax(z, dim=-1)
+        p = logp.exp()
+        yy = y[sl].clamp(min=0)
+        ok = valid[sl]
+        lp[sl] = torch.where(ok, logp.gather(1, yy[:, None])[:, 0], 0.0)
+        ez = (p * z).sum(-1)
+        ent[sl] = torch.where(ok, torch.logsumexp(z, -1) - ez, 0.0)
+        a = torch.where(ok, g_lp[sl].double(), 0.0)[:, None]
+        b = torch.where(ok, g_ent[sl].double(), 0.0)[:, None]
+        dz = -p * (a + b * (z - ez[:, None]))
+        dz.scatter_add_(1, yy[:, None], a)
+        dz /= t
+        gh[sl] = dz @ w64
+        gw += dz.T @ h64[sl]
+        del z, logp, p, dz
+    return lp, ent, gh, gw
+
+
+def check(
+    n: int, hdim: int, v: int, dtype: torch.dtype, *, temperature: float = 1.0, strided: bool = False
+) -> dict[str, Any]:
+    """One case: error figures and pass flags."""
+    dev = torch.device("cuda")
+    kernel = registry.get_logprob_kernel("triton")
+    if strided:
+        h = torch.randn(hdim, n, device=dev).to(dtype).T
+        w = (torch.randn(v, 2 * hdim, device=dev) * (2.5 / hdim**0.5)).to(dtype)[:, ::2]
+    else:
+        h = torch.randn(n, hdim, device=dev).to(dtype)
+        w = (torch.randn(v, hdim, device=dev) * (2.5 / hdim**0.5)).to(dtype)
+    y = torch.randint(0, v, (n,), device=dev)
+    y[torch.rand(n, device=dev) < 0.1] = IGNORE_INDEX
+    g_lp, g_ent = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = kernel(hh, ww, y, temperature=temperature)
+    assert out.entropy is not None
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    assert hh.grad is not None and ww.grad is not None
+    rlp, rent, rgh, rgw = reference(h, w, y, temperature, g_lp, g_ent)
+    lp_err = (out.log_probs.double() - rlp).abs()
+    ent_err = (out.entropy.double() - rent).abs()
+    grad_tol = 1e-5 if dtype == torch.float32 else 2.0**-8
+
+    def rel(g: torch.Tensor, r: torch.Tensor) -> float:
+        return float((g.double() - r).norm() / r.norm())
+
+    ignored = y == IGNORE_INDEX
+    res: dict[str, Any] = {
+        "shape": [n, hdim, v],
+        "dtype": str(dtype).replace("torch.", ""),
+        "temperature": temperature,
+        "strided": strided,
+        "first_call_s": round(first_s, 2),
+        "lp_max_err": float(lp_err.max()),
+        "ent_max_err": float(ent_err.max()),
+        "lp_ok": bool((lp_err <= 1e-3 + 2e-4 * rlp.abs()).all()),
+        "ent_ok": bool((ent_err <= 5e-3 + 5e-4 * rent.abs()).all()),
+        "gh_rel": rel(hh.grad, rgh),
+        "gw_rel": rel(ww.grad, rgw),
+        "gh_rel_of_rounded_ref": rel(rgh.to(dtype), rgh),
+        "gw_rel_of_rounded_ref": rel(rgw.to(dtype), rgw),
+        "ignored_zero": bool(
+            (out.log_probs[ignored] == 0).all()
+            and (out.entropy[ignored] == 0).all()
+            and (hh.grad[ignored] == 0).all()
+        ),
+    }
+    res["grad_ok"] = res["gh_rel"] <= grad_tol and res["gw_rel"] <= grad_tol
+    res["ok"] = res["lp_ok"] and res["ent_ok"] and res["grad_ok"] and res["ignored_zero"]
+    del hh, ww, h, w, rgh, rgw
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> int:
+    """Run every case, print a table, write the JSON report; exit status 1 if any case fails."""
+    torch.manual_seed(0)
+    from underlay.backends.cuda import _logprob_triton as impl
+
+    print(f"torch {torch.__version__}  triton {impl.triton.__version__}  gpu {torch.cuda.get_device_name()}")
+    cases = [
+        check(n, h, v, torch.bfloat16, temperature=1.0 if i % 2 else 0.8)
+        for i, (n, h, v) in enumerate(SHAPES)
+    ]
+    cases.append(check(1000, 1024, 32000, torch.float32, temperature=0.7))
+    cases.append(check(1000, 1000, 32003, torch.float16))
+    cases.append(check(777, 1024, 50000, torch.bfloat16, strided=True))
+    cases.append(check(333, 4096, 152064, torch.bfloat16, temperature=1.3))
+    cases.append(check(20000, 4096, 32256, torch.bfloat16))  # several backward row splits
+    print(f"{'N,H,V':>22} {'dtype':>8} {'T':>4} {'lp err':>9} {'ent err':>9} {'gh rel':>9} {'gw rel':>9} "
+          f"{'(bf16 ref)':>10} ok")  # fmt: skip
+    for c in cases:
+        print(
+            f"{','.join(map(str, c['shape'])):>22} {c['dtype']:>8} {c['temperature']:>4} "
+            f"{c['lp_max_err']:9.2e} {c['ent_max_err']:9.2e} {c['gh_rel']:9.2e} {c['gw_rel']:9.2e} "
+            f"{c['gh_rel_of_rounded_ref']:10.2e} {c['ok']}"
+        )
+    info = {
+        "torch": torch.__version__,
+        "triton": impl.triton.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
+        "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
+        "cases": cases,
+    }
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "check_logprob.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    ok = all(c["ok"] for c in cases)
+    print("ALL OK" if ok else "SOME CASES FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
