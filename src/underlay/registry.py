@@ -559,16 +559,15 @@ def _auto(kind: str, device: str | None, attn: AttentionSpec | None) -> Selectio
         if device is not None and not spec.works_with(device):
             skipped.append(f"{spec.name}: needs device {list(spec.devices)}")
             continue
-        if attn is not None:
-            reasons = _build(kind, spec.name, None).supports(attn)
-            if reasons:
-                skipped.append(f"{spec.name}: {'; '.join(reasons)}")
-                continue
-        if kind == "device":
+        if kind == "device" or attn is not None:
+            # Building is the deeper check (an extension that fails to import, no visible hardware).
             try:
-                _build(kind, spec.name, None)
+                built = _build(kind, spec.name, None)
             except BackendUnavailable as exc:
                 skipped.append(f"{spec.name}: {exc.reason}")
+                continue
+            if attn is not None and (reasons := built.supports(attn)):
+                skipped.append(f"{spec.name}: {'; '.join(reasons)}")
                 continue
         why = f"highest priority available ({spec.priority})" + (f"; skipped {skipped}" if skipped else "")
         log.info("underlay: auto-selected %s backend %r: %s", kind, spec.name, why)
