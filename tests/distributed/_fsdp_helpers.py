@@ -152,7 +152,7 @@ def reference_model(
             )
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner.set_attn_implementation("eager")
-    if getattr(inner.config, "num_experts", None):
+    if getattr(inner.config, "num_experts", None) and hasattr(inner, "set_experts_implementation"):
         inner.set_experts_implementation("eager")  # grouped_mm has no float64
     return model.double()
 

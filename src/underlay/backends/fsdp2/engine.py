@@ -445,7 +445,9 @@ class FSDP2Engine:
     def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) fp32 parameters with Hugging Face names, one at a time; LoRA adapters are
         merged into their base weights (``W + scaling * B @ A``) and not yielded themselves.
-        Collective: every rank iterates and receives every tensor, on the compute device."""
+        Collective: every rank iterates and receives every tensor, on the compute device. On a
+        world of 1 a tensor may share storage with the live parameter: clone it to keep it across
+        optimizer steps."""
         self._ensure_onloaded("weights")
         self._reshard()
         lora = _lora_modules(self._model)
