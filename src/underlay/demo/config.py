@@ -33,16 +33,16 @@ class DemoConfig:
     trace is written (``None``: step 1, or 0 with fewer than 3 steps). Outputs go under ``out_dir``.
     """
 
-    steps: int = 8
+    steps: int = 12
     model_size: Literal["tiny", "small"] = "tiny"
     out_dir: str = "underlay_out"
     seed: int = 0
     world_size: int = 2
     prompts_per_step: int = 8
-    responses_per_prompt: int = 4
+    responses_per_prompt: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    lr: float = 2e-3
+    lr: float = 3e-3
     clip_eps: float = 0.2
     micro_batch_max_tokens: int = 256
     profile_step: int | None = None

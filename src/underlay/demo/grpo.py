@@ -47,7 +47,10 @@ from underlay.interfaces import (
     TokenOutputs,
 )
 
-__all__ = ["CONSOLE_KEYS", "PolicyLoss", "run_rank"]
+__all__ = ["CONSOLE_KEYS", "RESUME_RTOL_ACCELERATOR", "PolicyLoss", "run_rank"]
+
+RESUME_RTOL_ACCELERATOR = 1e-3
+"""Largest relative loss/grad-norm difference of the redone step accepted on an accelerator."""
 
 CONSOLE_KEYS = (
     "loss",
@@ -176,6 +179,8 @@ class _Trainer:
             cfg.model_size, len(self.tok), self.tok.pad_token_id, self.tok.bos_token_id, self.tok.eos_token_id
         )
         accel = device.is_accelerator
+        if accel:  # reproducible resume: no nondeterministic scatter/atomic kernels where avoidable
+            torch.use_deterministic_algorithms(True, warn_only=True)
         self.param_dtype = "bfloat16" if accel else "float32"
         self.dtype = torch.bfloat16 if accel else torch.float32
         self.engine: ParallelEngine = underlay.get_engine(
@@ -475,7 +480,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
     redo = tr.step(redo_step, _noop_profiler(cfg, out))
     progress.update("resume check")
     progress.close()
-    resume = {
+    resume: dict[str, Any] = {
         "checkpoint": str(ckpt_path),
         "step": redo_step,
         "loss": first["loss"],
@@ -483,7 +488,13 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
         "grad_norm": first["grad_norm"],
         "grad_norm_after_reload": redo["grad_norm"],
         "identical": redo["loss"] == first["loss"] and redo["grad_norm"] == first["grad_norm"],
+        "max_rel_diff": max(_rel(redo["loss"], first["loss"]), _rel(redo["grad_norm"], first["grad_norm"])),
     }
+    # cpu: bit-identical. Accelerators: deterministic algorithms are on, but fused kernels may still
+    # accumulate in a different order, so a relative difference up to RESUME_RTOL_ACCELERATOR passes.
+    resume["ok"] = resume["identical"] or (
+        device.is_accelerator and resume["max_rel_diff"] <= RESUME_RTOL_ACCELERATOR
+    )
     export = tr.export_and_compare(last_batch)
     tracker.close()
     summary: dict[str, Any] = {}
@@ -507,7 +518,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             "wall_s": time.perf_counter() - t_start,
         }
         _write_json(out / "summary.json", summary)
-    if not resume["identical"]:
+    if not resume["ok"]:
         raise CheckpointError(
             f"resume check failed: step {redo_step} after reloading {ckpt_path} gave loss "
             f"{redo['loss']!r} / grad norm {redo['grad_norm']!r}, first run {first['loss']!r} / "
@@ -520,6 +531,12 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             f"{export['max_abs_logit_diff']:.3g} (> {tol}); see {export['path']}"
         )
     return summary
+
+
+def _rel(a: float, b: float) -> float:
+    """``|a - b| / max(|a|, |b|)`` (0 when both are 0)."""
+    scale = max(abs(a), abs(b))
+    return 0.0 if scale == 0 else abs(a - b) / scale
 
 
 def _noop_profiler(cfg: DemoConfig, out: Path) -> Profiler:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ def _worker(rank: int, cfg: DemoConfig, world: int, port: int, out_dir: str) -> 
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (resume check)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         import transformers
@@ -114,6 +116,7 @@ def launch(cfg: DemoConfig) -> dict[str, Any]:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
+    t0 = time.perf_counter()
     try:
         spawn.start_processes(
             _worker, args=(cfg, world, free_port(), str(out)), nprocs=world, join=True, start_method="spawn"
@@ -121,6 +124,7 @@ def launch(cfg: DemoConfig) -> dict[str, Any]:
     except (spawn.ProcessRaisedException, spawn.ProcessExitedException) as exc:
         _raise_child_error(out, exc)
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    summary["launch_wall_s"] = time.perf_counter() - t0
     return summary
 
 
@@ -137,7 +141,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     head = (
         f"underlay demo: {len(hist)} GRPO steps, Qwen3-shaped {cfg['model_size']} model "
         f"({summary['parameters'] / 1e6:.2f} M params), {summary['engine']} on {summary['world_size']} x "
-        f"{summary['device']} ({summary['device_model']}, {summary['param_dtype']}), {summary['wall_s']:.1f} s"
+        f"{summary['device']} ({summary['device_model']}, {summary['param_dtype']}), {summary['wall_s']:.1f} s in the workers"
+        + (f", {summary['launch_wall_s']:.1f} s with process start" if "launch_wall_s" in summary else "")
     )
     cols = [
         ("step", "step", "d"),
@@ -159,7 +164,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [head, ""]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     r, e = summary["resume"], summary["export"]
-    verdict = "identical" if r["identical"] else "DIFFERENT"
+    verdict = (
+        "identical"
+        if r["identical"]
+        else f"equal within {r['max_rel_diff']:.2g} (relative)"
+        if r["ok"]
+        else f"DIFFERENT ({r['max_rel_diff']:.2g} relative)"
+    )
     lines += [
         "",
         f"resume:  step {r['step']} redone after reloading {r['checkpoint']}: loss {r['loss']!r} vs "
