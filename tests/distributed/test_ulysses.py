@@ -90,8 +90,25 @@ def _check_model(arch: str, heads: int, kv_heads: int, value: bool) -> None:
         torch.testing.assert_close(grad, single_grads[name], atol=2e-5, rtol=1e-4, msg=f"{arch}: {name}")
 
 
+def _check_padded_input_is_refused_and_tiny_batches_work() -> None:
+    from tests.unit.models._tiny import logprob_kernel, padded_batch, tiny_model
+    from underlay.interfaces import UnsupportedOperation
+    from underlay.models import packed_forward, prepare_model
+    from underlay.ops.packing import unpad
+
+    model = prepare_model(tiny_model("qwen3"), attention="eager", sp_group=dist.group.WORLD)
+    ids, mask = padded_batch([5, 3], 5)
+    with pytest.raises(UnsupportedOperation, match="packed input"):
+        model(input_ids=ids, attention_mask=mask)
+    one = unpad(ids[:1, :1], mask[:1, :1])  # a single token: padded to one per rank
+    out = packed_forward(model, one, logprob_kernel=logprob_kernel())
+    assert out.log_probs is not None and out.log_probs.tolist() == [0.0]
+    out.log_probs.sum().backward()
+
+
 def _worker(rank: int, world: int) -> int:
     _check_primitives(rank, world)
+    _check_padded_input_is_refused_and_tiny_batches_work()
     for case in CASES:
         _check_model(*case)
     return len(CASES)

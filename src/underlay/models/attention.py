@@ -219,7 +219,7 @@ def underlay_attention_forward(
         needs_grad,
     )
     total = int(q.shape[0])
-    if int(cu[-1]) != total:
+    if cu.device.type == "cpu" and int(cu[-1]) != total:  # (no per-layer device sync on accelerators)
         raise InvalidInput(
             f"underlay attention: cu_seqlens ends at {int(cu[-1])} but the packed input has {total} tokens "
             f"(over sp={sp} ranks); pass the boundaries of the whole packed sequence"

@@ -101,3 +101,21 @@ def test_no_grad_is_a_plain_call_and_bad_tiles_raise() -> None:
         apply_tiled_mlp(mlp, -2)
     with pytest.raises(InvalidInput, match="tiles"):
         tiled_forward(mlp, x, 0, [])
+
+
+def test_tiling_under_activation_checkpointing_keeps_grads() -> None:
+    """HF gradient checkpointing re-runs each decoder layer (tiled MLP included) in backward."""
+    ref = tiny_model("llama")
+    plain = prepare_model(clone(ref), attention="eager")
+    ckpt = prepare_model(clone(ref), attention="eager", tiled_mlp_tiles=2)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask = padded_batch([6, 4], 6)
+    packed = unpad(ids, mask)
+    for model in (plain, ckpt):
+        model.train()
+        out = packed_forward(model, packed, logprob_kernel=logprob_kernel())
+        assert out.log_probs is not None
+        out.log_probs.sum().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        assert a.grad is not None and b.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
