@@ -51,7 +51,7 @@ def _validate(weights: Sequence[float], k: int, equal_size: bool, what: str) -> 
             f"{what}: equal_size=True needs k to divide the item count, but {n} % {k} = {n % k}; "
             "pad the batch or use equal_size=False"
         )
-    if any(not math.isfinite(x) or x < 0 for x in w):
+    if min(w) < 0 or not math.isfinite(sum(w)):  # a sum of values >= 0 is finite iff all are
         bad = next(x for x in w if not math.isfinite(x) or x < 0)
         raise InvalidInput(f"{what}: weight {bad} is negative or not finite; weights are sizes >= 0")
     return w
@@ -199,17 +199,25 @@ def _lpt(w: list[float], k: int, equal_size: bool) -> list[list[int]]:
     cap = len(w) // k if equal_size else len(w)
     heap = [(0.0, j) for j in range(k)]
     parts: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(len(w)), key=lambda i: -w[i]):
-        load, j = heapq.heappop(heap)
-        parts[j].append(i)
-        if len(parts[j]) < cap:
-            heapq.heappush(heap, (load + w[i], j))
+    order = sorted(range(len(w)), key=w.__getitem__, reverse=True)
+    if cap == len(w):  # unbounded bins: the lightest bin always takes the next item
+        for i in order:
+            load, j = heap[0]
+            parts[j].append(i)
+            heapq.heapreplace(heap, (load + w[i], j))
+    else:
+        for i in order:
+            load, j = heapq.heappop(heap)
+            parts[j].append(i)
+            if len(parts[j]) < cap:
+                heapq.heappush(heap, (load + w[i], j))
     return [sorted(p) for p in parts]
 
 
 def partition_loads(weights: Sequence[float], partitions: Sequence[Sequence[int]]) -> list[float]:
     """Sum of ``weights`` in each partition (for quality checks and logging)."""
-    return [float(sum(weights[i] for i in p)) for p in partitions]
+    get = weights.__getitem__
+    return [float(sum(map(get, p))) for p in partitions]
 
 
 def _max_load(w: list[float], parts: list[list[int]]) -> float:

@@ -99,7 +99,7 @@ def _chunk_forward(
         local, inside = _local_labels(labels, offset, z.shape[-1])
         picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1)
         parts.append(torch.where(inside, picked, torch.zeros_like(picked)))
-    e = z.exp()
+    e = z.exp() if with_entropy else z.exp_()  # without entropy z is no longer needed: reuse it
     parts.insert(0, e.sum(dim=-1))
     if with_entropy:
         parts.append(e.mul_(z).sum(dim=-1))  # sum exp(z-m) * (z-m)
@@ -129,13 +129,13 @@ def _chunk_grad(
     d logp_y / dz_j = [j == y] - p_j;   d H / dz_j = -p_j (log p_j + H).
     """
     z.sub_(lse.unsqueeze(-1))  # log p
-    p = z.exp()
     coef = torch.zeros_like(lse) if g_lp is None else g_lp
     if g_ent is not None and entropy is not None:
+        p = z.exp()
         z.add_(entropy.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(coef.unsqueeze(-1))
         grad = p.mul_(z).neg_()
     else:
-        grad = p.mul_(-coef.unsqueeze(-1))
+        grad = z.exp_().mul_(-coef.unsqueeze(-1))  # one fp32 buffer: p in place
     if labels is not None and g_lp is not None:
         local, inside = _local_labels(labels, offset, grad.shape[-1])
         grad.scatter_add_(

@@ -19,12 +19,16 @@ class TorchLogprobKernel:
     """``LogprobKernel`` in plain torch, chunked over ``chunk_size`` tokens (forward and backward).
 
     ``device`` is the underlay ``Device`` the kernel runs on (kept for reporting; inputs may live on
-    any device as long as they agree). ``chunk_size`` bounds the fp32 ``[chunk, V_local]`` buffers.
+    any device as long as they agree). ``chunk_size`` is the number of tokens per chunk; ``None``
+    (default) picks ``CHUNK_ELEMENTS // V_local`` tokens (at least 1, at most 16384) so that one fp32
+    ``[chunk, V_local]`` buffer is about 256 MiB whatever the vocabulary size.
     """
 
-    def __init__(self, device: Device, chunk_size: int = 4096) -> None:
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise InvalidInput(f"TorchLogprobKernel: chunk_size={chunk_size!r} must be an int >= 1")
+    CHUNK_ELEMENTS = 1 << 26
+
+    def __init__(self, device: Device, chunk_size: int | None = None) -> None:
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise InvalidInput(f"TorchLogprobKernel: chunk_size={chunk_size!r} must be an int >= 1 or None")
         self.device = device
         self.chunk_size = chunk_size
 
@@ -51,9 +55,16 @@ class TorchLogprobKernel:
             labels,
             temperature=temperature,
             with_entropy=with_entropy,
-            chunk_size=self.chunk_size,
+            chunk_size=self.chunk_for(weight),
             vocab_group=vocab_group,
         )
+
+    def chunk_for(self, weight: torch.Tensor) -> int:
+        """Tokens per chunk for a ``[V_local, H]`` weight (the fixed ``chunk_size`` when given)."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 1
+        return min(16384, max(1, self.CHUNK_ELEMENTS // max(vocab, 1)))
 
     def __repr__(self) -> str:
         return f"TorchLogprobKernel(device={getattr(self.device, 'name', self.device)!r}, chunk_size={self.chunk_size})"
