@@ -39,8 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.distributed import _fsdp_helpers as H  # noqa: E402
-from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch  # noqa: E402
+from tests.distributed import _fsdp_helpers as H
+
+from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch
 
 
 def tiny(arch: str, quick: bool) -> Any:

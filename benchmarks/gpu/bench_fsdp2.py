@@ -1,0 +1,307 @@
+"""FSDP2 engine training throughput vs plain transformers (issue 10, item 6; dp=2 part of issue 8).
+
+Model: Qwen2-shaped 1.5B, random init (vocab 151936, hidden 1536, 28 layers, 12 q / 2 kv heads, ffn
+8960, tied embeddings). Data: a long-tailed GRPO-like length mix (prompts 64-512 tokens, responses
+log-normal with median 700 tokens, capped so a sequence has at most 8192 tokens), the same sequences
+for both contenders, a policy-gradient token-mean loss over the response tokens.
+
+- ``fsdp2``: ``underlay.get_engine``-built FSDP2 engine, bf16 compute / fp32 master weights and
+  reduction, packed (padding-free) micro-batches of at most 16384 real tokens, the cuda attention
+  (varlen) and fused Triton log-prob head, activation checkpointing (``--no-act-ckpt`` to disable),
+  fused AdamW.
+- ``hf``: plain transformers: the fp32 model under bf16 autocast, SDPA, padded micro-batches of the
+  same sequences in dataset order (as many as fit 16384 padded tokens), ``logits.float().log_softmax``,
+  fused AdamW, no activation checkpointing (``--baseline-act-ckpt`` to enable). Only when world size 1.
+
+Reports real (non-padding) tokens/s, MFU (``ops.FlopsCounter`` over the real tokens / the device's
+dense bf16 peak) and peak allocated memory, averaged over ``--steps`` timed steps after a warm-up.
+Goals: fsdp2 >= 50% MFU, >= 2x hf tokens/s, <= 0.5x hf peak memory.
+
+Run on the GPU host from the repo root (one H200, well under 5 minutes)::
+
+    PYTHONPATH=src python benchmarks/gpu/bench_fsdp2.py
+
+Under ``torchrun --nproc_per_node 2`` (weak scaling: every rank its own sequences of the same mix)
+it measures fsdp2 at dp=2 and writes ``fsdp2_bench_dp2.json``; ``multigpu/run_all.sh`` derives the
+scaling efficiency from that and the 1-GPU run. Prints a table; writes ``$OUT/fsdp2_bench.json``.
+``--device cpu --quick`` is a smoke run with a tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+
+MAX_TOKENS = 16384
+
+
+def model_config(quick: bool) -> Any:
+    from transformers import Qwen2Config
+
+    if quick:
+        return Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+    )
+
+
+def length_mix(n: int, seed: int, quick: bool) -> list[int]:
+    """Long-tailed GRPO-like lengths: prompt U[64, 512] + log-normal response (median 700)."""
+    g = torch.Generator().manual_seed(seed)
+    if quick:
+        return [int(x) for x in torch.randint(8, 120, (n,), generator=g)]
+    prompt = torch.randint(64, 513, (n,), generator=g)
+    resp = torch.exp(math.log(700.0) + 0.9 * torch.randn(n, generator=g)).long().clamp(16)
+    return [int(min(8192, p + r)) for p, r in zip(prompt.tolist(), resp.tolist())]
+
+
+def make_batch(lens: list[int], vocab: int, seed: int) -> TokenBatch:
+    g = torch.Generator().manual_seed(seed + 1000)
+    s = max(lens)
+    pos = torch.arange(s)[None]
+    t_lens = torch.tensor(lens)[:, None]
+    attn = (pos < t_lens).long()
+    ids = torch.randint(0, vocab, (len(lens), s), generator=g) * attn
+    prompt = torch.clamp(t_lens // 3, max=512)
+    loss_mask = ((pos >= prompt) & (attn == 1)).long()
+    return TokenBatch(ids, attn, loss_mask, {"advantages": torch.randn(len(lens), generator=g)})
+
+
+def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    assert outputs.log_probs is not None
+    mask = batch.loss_mask.to(outputs.log_probs.dtype)
+    adv = batch.extras["advantages"].to(outputs.log_probs.dtype)[:, None]
+    return (-(adv * outputs.log_probs) * mask).sum(), {}
+
+
+def bench_engine(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any) -> dict[str, Any]:
+    from underlay.registry import get_engine
+
+    ec = EngineConfig(
+        model=ModelConfig(hf_config=cfg, seed=0),
+        optim=OptimConfig(lr=1e-6, grad_clip=1.0),
+        micro_batch_max_tokens=MAX_TOKENS if not args.quick else 256,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        activation_checkpointing=not args.no_act_ckpt,
+        with_entropy=False,
+        options={"fused_adamw": True},
+    )
+    t0 = time.perf_counter()
+    engine = get_engine(ec)
+    build_s = time.perf_counter() - t0
+    dev.synchronize()
+    dev.empty_cache()
+    dev.reset_peak_memory_stats()
+    times: list[float] = []
+    mbs = 0
+    for step in range(args.steps + 1):
+        dev.synchronize()
+        t = time.perf_counter()
+        res = engine.forward_backward(batch, pg_loss)
+        engine.optimizer_step()
+        dev.synchronize()
+        if step:
+            times.append(time.perf_counter() - t)
+        mbs = res.num_micro_batches
+    peak = dev.memory_stats().peak_allocated
+    del engine
+    gc.collect()
+    dev.empty_cache()
+    return {"times": times, "peak": peak, "build_s": build_s, "micro_batches": mbs}
+
+
+def baseline_micro_batches(lens: list[int]) -> list[list[int]]:
+    """Dataset order; as many sequences as fit MAX_TOKENS padded tokens (at least one)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i, n in enumerate(lens):
+        if cur and (len(cur) + 1) * max(n, *(lens[j] for j in cur)) > MAX_TOKENS:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def bench_hf(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    device = dev.torch_device() if dev.is_accelerator else torch.device("cpu")
+    t0 = time.perf_counter()
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    build_s = time.perf_counter() - t0
+    if args.baseline_act_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=dev.is_accelerator)
+    plan = baseline_micro_batches(lens)
+    batch = batch.to(device)
+    n_loss = float(batch.loss_mask.sum())
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    dev.synchronize()
+    dev.empty_cache()
+    dev.reset_peak_memory_stats()
+    times: list[float] = []
+    for step in range(args.steps + 1):
+        dev.synchronize()
+        t = time.perf_counter()
+        for idx in plan:
+            sub = batch.select(idx)
+            s = int(sub.attention_mask.sum(1).max())
+            ids, attn, lm = sub.input_ids[:, :s], sub.attention_mask[:, :s], sub.loss_mask[:, :s]
+            with amp:
+                logits = model(input_ids=ids, attention_mask=attn).logits
+            lsm = logits.float().log_softmax(-1)
+            lp = lsm[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+            adv = sub.extras["advantages"][:, None]
+            loss = (-(adv * lp) * lm[:, 1:]).sum() / n_loss
+            loss.backward()
+            del logits, lsm, lp, loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dev.synchronize()
+        if step:
+            times.append(time.perf_counter() - t)
+    peak = dev.memory_stats().peak_allocated
+    padded = sum(len(idx) * max(lens[i] for i in idx) for idx in plan)
+    del model, opt
+    gc.collect()
+    dev.empty_cache()
+    return {"times": times, "peak": peak, "build_s": build_s, "micro_batches": len(plan), "padded": padded}
+
+
+def summarise(
+    name: str, r: dict[str, Any], lens: list[int], flops: float, peak_flops: float | None, world: int
+) -> dict[str, Any]:
+    step_s = sum(r["times"]) / len(r["times"])
+    tokens = sum(lens)
+    row = {
+        "name": name,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_s_total": tokens * world / step_s,
+        "mfu": (flops / step_s / peak_flops) if peak_flops else None,
+        "peak_gib": r["peak"] / 2**30,
+        "micro_batches": r["micro_batches"],
+        "build_s": r["build_s"],
+    }
+    if "padded" in r:
+        row["padding_fraction"] = 1 - tokens / r["padded"]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sequences", type=int, default=64, help="sequences per rank and step")
+    ap.add_argument("--no-act-ckpt", action="store_true")
+    ap.add_argument("--baseline-act-ckpt", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    from underlay.ops import FlopsCounter
+    from underlay.parallel.distributed import init_distributed
+    from underlay.registry import get_device
+
+    dev = get_device(args.device)
+    env = init_distributed(dev)
+    rank, world = env.rank, env.world_size
+    cfg = model_config(args.quick)
+    lens = length_mix(args.sequences, seed=rank, quick=args.quick)
+    batch = make_batch(lens, cfg.vocab_size, seed=rank)
+    flops = FlopsCounter(cfg).estimate_flops(lens)
+    peak_flops = dev.peak_flops(torch.bfloat16)
+    rows = [summarise("fsdp2", bench_engine(cfg, batch, lens, args, dev), lens, flops, peak_flops, world)]
+    if world == 1 and not args.no_baseline:
+        rows.append(summarise("hf", bench_hf(cfg, batch, lens, args, dev), lens, flops, peak_flops, world))
+    if world > 1:  # the slowest rank sets the pace
+        t = torch.tensor(
+            [rows[0]["step_s"]],
+            dtype=torch.float64,
+            device=dev.torch_device() if dev.is_accelerator else "cpu",
+        )
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        rows[0]["step_s_max_rank"] = float(t.item())
+        rows[0]["tokens_per_s_total"] = sum(lens) * world / float(t.item())
+    result: dict[str, Any] = {
+        "rows": rows,
+        "world_size": world,
+        "real_tokens_per_rank_step": sum(lens),
+        "sequences_per_rank": len(lens),
+        "max_len": max(lens),
+        "mean_len": sum(lens) / len(lens),
+        "device": dev.model_name() if dev.is_accelerator else platform.processor(),
+        "peak_tflops": peak_flops / 1e12 if peak_flops else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "args": vars(args),
+    }
+    if len(rows) == 2:
+        ours, hf = rows
+        result["speedup"] = ours["tokens_per_s"] / hf["tokens_per_s"]
+        result["memory_ratio"] = ours["peak_gib"] / hf["peak_gib"]
+        result["goals"] = {
+            "mfu>=0.50": bool(ours["mfu"] is not None and ours["mfu"] >= 0.5),
+            "speedup>=2": bool(result["speedup"] >= 2.0),
+            "memory<=0.5": bool(result["memory_ratio"] <= 0.5),
+        }
+    if rank == 0:
+        print(f"world {world}; {len(lens)} seqs/rank, {sum(lens)} real tokens/rank/step, max {max(lens)}")
+        print(f"{'':<6} {'step_s':>8} {'tok/s/gpu':>10} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'mbs':>4}")
+        for r in rows:
+            mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "  n/a"
+            print(
+                f"{r['name']:<6} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tokens_per_s_total']:>10.0f} "
+                f"{mfu:>6} {r['peak_gib']:>9.2f} {r['micro_batches']:>4}"
+            )
+        if "speedup" in result:
+            print(
+                f"speedup {result['speedup']:.2f}x, memory ratio {result['memory_ratio']:.2f}, goals {result['goals']}"
+            )
+        out_dir = Path(os.environ.get("OUT", "."))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        name = "fsdp2_bench.json" if world == 1 else f"fsdp2_bench_dp{world}.json"
+        (out_dir / name).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
