@@ -100,6 +100,15 @@ def _check_padded_input_is_refused_and_tiny_batches_work() -> None:
     ids, mask = padded_batch([5, 3], 5)
     with pytest.raises(UnsupportedOperation, match="packed input"):
         model(input_ids=ids, attention_mask=mask)
+    # the model called directly on this rank's slice of packed input: boundaries come from the
+    # position ids gathered over the group
+    ref = prepare_model(tiny_model("qwen3"), attention="eager")  # one process, whole packed input
+    packed = unpad(ids, mask)  # 8 tokens, 4 per rank
+    rank = dist.get_rank()
+    local = slice(4 * rank, 4 * rank + 4)
+    got = model(input_ids=packed.input_ids[None, local], position_ids=packed.position_ids[None, local])
+    want = ref(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None])
+    torch.testing.assert_close(got.logits[0], want.logits[0, local], atol=1e-5, rtol=1e-5)
     one = unpad(ids[:1, :1], mask[:1, :1])  # a single token: padded to one per rank
     out = packed_forward(model, one, logprob_kernel=logprob_kernel())
     assert out.log_probs is not None and out.log_probs.tolist() == [0.0]

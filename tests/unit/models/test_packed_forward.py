@@ -140,3 +140,17 @@ def test_peft_wrapped_model() -> None:
     out.log_probs.sum().backward()
     lora_grads = [p.grad for n, p in lora.named_parameters() if "lora_B" in n]
     assert lora_grads and all(g is not None and g.abs().sum() > 0 for g in lora_grads)
+
+
+def test_fused_head_never_builds_vocab_logits() -> None:
+    """lm_head runs the LogprobKernel in its own call: its output is per-token, never [T, vocab]."""
+    model = prepare_model(tiny_model("qwen3"), attention="eager")
+    seen: list[tuple[tuple[int, ...], ...]] = []
+    model.lm_head.register_forward_hook(
+        lambda _m, _i, out: seen.append(tuple(tuple(t.shape) for t in out if t is not None))
+    )
+    ids, mask = padded_batch([5, 4], 5)
+    packed = unpad(ids, mask)
+    packed_forward(model, packed, logprob_kernel=logprob_kernel())
+    t = packed.total_tokens
+    assert seen == [((t,), (t,))]
