@@ -35,9 +35,9 @@ def test_timer_synchronises_and_accumulates() -> None:
     dev = CountingDevice()
     metrics: dict[str, float] = {"other": 1.5}
     t0 = time.perf_counter()
-    with profiling.timer("step", metrics, device=dev):  # type: ignore[arg-type]
+    with profiling.timer("step", metrics, device=dev):
         time.sleep(0.01)
-    with profiling.timer("step", metrics, device=dev):  # type: ignore[arg-type]
+    with profiling.timer("step", metrics, device=dev):
         torch.randn(64, 64, dtype=torch.float64).matmul(torch.randn(64, 64, dtype=torch.float64))
     outer = time.perf_counter() - t0
     assert dev.syncs == 4
@@ -47,9 +47,14 @@ def test_timer_synchronises_and_accumulates() -> None:
 
 def test_timer_counts_time_when_body_raises_and_validates() -> None:
     metrics: dict[str, float] = {}
-    with pytest.raises(RuntimeError, match="x"), profiling.timer("t", metrics):
-        time.sleep(0.002)
-        raise RuntimeError("x")
+
+    def failing() -> None:
+        with profiling.timer("t", metrics):
+            time.sleep(0.002)
+            raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError, match="x"):
+        failing()
     assert metrics["t"] >= 0.002
     with pytest.raises(InvalidInput, match="non-empty"), profiling.timer("", metrics):
         pass
