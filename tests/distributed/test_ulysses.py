@@ -4,6 +4,7 @@ over the sp group)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -97,6 +98,7 @@ def _check_padded_input_is_refused_and_tiny_batches_work() -> None:
     from underlay.ops.packing import unpad
 
     model = prepare_model(tiny_model("qwen3"), attention="eager", sp_group=dist.group.WORLD)
+    model = copy.deepcopy(model)  # a copy (e.g. a reference policy) keeps routing over the same group
     ids, mask = padded_batch([5, 3], 5)
     with pytest.raises(UnsupportedOperation, match="packed input"):
         model(input_ids=ids, attention_mask=mask)

@@ -72,6 +72,10 @@ class AttentionRoute:
     _kernels: dict[AttentionSpec, AttentionKernel] = field(default_factory=dict, repr=False)
     _cu_cache: tuple[torch.Tensor, torch.Tensor, int] | None = field(default=None, repr=False)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> AttentionRoute:
+        # a copied model shares the process group and kernels (neither can be copied); caches reset
+        return AttentionRoute(self.kernel_name, self.sp_group)
+
     def kernel(self, spec: AttentionSpec) -> AttentionKernel:
         """The kernel for ``spec`` (``BackendUnavailable`` when the named kernel cannot run it)."""
         found = self._kernels.get(spec)
