@@ -506,6 +506,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             "device_model": device.model_name(),
             "world_size": world,
             "engine": tr.engine.name,
+            "kernels": _kernel_names(),
             "param_dtype": tr.param_dtype,
             "parameters": sum(p.numel() for p in tr.rollout.parameters()),
             "history": history,
@@ -531,6 +532,13 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             f"{export['max_abs_logit_diff']:.3g} (> {tol}); see {export['path']}"
         )
     return summary
+
+
+def _kernel_names() -> dict[str, str]:
+    """What the registry selected for the kernels the engine uses (``auto`` choices resolved)."""
+    from underlay import registry
+
+    return {kind: registry.resolve(kind).name for kind in ("attention", "logprob")}
 
 
 def _rel(a: float, b: float) -> float:

@@ -161,6 +161,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     for i, m in enumerate(hist):
         rows.append([str(i) if k == "step" else _fmt(m.get(k), spec) for _, k, spec in cols])
     widths = [max(len(r[j]) for r in rows) for j in range(len(cols))]
+    kernels = summary.get("kernels", {})
+    if kernels:
+        head += "\nkernels: " + ", ".join(f"{k} {v}" for k, v in kernels.items())
     lines = [head, ""]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     r, e = summary["resume"], summary["export"]
