@@ -145,18 +145,20 @@ def packed_forward(
 
 def _head_of(inner: nn.Module) -> str:
     score = getattr(inner, "score", None)
-    if isinstance(score, nn.Linear):
-        if score.out_features != 1:
+    if isinstance(score, nn.Module):  # nn.Linear, or peft's modules_to_save wrapper around it
+        outputs = getattr(score, "out_features", None) or getattr(inner.config, "num_labels", None)
+        if outputs != 1:
             raise ConfigError(
-                f"packed_forward: the value head {type(inner).__name__}.score has {score.out_features} "
-                "outputs; build the value model with num_labels=1"
+                f"packed_forward: the value head {type(inner).__name__}.score has {outputs} outputs; "
+                "build the value model with num_labels=1"
             )
         return "value"
     get_head = getattr(inner, "get_output_embeddings", None)
     lm_head = get_head() if callable(get_head) else None
     if not isinstance(lm_head, nn.Linear):
         raise ConfigError(
-            f"packed_forward: {type(inner).__name__} has neither an lm_head (causal LM) nor a score head "
+            f"packed_forward: {type(inner).__name__} has neither a plain nn.Linear lm_head (causal LM; "
+            f"got {type(lm_head).__name__}, e.g. LoRA on lm_head is not supported) nor a score head "
             "(token classification); use AutoModelForCausalLM or AutoModelForTokenClassification"
         )
     if lm_head.bias is not None:

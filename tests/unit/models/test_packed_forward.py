@@ -154,3 +154,25 @@ def test_fused_head_never_builds_vocab_logits() -> None:
     packed_forward(model, packed, logprob_kernel=logprob_kernel())
     t = packed.total_tokens
     assert seen == [((t,), (t,))]
+
+
+def test_peft_value_model_with_trainable_score() -> None:
+    peft = pytest.importorskip("peft")
+    ref = tiny_model("qwen3", value=True)
+    lora = peft.get_peft_model(
+        clone(ref),
+        peft.LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["score"], lora_dropout=0.0
+        ),
+    )
+    prepare_model(lora, attention="eager")
+    ids, mask = padded_batch([4, 6], 6)
+    packed = unpad(ids, mask)
+    out = packed_forward(lora, packed)
+    assert out.values is not None
+    torch.testing.assert_close(
+        pad(out.values, packed).double(), reference_values(ref, ids, mask), atol=ATOL, rtol=0
+    )
+    out.values.sum().backward()
+    score_grads = [p.grad for n, p in lora.named_parameters() if "score" in n and p.requires_grad]
+    assert score_grads and all(g is not None for g in score_grads)
