@@ -124,3 +124,32 @@ def test_policy_loss_matches_float64_reference() -> None:
     ref_grad = -adv[:, None] * ratio * active * m
     assert lp32.grad is not None
     assert torch.allclose(lp32.grad.double(), ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False])
+def test_progress_bar_and_console_lines(
+    with_tqdm: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from underlay.demo.grpo import _Progress
+
+    if not with_tqdm:
+        monkeypatch.setitem(sys.modules, "tqdm", None)  # import now fails: plain text fallback
+    bar = _Progress(total=2, enabled=True)
+    if bar.stream is not None:
+        bar.stream.write("step 0 | loss 0.5\npartial")
+        bar.stream.write(" line\n")
+    bar.update("reward 0.25")
+    bar.update("done")
+    bar.close()
+    cap = capsys.readouterr()
+    if with_tqdm:
+        assert "step 0 | loss 0.5\npartial line\n" in cap.out
+        assert "2/2" in cap.err and "done" in cap.err
+    else:
+        assert bar.stream is None and "[1/2] reward 0.25" in cap.err and "[2/2] done" in cap.err
+    silent = _Progress(total=1, enabled=False)
+    silent.update("x")
+    silent.close()
+    assert capsys.readouterr().err == ""
