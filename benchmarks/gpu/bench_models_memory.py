@@ -45,11 +45,13 @@ from underlay.registry import get_logprob_kernel
 
 
 def measure(
-    fn: Callable[[], torch.Tensor], device: torch.device, reps: int = 3
+    fn: Callable[[], torch.Tensor], clear: Callable[[], None], device: torch.device, reps: int = 3
 ) -> tuple[float, float, torch.Tensor]:
-    """(median ms, peak extra GiB, output of the measured call) of ``fn`` (forward + backward)."""
+    """(median ms, peak extra GiB, output of the measured call) of ``fn`` (forward + backward);
+    ``clear`` drops the gradients of earlier calls before the baseline allocation is read."""
     out = fn()  # warm-up (Triton compilation, cuBLAS handles)
     del out
+    clear()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -104,7 +106,7 @@ def head_rows(n: int, h: int, v: int, device: torch.device) -> list[dict[str, An
     methods.append((f"fused ({auto.name})", fused(auto)))
     if auto.name != "torch":
         methods.append(("fused (torch)", fused(get_logprob_kernel("torch"))))
-    return run_group(f"head N={n} H={h} V={v}", methods, device)
+    return run_group(f"head N={n} H={h} V={v}", methods, zero, device)
 
 
 def model_rows(batch: int, seqlen: int, quick: bool, device: torch.device) -> list[dict[str, Any]]:
@@ -152,9 +154,14 @@ def model_rows(batch: int, seqlen: int, quick: bool, device: torch.device) -> li
         (out.log_probs.sum() + 0.1 * out.entropy.sum()).backward()
         return out.log_probs
 
+    def clear() -> None:
+        ref.zero_grad(set_to_none=True)
+        ours.zero_grad(set_to_none=True)
+
     return run_group(
         f"model 1 layer {batch}x{seqlen} H={cfg.hidden_size} V={cfg.vocab_size}",
         [("hf logits", hf), ("packed_forward", packed_run)],
+        clear,
         device,
     )
 
@@ -182,16 +189,24 @@ def mlp_rows(n: int, h: int, f: int, device: torch.device) -> list[dict[str, Any
     methods: list[tuple[str, Callable[[], torch.Tensor]]] = [("plain MLP", run(mlp))]
     for tiles in (2, 4, 8, 16):
         methods.append((f"TiledMLP x{tiles}", run(TiledMLP(mlp, tiles))))
-    return run_group(f"mlp N={n} H={h} F={f}", methods, device)
+
+    def clear() -> None:
+        x.grad = None
+        mlp.zero_grad(set_to_none=True)
+
+    return run_group(f"mlp N={n} H={h} F={f}", methods, clear, device)
 
 
 def run_group(
-    group: str, methods: list[tuple[str, Callable[[], torch.Tensor]]], device: torch.device
+    group: str,
+    methods: list[tuple[str, Callable[[], torch.Tensor]]],
+    clear: Callable[[], None],
+    device: torch.device,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     first: torch.Tensor | None = None
     for name, fn in methods:
-        ms, peak, out = measure(fn, device)
+        ms, peak, out = measure(fn, clear, device)
         out = out.float()
         if first is None:
             first = out
