@@ -19,6 +19,7 @@ from underlay.tracking import read_jsonl
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"

@@ -334,8 +334,11 @@ class _Trainer:
             dtype=torch.float64,
         )
         if dist.is_initialized():
+            from underlay.ops import collective_device
+
+            local = local.to(collective_device())  # cpu for gloo, the accelerator for nccl/hccl
             dist.all_reduce(local)
-        r_sum, c_sum, len_sum, count, tokens, mfu_sum = local.tolist()
+        r_sum, c_sum, len_sum, count, tokens, mfu_sum = local.cpu().tolist()
         t = reduce_timings(timings)
         metrics: dict[str, float] = {
             "loss": float(res.metrics["pg_loss"]),
