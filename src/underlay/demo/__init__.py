@@ -26,7 +26,12 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--steps", type=int, default=d.steps, help=f"GRPO steps (>= 2; default {d.steps})")
-    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default=d.model_size, help="tiny model size")
+    p.add_argument(
+        "--model-size",
+        choices=sorted(MODEL_SIZES),
+        default=d.model_size,
+        help="tiny: hidden 64, 2 layers; small: hidden 128, 4 layers (Qwen3-shaped, random init)",
+    )
     p.add_argument("--out-dir", default=d.out_dir, help=f"output directory (default {d.out_dir})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the model, prompts and sampling")
     p.add_argument(
