@@ -99,18 +99,21 @@ def check_case(m: int, k: int, dtype: torch.dtype, block: tuple[int, int]) -> di
 
 def main() -> None:
     """Checks, throughput, table and JSON."""
+    from underlay.backends.cuda import fp8
+
     torch.manual_seed(0)
-    cases = [
-        check_case(m, k, dt, b)
-        for m, k, dt, b in [
-            (4096, 4096, torch.bfloat16, (128, 128)),
-            (1000, 3000, torch.bfloat16, (128, 128)),
-            (777, 1313, torch.float16, (128, 128)),
-            (513, 257, torch.float32, (128, 128)),
-            (300, 500, torch.bfloat16, (64, 96)),
-            (151936, 896, torch.bfloat16, (128, 128)),
-        ]
+    shapes = [
+        (4096, 4096, torch.bfloat16, (128, 128)),
+        (1000, 3000, torch.bfloat16, (128, 128)),
+        (777, 1313, torch.float16, (128, 128)),
+        (513, 257, torch.float32, (128, 128)),
+        (300, 500, torch.bfloat16, (64, 96)),
+        (151936, 896, torch.bfloat16, (128, 128)),
     ]
+    cases = []
+    for manual in (False, True):  # hardware conversions, then the integer/fp32 rounding path
+        fp8.MANUAL_ROUNDING = manual
+        cases += [{**check_case(m, k, dt, b), "manual_rounding": manual} for m, k, dt, b in shapes]
     dev = torch.device("cuda")
     src = torch.empty(1 << 29, device=dev, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
@@ -120,8 +123,9 @@ def main() -> None:
     m, k = 16384, 8192
     w = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     rows: dict[str, dict[str, float]] = {}
-    for name in ("triton", "torch"):
-        qz = quantizer(name)
+    for name in ("triton", "triton_manual_rounding", "torch"):
+        fp8.MANUAL_ROUNDING = name == "triton_manual_rounding"
+        qz = quantizer(name.split("_")[0])
         q, s = qz.quantize(w)
         qbytes = m * k * 3 + s.numel() * 4
         dbytes = m * k * 3 + s.numel() * 4
@@ -135,8 +139,7 @@ def main() -> None:
             "dequant_gbs": dbytes / t_d / 1e6,
             "dequant_frac_of_copy": dbytes / t_d / 1e6 / copy_gbs,
         }
-    from underlay.backends.cuda import fp8
-
+    fp8.MANUAL_ROUNDING = False
     info = {
         "torch": torch.__version__,
         "triton": fp8.triton.__version__,
@@ -150,13 +153,14 @@ def main() -> None:
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     for name, r in rows.items():
         print(
-            f"{name:>7}: quantise {r['quant_ms']:.3f} ms {r['quant_gbs']:.0f} GB/s "
+            f"{name:>22}: quantise {r['quant_ms']:.3f} ms {r['quant_gbs']:.0f} GB/s "
             f"({100 * r['quant_frac_of_copy']:.0f}% of copy); dequantise {r['dequant_ms']:.3f} ms "
             f"{r['dequant_gbs']:.0f} GB/s ({100 * r['dequant_frac_of_copy']:.0f}%)"
         )
     for c in cases:
         flags = [key for key, val in c.items() if isinstance(val, bool) and not val]
-        print(f"{c['shape']} {c['dtype']} {c['block']}: {'OK' if not flags else 'FAIL ' + ','.join(flags)} "
+        print(f"{c['shape']} {c['dtype']} {c['block']} manual={c['manual_rounding']}: "
+              f"{'OK' if not flags else 'FAIL ' + ','.join(flags)} "
               f"max rel err {c['max_rel_err_normals']:.4f}")  # fmt: skip
     with open(os.path.join(os.environ.get("OUT", "."), "bench_fp8.json"), "w") as f:
         json.dump(info, f, indent=1)

@@ -1,8 +1,10 @@
 """Fused linear -> log-prob + entropy, forward + backward, on one GPU (issue 9, item 5).
 
 Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as arguments):
-- ``triton``: underlay's TritonLogprobKernel (log-prob + entropy, both with upstream gradients);
+- ``triton``: underlay's TritonLogprobKernel in its default ``hybrid`` mode (cuBLAS logits blocks with
+  fp32 output + Triton statistics/dlogits kernels), log-prob + entropy, both with upstream gradients;
 - ``triton_no_ent``: the same kernel with ``with_entropy=False``;
+- ``triton_fused``: ``UNDERLAY_TRITON_LOGPROB_MODE=fused`` (logits computed by ``tl.dot`` inside Triton);
 - ``chunked_torch``: ``underlay.ops.linear_logprobs`` (log-prob + entropy);
 - ``naive_torch``: matmul, float, log_softmax, gather, entropy (materialises [N, V] fp32);
 - ``liger_flce``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss (loss only, reduction="sum"), when
@@ -31,10 +33,13 @@ from underlay import registry
 from underlay.ops import linear_logprobs
 
 
-def timed(fn: Callable[[], None], reps: int = 5, warm: int = 2) -> tuple[float, float]:
-    """(median ms, peak extra GiB) of ``fn``."""
+def timed(
+    fn: Callable[[], None], clear: Callable[[], None], reps: int = 5, warm: int = 2
+) -> tuple[float, float]:
+    """(median ms, peak extra GiB) of ``fn``; ``clear`` drops gradients before the memory baseline."""
     for _ in range(warm):
         fn()
+    clear()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -70,9 +75,10 @@ def main() -> None:
         hh.grad = None
         ww.grad = None
 
-    def ours(with_entropy: bool = True) -> Callable[[], None]:
+    def ours(with_entropy: bool = True, mode: str = "hybrid") -> Callable[[], None]:
         def fn() -> None:
             clear()
+            os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = mode
             out = kernel(hh, ww, labels, with_entropy=with_entropy)
             loss = (out.log_probs * g_lp).sum()
             if out.entropy is not None:
@@ -81,9 +87,13 @@ def main() -> None:
 
         return fn
 
-    def ours_fwd() -> None:
-        with torch.no_grad():
-            kernel(hidden.detach(), weight.detach(), labels)
+    def ours_fwd(mode: str) -> Callable[[], None]:
+        def fn() -> None:
+            os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = mode
+            with torch.no_grad():
+                kernel(hidden.detach(), weight.detach(), labels)
+
+        return fn
 
     def chunked() -> None:
         clear()
@@ -107,8 +117,10 @@ def main() -> None:
     methods: list[tuple[str, Callable[[], None], int]] = [
         ("matmul_bf16", matmul, 1),
         ("triton", ours(), 4),
-        ("triton_fwd_only", ours_fwd, 1),
+        ("triton_fwd_only", ours_fwd("hybrid"), 1),
         ("triton_no_ent", ours(False), 4),
+        ("triton_fused", ours(mode="fused"), 4),
+        ("triton_fused_fwd", ours_fwd("fused"), 1),
     ]
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -128,7 +140,7 @@ def main() -> None:
     rows: dict[str, dict[str, Any]] = {}
     for name, fn, gemms in methods:
         try:
-            ms, gib = timed(fn)
+            ms, gib = timed(fn, clear)
             rows[name] = {"ms": ms, "peak_extra_gib": gib, "tflops": gemms * flop / ms / 1e9, "gemms": gemms}
         except torch.OutOfMemoryError as exc:
             rows[name] = {"error": f"OOM: {str(exc)[:120]}"}
@@ -143,7 +155,11 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
         "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
-        "backward_plan(row_split, v_chunk)": impl.plan_backward(n, h, 2),
+        "backward_plan(row_split, v_chunk) fused / hybrid": (
+            impl.plan_backward(n, h, 2),
+            impl.plan_backward(n, h, 4),
+        ),
+        "mm_path": impl.MM_PATH,
         "results": rows,
     }
     for ref in ("liger_flce", "chunked_torch", "naive_torch"):
@@ -158,7 +174,7 @@ def main() -> None:
         else:
             print(f"{name:>16} {r['error']}")
     for key, val in info.items():
-        if key.startswith("speedup") or key.endswith("config") or key.startswith("backward"):
+        if key.startswith(("speedup", "backward", "mm_path")) or key.endswith("config"):
             print(f"{key}: {val}")
     with open(os.path.join(os.environ.get("OUT", "."), "bench_logprob.json"), "w") as f:
         json.dump(info, f, indent=1, default=str)

@@ -8,7 +8,7 @@ computed on the GPU (analytic gradients: dz = g_lp (onehot - p) - g_ent p (z - E
 Pass criteria: log-prob |err| <= 1e-3 + 2e-4 |ref|, entropy |err| <= 5e-3 + 5e-4 |ref| elementwise;
 gradients: normwise relative error <= 2^-8 (bf16/fp16 rounding) or 1e-5 (fp32); ignored rows exactly 0.
 
-Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/check_logprob.py``; writes
+Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/check_logprob.py [--both-modes]``; writes
 ``$OUT/check_logprob.json`` (or ./check_logprob.json without $OUT).
 """
 
@@ -70,7 +70,7 @@ def reference(
 def check(
     n: int, hdim: int, v: int, dtype: torch.dtype, *, temperature: float = 1.0, strided: bool = False
 ) -> dict[str, Any]:
-    """One case: error figures and pass flags."""
+    """One case: error figures and pass flags (mode from ``UNDERLAY_TRITON_LOGPROB_MODE``)."""
     dev = torch.device("cuda")
     kernel = registry.get_logprob_kernel("triton")
     if strided:
@@ -105,6 +105,7 @@ def check(
         "dtype": str(dtype).replace("torch.", ""),
         "temperature": temperature,
         "strided": strided,
+        "mode": os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", "hybrid"),
         "first_call_s": round(first_s, 2),
         "lp_max_err": float(lp_err.max()),
         "ent_max_err": float(ent_err.max()),
@@ -138,17 +139,20 @@ def main() -> int:
         for i, (n, h, v) in enumerate(SHAPES)
     ]
     cases.append(check(1000, 1024, 32000, torch.float32, temperature=0.7))
-    cases.append(check(1000, 1000, 32003, torch.float16))
+    cases.append(check(1000, 1024, 32003, torch.float16))
     cases.append(check(777, 1024, 50000, torch.bfloat16, strided=True))
-    cases.append(check(333, 4096, 152064, torch.bfloat16, temperature=1.3))
     cases.append(check(20000, 4096, 32256, torch.bfloat16))  # several backward row splits
+    if len(sys.argv) > 1 and sys.argv[1] == "--both-modes":
+        os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = "fused"
+        cases.append(check(1937, 3584, 152064, torch.bfloat16, temperature=0.8))
+        os.environ.pop("UNDERLAY_TRITON_LOGPROB_MODE")
     print(f"{'N,H,V':>22} {'dtype':>8} {'T':>4} {'lp err':>9} {'ent err':>9} {'gh rel':>9} {'gw rel':>9} "
           f"{'(bf16 ref)':>10} ok")  # fmt: skip
     for c in cases:
         print(
             f"{','.join(map(str, c['shape'])):>22} {c['dtype']:>8} {c['temperature']:>4} "
             f"{c['lp_max_err']:9.2e} {c['ent_max_err']:9.2e} {c['gh_rel']:9.2e} {c['gw_rel']:9.2e} "
-            f"{c['gh_rel_of_rounded_ref']:10.2e} {c['ok']}"
+            f"{c['gh_rel_of_rounded_ref']:10.2e} {c['ok']} {c['mode']}"
         )
     info = {
         "torch": torch.__version__,
@@ -156,6 +160,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
         "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
+        "mm_path": impl.MM_PATH,
         "cases": cases,
     }
     out = os.environ.get("OUT", ".")

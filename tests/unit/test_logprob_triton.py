@@ -97,6 +97,10 @@ def _cases() -> dict[str, dict[str, Any]]:
         "bf16": _case("bf16", 37, 48, 130, torch.bfloat16, v_chunk=64),
         "fp16": _case("fp16", 29, 40, 97, torch.float16),
         "no_entropy": _case("noent", 21, 32, 70, torch.float32, with_entropy=False),
+        "fused_fp32_chunks": _case(
+            "fused", 37, 50, 131, torch.float32, row_split=16, v_chunk=64, mode="fused"
+        ),
+        "fused_bf16": _case("fused_bf16", 37, 48, 130, torch.bfloat16, mode="fused"),
     }
 
 
@@ -172,7 +176,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "no_entropy"])
+@pytest.mark.parametrize(
+    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "no_entropy", "fused_fp32_chunks"]
+)
 def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case: str) -> None:
     r = report[0][case]
     assert r["out_dtype"] == "torch.float32"
@@ -185,13 +191,13 @@ def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case:
     assert r["grad_dtypes"] == ["torch.float32", "torch.float32"]
 
 
-@pytest.mark.parametrize(("case", "ulp"), [("bf16", 2.0**-8), ("fp16", 2.0**-11)])
+@pytest.mark.parametrize(("case", "ulp"), [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("fused_bf16", 2.0**-8)])
 def test_half_precision_within_rounding(report: dict[int, dict[str, Any]], case: str, ulp: float) -> None:
     r = report[0][case]
     assert r["lp_err"] < 1e-3 and r["ent_err"] < 5e-3
     # dlogits are rounded to the input dtype once; gradients stay within a few units of that rounding
     assert r["gh_rel"] < 4 * ulp and r["gw_rel"] < 4 * ulp
-    dt = "torch.bfloat16" if case == "bf16" else "torch.float16"
+    dt = "torch.float16" if case == "fp16" else "torch.bfloat16"
     assert r["grad_dtypes"] == [dt, dt]
 
 

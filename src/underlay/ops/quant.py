@@ -89,7 +89,8 @@ def quantize_fp8_blockwise(
     padded = torch.zeros((mb * bm, kb * bk), dtype=torch.float32, device=weight.device)
     padded[:m, :k] = w.abs()
     amax = padded.view(mb, bm, kb, bk).amax(dim=(1, 3))
-    scales = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    # tensor / tensor: IEEE division on every device (CUDA turns division by a scalar into a multiply)
+    scales = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))
     q = (w / _expand(scales, weight.shape, bm, bk)).to(torch.float8_e4m3fn)
     return q, scales
 

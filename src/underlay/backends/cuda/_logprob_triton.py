@@ -25,7 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRET", "fused_linear_logprobs", "plan_backward"]
+from underlay.interfaces import ConfigError
+
+__all__ = ["INTERPRET", "MM_PATH", "MODES", "fused_linear_logprobs", "mm_fp32", "plan_backward"]
+
+MODES = ("hybrid", "fused")
+"""Ways to produce the logits tiles: cuBLAS blocks read by Triton ("hybrid") or ``tl.dot`` in Triton."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Whether the kernels were built for Triton's CPU interpreter (read once, at import)."""
@@ -66,20 +71,37 @@ def fwd_block_v(dtype: torch.dtype) -> int:
     return 64 if dtype == torch.float32 else 256
 
 
-def _prune_fwd(configs: list[triton.Config], nargs: dict[str, Any], **_: Any) -> list[triton.Config]:
+def _from_logits(nargs: dict[str, Any], kwargs: dict[str, Any]) -> bool:
+    return bool(kwargs.get("FROM_LOGITS", nargs.get("FROM_LOGITS", False)))
+
+
+def _prune_fwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
     """Keep the configs whose BLOCK_V matches the workspace allocated for this dtype."""
-    bv = fwd_block_v(nargs["h_ptr"].dtype)
-    return [c for c in configs if c.kwargs["BLOCK_V"] == bv]
+    dtype = nargs["w_ptr"].dtype
+    bv = fwd_block_v(dtype)
+    keep = [c for c in configs if c.kwargs["BLOCK_V"] == bv]
+    return _prune_from_logits(keep) if _from_logits(nargs, kwargs) else keep
 
 
-def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **_: Any) -> list[triton.Config]:
+def _prune_from_logits(configs: list[triton.Config]) -> list[triton.Config]:
+    """Reading a logits buffer: BLOCK_K and stages are irrelevant; keep one config per tile shape."""
+    seen: dict[tuple[int, int, int], triton.Config] = {}
+    for c in configs:
+        seen.setdefault((c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.num_warps), c)
+    return list(seen.values())
+
+
+def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
     """fp32 tiles need half the block size to fit shared memory."""
-    if nargs["h_ptr"].dtype != torch.float32 or INTERPRET:
+    if _from_logits(nargs, kwargs):
+        return _prune_from_logits(configs)
+    if nargs["w_ptr"].dtype != torch.float32 or INTERPRET:
         return configs
     return [c for c in configs if c.kwargs["BLOCK_K"] == 32]
 
 
-_EVEN_K = {"EVEN_K": lambda args: args["H"] % args["BLOCK_K"] == 0}
+_EVEN_K = {"EVEN_K": lambda args: bool(args.get("FROM_LOGITS")) or args["H"] % args["BLOCK_K"] == 0}
+"""No K masking when H is a multiple of BLOCK_K (and no K loop at all when reading a logits buffer)."""
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -100,10 +122,12 @@ def _program_logits(  # type: ignore[no-untyped-def]
     GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
 ):
     """This program's tile: ``(pid_v, offs_n, offs_v, z)`` with ``z = hidden[offs_n] @ weight[offs_v].T *
     inv_t`` in fp32 (masked rows/columns read zeros). Programs are grouped by ``GROUP_N`` row blocks so
-    neighbours share weight tiles in L2."""
+    neighbours share weight tiles in L2. With ``FROM_LOGITS`` the tile is read from an fp32 logits buffer
+    at ``h_ptr`` (strides ``stride_hn``, ``stride_hk``) instead of being computed."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_N * tl.cdiv(V, BLOCK_V)
@@ -113,31 +137,37 @@ def _program_logits(  # type: ignore[no-untyped-def]
     pid_v = (pid % per_group) // size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     v_mask = offs_v < V
-    h_ptrs = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hk
-    w_ptrs = w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(h_ptrs, mask=n_mask[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=v_mask[None, :], other=0.0)
-        else:
-            k_left = H - k * BLOCK_K
-            a = tl.load(h_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(w_ptrs, mask=v_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        if _UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        h_ptrs += BLOCK_K * stride_hk
-        w_ptrs += BLOCK_K * stride_wk
+    if FROM_LOGITS:
+        ptrs = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_v[None, :] * stride_hk
+        acc = tl.load(ptrs, mask=n_mask[:, None] & v_mask[None, :], other=0.0)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hk
+        w_ptrs = w_ptr + offs_v.to(tl.int64)[None, :] * stride_wv + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(h_ptrs, mask=n_mask[:, None], other=0.0)
+                b = tl.load(w_ptrs, mask=v_mask[None, :], other=0.0)
+            else:
+                k_left = H - k * BLOCK_K
+                a = tl.load(h_ptrs, mask=n_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(w_ptrs, mask=v_mask[None, :] & (offs_k[:, None] < k_left), other=0.0)
+            if _UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            h_ptrs += BLOCK_K * stride_hk
+            w_ptrs += BLOCK_K * stride_wk
     return pid_v, offs_n, offs_v, acc * inv_t
 
 
 @triton.autotune(
-    configs=_configs(), key=["V", "H", "WITH_ENTROPY"], prune_configs_by={"early_config_prune": _prune_fwd}
+    configs=_configs(),
+    key=["V", "H", "WITH_ENTROPY", "FROM_LOGITS"],
+    prune_configs_by={"early_config_prune": _prune_fwd},
 )  # type: ignore[untyped-decorator]
 @triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
 @triton.jit  # type: ignore[untyped-decorator]
@@ -161,6 +191,7 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     stride_ws,
     WITH_ENTROPY: tl.constexpr,
     PRECISION: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -169,7 +200,7 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
 ):
     pid_v, offs_n, offs_v, z = _program_logits(
         h_ptr, w_ptr, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
-        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION,
+        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION, FROM_LOGITS,
     )  # fmt: skip
     n_mask = offs_n < N
     v_mask = offs_v < V
@@ -189,7 +220,9 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.autotune(
-    configs=_configs(), key=["V", "H", "WITH_ENTROPY"], prune_configs_by={"early_config_prune": _prune_bwd}
+    configs=_configs(),
+    key=["V", "H", "WITH_ENTROPY", "FROM_LOGITS"],
+    prune_configs_by={"early_config_prune": _prune_bwd},
 )  # type: ignore[untyped-decorator]
 @triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
 @triton.jit  # type: ignore[untyped-decorator]
@@ -214,6 +247,7 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
     stride_dn,
     WITH_ENTROPY: tl.constexpr,
     PRECISION: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -222,7 +256,7 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
 ):
     _pid_v, offs_n, offs_v, z = _program_logits(
         h_ptr, w_ptr, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
-        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION,
+        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION, FROM_LOGITS,
     )  # fmt: skip
     n_mask = offs_n < N
     v_mask = offs_v < V
@@ -256,6 +290,9 @@ def _forward_stats(
     label_offset: int,
     inv_t: float,
     with_entropy: bool,
+    mode: str,
+    row_split: int | None = None,
+    v_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row max, sum-exp relative to it, sum exp * z relative to it, and label logit (0 where not local)."""
     n, h = hidden.shape
@@ -268,11 +305,28 @@ def _forward_stats(
     zl = torch.zeros(n, device=dev, dtype=torch.float32)
     if n == 0:
         return zl, zl.clone(), zl.clone(), zl.clone()
-    _fwd_kernel[_grid(n, v)](
-        hidden, weight, labels, m_ws, s_ws, t_ws, zl, n, v, h, label_offset, inv_t,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), m_ws.stride(0),
-        WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
-    )  # fmt: skip
+    if mode == "fused":
+        _fwd_kernel[_grid(n, v)](
+            hidden, weight, labels, m_ws, s_ws, t_ws, zl, n, v, h, label_offset, inv_t,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), m_ws.stride(0),
+            WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=False,
+        )  # fmt: skip
+    else:
+        bv = fwd_block_v(hidden.dtype)
+        rows, chunk = plan_backward(n, h, 4)
+        rows = row_split or rows
+        chunk = min(_round_down(v_chunk or chunk, bv), triton.cdiv(v, bv) * bv)
+        buf = torch.empty(min(rows, n) * chunk, device=dev, dtype=torch.float32)
+        for r0, r1, v0, v1 in _tiles(n, v, rows, chunk):
+            z = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+            mm_fp32(hidden[r0:r1], weight[v0:v1].T, z)
+            c0 = v0 // bv
+            _fwd_kernel[_grid(r1 - r0, v1 - v0)](
+                z, weight, labels[r0:r1], m_ws[r0:, c0:], s_ws[r0:, c0:], t_ws[r0:, c0:], zl[r0:],
+                r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
+                z.stride(0), z.stride(1), 0, 0, m_ws.stride(0),
+                WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=True,
+            )  # fmt: skip
     m = m_ws.max(dim=1).values
     rescale = torch.exp(m_ws - m[:, None])
     s = (s_ws * rescale).sum(dim=1)
@@ -292,7 +346,42 @@ def plan_backward(n: int, h: int, elem_bytes: int) -> tuple[int, int]:
     return rows, chunk
 
 
+def _round_down(chunk: int, multiple: int) -> int:
+    """``chunk`` rounded down to a multiple of ``multiple`` (at least ``multiple``)."""
+    return max(multiple, chunk // multiple * multiple)
+
+
+def _tiles(n: int, v: int, rows: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    """``(r0, r1, v0, v1)`` blocks, vocabulary-inner."""
+    return [
+        (r0, min(n, r0 + rows), v0, min(v, v0 + chunk))
+        for r0 in range(0, n, rows)
+        for v0 in range(0, v, chunk)
+    ]
+
+
 _MM_OUT_DTYPE: list[bool] = []
+MM_PATH: list[str] = []
+"""How bf16/fp16 matmuls reached fp32 output on this process: "out_dtype" (cuBLAS, fp32 output) or
+"upcast" (operands converted to fp32 first; CPU interpreter or a torch without ``out_dtype``)."""
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b`` in fp32 (contiguous ``out``); bf16/fp16 operands keep their exact products."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+        return
+    if a.is_cuda:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            if not MM_PATH:
+                MM_PATH.append("out_dtype")
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    if not MM_PATH:
+        MM_PATH.append("upcast")
+    torch.mm(a.float(), b.float(), out=out)
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -326,12 +415,15 @@ def _backward(
     need_weight: bool,
     row_split: int | None,
     v_chunk: int | None,
+    mode: str,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     n, h = hidden.shape
     v = weight.shape[0]
-    auto_rows, auto_chunk = plan_backward(n, h, hidden.element_size())
+    hybrid = mode == "hybrid"
+    auto_rows, auto_chunk = plan_backward(n, h, 4 if hybrid else hidden.element_size())
     rows = row_split or auto_rows
     chunk = min(v_chunk or auto_chunk, v)
+    z_buf = torch.empty(min(rows, n) * chunk, device=hidden.device, dtype=torch.float32) if hybrid else None
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
     grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else None
     d_buf = torch.empty((min(rows, n), chunk), device=hidden.device, dtype=hidden.dtype)
@@ -356,12 +448,16 @@ def _backward(
             v1 = min(v, v0 + chunk)
             w = weight[v0:v1]
             d = d_buf[: r1 - r0, : v1 - v0]
+            src = hid
+            if z_buf is not None:
+                src = z_buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+                mm_fp32(hid, w.T, src)
             _bwd_dlogits_kernel[_grid(r1 - r0, v1 - v0)](
-                hid, w, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
+                src, w, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
                 (g_ent if g_ent is not None else g_lp)[r0:r1], d,
                 r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
-                hid.stride(0), hid.stride(1), w.stride(0), w.stride(1), d.stride(0),
-                WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+                src.stride(0), src.stride(1), w.stride(0), w.stride(1), d.stride(0),
+                WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=hybrid,
             )  # fmt: skip
             if grad_w is not None:
                 if r0 == 0:
@@ -388,9 +484,12 @@ class _FusedLinearLogprob(torch.autograd.Function):
         label_offset: int,
         row_split: int | None,
         v_chunk: int | None,
+        mode: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_t = 1.0 / temperature
-        m, s, t, zl = _forward_stats(hidden, weight, labels, label_offset, inv_t, with_entropy)
+        m, s, t, zl = _forward_stats(
+            hidden, weight, labels, label_offset, inv_t, with_entropy, mode, row_split, v_chunk
+        )
         if group is not None:
             import torch.distributed as dist
 
@@ -407,7 +506,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
         ez = t / s
         entropy = torch.where(valid, lse - ez, 0.0) if with_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(hidden, weight, labels, lse, ez)
-        ctx.cfg = (inv_t, with_entropy, group, label_offset, row_split, v_chunk)
+        ctx.cfg = (inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
@@ -415,7 +514,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
         hidden, weight, labels, lse, ez = ctx.saved_tensors
-        inv_t, with_entropy, group, label_offset, row_split, v_chunk = ctx.cfg
+        inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode = ctx.cfg
         valid = labels != -100
         g_lp = torch.where(valid, g_lp, 0.0) if g_lp is not None else torch.zeros_like(lse)
         g_ent = torch.where(valid, g_ent, 0.0) if (g_ent is not None and with_entropy) else None
@@ -423,12 +522,13 @@ class _FusedLinearLogprob(torch.autograd.Function):
             hidden, weight, labels, lse, ez, g_lp.float().contiguous(),
             g_ent.float().contiguous() if g_ent is not None else None,
             label_offset, inv_t, ctx.needs_input_grad[0], ctx.needs_input_grad[1], row_split, v_chunk,
+            mode,
         )  # fmt: skip
         if group is not None and grad_h is not None:
             import torch.distributed as dist
 
             dist.all_reduce(grad_h, group=group)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def fused_linear_logprobs(
@@ -442,6 +542,7 @@ def fused_linear_logprobs(
     label_offset: int = 0,
     row_split: int | None = None,
     v_chunk: int | None = None,
+    mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused ``log_softmax(hidden @ weight.T / temperature)[labels]`` and entropy, fp32 ``[N]`` each.
 
@@ -449,9 +550,20 @@ def fused_linear_logprobs(
     global id of ``weight``'s first row (vocabulary shard start); with ``group`` the statistics are
     all-reduced over it and the hidden gradient is summed over it. ``row_split`` / ``v_chunk`` override the
     backward's planned buffer sizes (tests use them to exercise several chunks at small shapes).
+
+    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE``, else ``"hybrid"``): ``"hybrid"`` computes each
+    ``[rows, v_chunk]`` logits block with cuBLAS (fp32 output) and runs the same Triton statistics /
+    dlogits kernels on it; ``"fused"`` computes the logits inside the Triton kernels (``tl.dot``).
+    Both keep workspace bounded independently of ``V`` and give the same results up to fp32 rounding.
     """
+    mode = mode or os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", "hybrid")
+    if mode not in MODES:
+        raise ConfigError(
+            f"UNDERLAY_TRITON_LOGPROB_MODE must be one of {', '.join(MODES)}, got {mode!r}; unset it for "
+            f"the default (hybrid)"
+        )
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels, float(temperature), bool(with_entropy), group, int(label_offset),
-        row_split, v_chunk,
+        row_split, v_chunk, mode,
     )  # fmt: skip
     return lp, (ent if with_entropy else None)

@@ -19,6 +19,12 @@ from underlay.ops.quant import E4M3_MAX, check_dequant_args, check_quant_args
 __all__ = ["TritonFp8Quantizer"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MANUAL_ROUNDING = _INTERPRET or os.environ.get("UNDERLAY_FP8_MANUAL_ROUNDING") == "1"
+"""Round with integer/fp32 arithmetic instead of the hardware conversions (always under the
+interpreter, whose own fp8/bf16 casts are not round-to-nearest-even). Read at import."""
+_WARPS = (
+    [triton.Config({}, num_warps=4)] if _INTERPRET else [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -65,6 +71,7 @@ def _round_bf16(x):  # type: ignore[no-untyped-def]
     return bits.to(tl.float32, bitcast=True)
 
 
+@triton.autotune(configs=_WARPS, key=["M", "K", "bm", "bk"])  # type: ignore[untyped-decorator]
 @triton.jit  # type: ignore[untyped-decorator]
 def _quant_kernel(  # type: ignore[no-untyped-def]
     w_ptr,
@@ -80,6 +87,7 @@ def _quant_kernel(  # type: ignore[no-untyped-def]
     stride_sm,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    MANUAL: tl.constexpr,
 ):
     offs_m, offs_k, mask = _tile_offsets(M, K, bm, bk, BM, BK)
     w = tl.load(w_ptr + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk, mask=mask, other=0.0).to(
@@ -87,11 +95,15 @@ def _quant_kernel(  # type: ignore[no-untyped-def]
     )
     amax = tl.max(tl.max(tl.abs(w), 1), 0)
     scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
-    q = _round_e4m3(tl.math.div_rn(w, scale)).to(tl.float8e4nv)
+    x = tl.math.div_rn(w, scale)
+    if MANUAL:
+        x = _round_e4m3(x)
+    q = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + tl.program_id(0) * stride_sm + tl.program_id(1), scale)
 
 
+@triton.autotune(configs=_WARPS, key=["M", "K", "bm", "bk"])  # type: ignore[untyped-decorator]
 @triton.jit  # type: ignore[untyped-decorator]
 def _dequant_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
@@ -108,19 +120,16 @@ def _dequant_kernel(  # type: ignore[no-untyped-def]
     stride_om,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    MANUAL: tl.constexpr,
 ):
     offs_m, offs_k, mask = _tile_offsets(M, K, bm, bk, BM, BK)
     scale = tl.load(s_ptr + tl.program_id(0) * stride_sm + tl.program_id(1) * stride_sk)
     q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, mask=mask, other=0.0)
     out = q.to(tl.float32) * scale
-    if o_ptr.dtype.element_ty == tl.bfloat16:
+    if MANUAL and o_ptr.dtype.element_ty == tl.bfloat16:
         out = _round_bf16(out)
-    out = out.to(o_ptr.dtype.element_ty)
+    out = out.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(o_ptr + offs_m[:, None] * stride_om + offs_k[None, :], out, mask=mask)
-
-
-def _warps(elements: int) -> int:
-    return 8 if elements >= 8192 else 4
 
 
 class TritonFp8Quantizer:
@@ -170,7 +179,7 @@ class TritonFp8Quantizer:
         if q.numel():
             _quant_kernel[scales.shape[0], scales.shape[1]](
                 weight, q, scales, m, k, bm, bk, weight.stride(0), weight.stride(1), q.stride(0),
-                scales.stride(0), BM=big_m, BK=big_k, num_warps=_warps(big_m * big_k),
+                scales.stride(0), BM=big_m, BK=big_k, MANUAL=MANUAL_ROUNDING,
             )  # fmt: skip
         return q, scales
 
@@ -190,6 +199,6 @@ class TritonFp8Quantizer:
         if out.numel():
             _dequant_kernel[scales.shape[0], scales.shape[1]](
                 q, scales, out, m, k, bm, bk, q.stride(0), q.stride(1), scales.stride(0),
-                scales.stride(1), out.stride(0), BM=big_m, BK=big_k, num_warps=_warps(big_m * big_k),
+                scales.stride(1), out.stride(0), BM=big_m, BK=big_k, MANUAL=MANUAL_ROUNDING,
             )  # fmt: skip
         return out
