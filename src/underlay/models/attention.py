@@ -204,8 +204,12 @@ def underlay_attention_forward(
         max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max().item()))
     else:
         cu, max_len = route.boundaries(position_ids)  # type: ignore[arg-type]
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, H, D]
-    if sp > 1:
+    # [S, H, D], contiguous as varlen kernels expect (transformers' own flash varlen path copies too;
+    # under sp the all-to-all makes the copy)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if sp == 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    else:
         validate_sp(hq, hk, sp)
         k, v = repeat_kv_for_sp(k, sp), repeat_kv_for_sp(v, sp)
         q, k, v = (seq_to_head(t, route.sp_group) for t in (q, k, v))
