@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.interfaces import Device, InvalidInput
+from underlay.ops import collective_device
 from underlay.registry import get_device
 
 __all__ = ["reduce_timings", "timer"]
@@ -73,13 +74,12 @@ def reduce_timings(metrics: Mapping[str, Any], group: Any | None = None) -> dict
     ``{f"{name}/max", f"{name}/mean", f"{name}/min"}`` for every name. Without an initialised process
     group the three equal the local value. Collective: every rank of ``group`` must call it with the same
     names; differing names raise ``InvalidInput`` on every rank (checked by one small collective before
-    the values are reduced). Tensors live on the cpu for gloo groups and on the current device otherwise.
+    the values are reduced). Tensors live on ``underlay.ops.collective_device(group)``.
     """
     keys, values = _values(metrics)
     if not (dist.is_available() and dist.is_initialized()):
         return {f"{k}/{s}": v for k, v in zip(keys, values) for s in ("max", "mean", "min")}
-    backend = str(dist.get_backend(group))
-    where = torch.device("cpu") if backend == "gloo" else get_device().torch_device()
+    where = collective_device(group)
     size = dist.get_world_size(group)
     crc = float(zlib.crc32("\0".join(keys).encode()))
     header = torch.tensor([len(keys), crc, -len(keys), -crc], dtype=torch.float64, device=where)
