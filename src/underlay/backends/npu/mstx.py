@@ -20,13 +20,12 @@ __all__ = ["MstxProfiler"]
 
 _MSTX_OPTIONS: dict[str, Any] = {
     "profiler": True,
-    "level": "Level1",
-    "aic_metrics": "AiCoreNone",
+    "level": "",
+    "aic_metrics": "",
     "analyse": True,
     "domain": "default",
     "step_marks": True,
 }
-_LEVELS = ("Level_none", "Level0", "Level1", "Level2")
 
 
 def _import_torch_npu() -> Any:
@@ -46,18 +45,22 @@ class MstxProfiler(ProfilerBase):
     """Ascend NPU profiling through mstx ranges and ``torch_npu.profiler``.
 
     On enabled ranks, while a configured step runs, ``range(name)`` is
-    ``torch_npu.npu.mstx.range_start(name, None)`` / ``range_end(id)`` (host-side ranges; in
-    option ``domain`` when it is not ``"default"``). With option ``profiler`` (default ``True``) each run of consecutive configured steps is
-    recorded by a ``torch_npu.profiler.profile`` (activities CPU and NPU, ``msprof_tx=True`` so that the
-    mstx ranges are collected, ``profile_memory``/``with_stack``/``record_shapes`` from the config)
-    that writes through ``torch_npu.profiler.tensorboard_trace_handler`` into
-    ``config.output_dir/rank{r}_step{s}`` (``s``: first step of the run). With ``profiler=False`` only
-    the mstx ranges are emitted, for an external ``msprof`` capture. ``config.warmup`` is not used.
+    ``torch_npu.npu.mstx.range_start(name, None)`` / ``range_end(id)`` (host-side ranges, in the mstx
+    domain of option ``domain``). With option ``profiler`` (default ``True``) each run of consecutive
+    configured steps is recorded by a ``torch_npu.profiler.profile`` (activities CPU and NPU,
+    ``msprof_tx=True`` so that the mstx ranges are collected, ``profile_memory``/``with_stack``/
+    ``record_shapes`` from the config) that writes through ``torch_npu.profiler.tensorboard_trace_handler``
+    into ``config.output_dir/rank{r}_step{s}`` (``s``: first step of the run); the device is synchronised
+    before each ``stop()``. With ``profiler=False`` only the mstx ranges are emitted, for an external
+    ``msprof`` capture. ``config.warmup`` is not used.
 
-    ``config.options``: ``profiler`` (bool), ``level`` (``"Level_none"|"Level0"|"Level1"|"Level2"``,
-    default ``"Level1"``), ``aic_metrics`` (a ``torch_npu.profiler.AiCMetrics`` member name, default
-    ``"AiCoreNone"``), ``analyse`` (bool: parse the raw data when a run ends), ``domain`` (mstx domain,
-    default ``"default"``), ``step_marks`` (bool: an mstx mark ``"step {n}"`` per recorded step).
+    ``config.options``: ``profiler`` (bool); ``level`` (a ``torch_npu.profiler.ProfilerLevel`` member
+    name such as ``"Level1"``; ``""``, the default, keeps torch_npu's); ``aic_metrics`` (a
+    ``torch_npu.profiler.AiCMetrics`` member name such as ``"PipeUtilization"``; ``""`` keeps
+    torch_npu's); ``analyse`` (bool, default ``True``: parse the raw data when a run ends; ``False``
+    needs a torch_npu whose ``tensorboard_trace_handler`` takes ``analyse_flag``); ``domain`` (mstx
+    domain, default ``"default"``; another needs a torch_npu whose mstx calls take ``domain``);
+    ``step_marks`` (bool: an mstx mark ``"step {n}"`` at each recorded step).
 
     Raises ``BackendUnavailable`` when torch_npu cannot be imported, ``IncompatibleBackends`` when
     ``device`` is not the npu device and ``ConfigError`` for a bad option.
@@ -70,18 +73,15 @@ class MstxProfiler(ProfilerBase):
         require_device("mstx", device, "npu", "UNDERLAY_PROFILER=torch (any device) or nvtx (cuda)")
         super().__init__(config, device)
         self._opts = check_options("mstx", config.options, _MSTX_OPTIONS)
-        if self._opts["level"] not in _LEVELS:
-            raise ConfigError(
-                f"ProfilerConfig.options['level']={self._opts['level']!r} for the 'mstx' profiler: "
-                f"use one of {_LEVELS}"
-            )
         prof_mod = self._npu.profiler
-        if not hasattr(prof_mod.AiCMetrics, self._opts["aic_metrics"]):
-            raise ConfigError(
-                f"ProfilerConfig.options['aic_metrics']={self._opts['aic_metrics']!r} for the 'mstx' "
-                "profiler: use a member name of torch_npu.profiler.AiCMetrics (e.g. 'AiCoreNone', "
-                "'PipeUtilization')"
-            )
+        for key, enum in (("level", "ProfilerLevel"), ("aic_metrics", "AiCMetrics")):
+            value = self._opts[key]
+            if value and not hasattr(getattr(prof_mod, enum), value):
+                raise ConfigError(
+                    f"ProfilerConfig.options[{key!r}]={value!r} for the 'mstx' profiler: use a member name "
+                    f"of torch_npu.profiler.{enum} (e.g. 'Level1' or 'PipeUtilization'), or '' for "
+                    "torch_npu's default"
+                )
         self._mstx = self._npu.npu.mstx
         # older torch_npu releases take no ``domain`` argument: pass it only when it is not the default
         domain = self._opts["domain"]
@@ -96,18 +96,19 @@ class MstxProfiler(ProfilerBase):
 
     def _new_profile(self) -> Any:
         p = self._npu.profiler
-        experimental = p._ExperimentalConfig(
-            profiler_level=getattr(p.ProfilerLevel, self._opts["level"]),
-            aic_metrics=getattr(p.AiCMetrics, self._opts["aic_metrics"]),
-            msprof_tx=True,
-        )
+        chosen: dict[str, Any] = {"msprof_tx": True}
+        if self._opts["level"]:
+            chosen["profiler_level"] = getattr(p.ProfilerLevel, self._opts["level"])
+        if self._opts["aic_metrics"]:
+            chosen["aic_metrics"] = getattr(p.AiCMetrics, self._opts["aic_metrics"])
+        experimental = p._ExperimentalConfig(**chosen)
         out = Path(self._config.output_dir) / f"rank{self._rank}_step{self._step}"
+        # ``analyse_flag`` exists only in newer torch_npu releases: pass it only to turn parsing off
+        handler_kw = {} if self._opts["analyse"] else {"analyse_flag": False}
         self._traces.append(out)
         return p.profile(
             activities=[p.ProfilerActivity.CPU, p.ProfilerActivity.NPU],
-            on_trace_ready=p.tensorboard_trace_handler(
-                os.fspath(out), analyse_flag=bool(self._opts["analyse"])
-            ),
+            on_trace_ready=p.tensorboard_trace_handler(os.fspath(out), f"rank{self._rank}", **handler_kw),
             record_shapes=self._config.record_shapes,
             profile_memory=self._config.with_memory,
             with_stack=self._config.with_stack,
