@@ -217,19 +217,41 @@ def job_single(rank: int, world: int, root: str, killed_root: str) -> dict[str, 
     """1 rank: resume the 2-rank checkpoint, the latest of a save killed midway, layout errors."""
     from underlay.backends.fsdp2.engine import FSDP2Engine
     from underlay.checkpoint import CheckpointManager, latest
-    from underlay.interfaces import CheckpointError, ConfigError, ParallelConfig
-    from underlay.registry import get_device
+    from underlay.interfaces import CheckpointError, ConfigError, OptimConfig, ParallelConfig
+    from underlay.registry import get_device, get_engine
 
     dev = get_device("cpu")
     out: dict[str, Any] = {}
     base = Path(root)
-    engine = FSDP2Engine(H.engine_config(H.llama_config()), dev)
+    engine = get_engine(H.engine_config(H.llama_config()))  # through the registry
+    out["registry_engine"] = type(engine).__name__
     state = CheckpointManager(base / "ckpt", engine).load(base / "ckpt" / "step_1")
     out["trainer_state"] = state["tag"]
     expected = torch.load(base / "expected.pt", weights_only=True)
     res, _ = _step(engine, H.global_batch(2))
     out["resume1_loss"] = abs(res.metrics["loss"] - expected["loss2"])
     out["resume1_weights"] = H.max_diff(_weights(engine), expected["w2"])
+
+    # a non-finite grad norm skips the update: parameters and optimizer state unchanged, grads zeroed
+    before = _snapshot(engine)
+    engine.forward_backward(H.global_batch(3), lambda o, b: (H.pg_loss(o, b)[0] * math.nan, {}))
+    st = engine.optimizer_step()
+    out["nan_skipped"] = st.skipped and not st.finite
+    out["nan_grads_zeroed"] = all(p.grad is None for p in engine.model.parameters())
+    after = _snapshot(engine)
+    out["nan_unchanged"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+    # the LR schedule advances and is restored by load_checkpoint
+    sched = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    e1 = FSDP2Engine(H.engine_config(H.llama_config(), optim=sched), dev)
+    _step(e1, H.global_batch(4))
+    lrs = [e1.lr_scheduler_step() for _ in range(3)]
+    (base / "sched").mkdir()
+    e1.save_checkpoint(base / "sched")
+    e2 = FSDP2Engine(H.engine_config(H.llama_config(), optim=sched), dev)
+    e2.load_checkpoint(base / "sched")
+    out["lrs"] = lrs
+    out["lr_resumed"] = (e1.lr_scheduler_step(), e2.lr_scheduler_step(), e2.global_step)
 
     killed = CheckpointManager(killed_root, engine)
     out["killed_latest"] = str(latest(killed_root))
@@ -308,6 +330,29 @@ def test_resume_identical(runs: dict[str, Any]) -> None:
     s = runs["single"]
     assert s["trainer_state"] == "after-one"
     assert s["resume1_loss"] < 1e-6 and s["resume1_weights"] < 1e-6
+
+
+def test_non_finite_norm_skips_step(runs: dict[str, Any]) -> None:
+    s = runs["single"]
+    assert s["registry_engine"] == "FSDP2Engine"
+    assert s["nan_skipped"] and s["nan_grads_zeroed"] and s["nan_unchanged"]
+
+
+def test_lr_schedule_steps_and_resumes(runs: dict[str, Any]) -> None:
+    from underlay.interfaces import OptimConfig
+    from underlay.ops import build_lr_scheduler
+
+    cfg = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=cfg.lr)
+    sched = build_lr_scheduler(opt, cfg)
+    expected = []
+    for _ in range(3):
+        sched.step()
+        expected.append(opt.param_groups[0]["lr"])
+    lrs = runs["single"]["lrs"]
+    assert lrs == pytest.approx(expected) and lrs[2] < lrs[1]
+    a, b, step = runs["single"]["lr_resumed"]
+    assert a == b and step == 1
 
 
 def test_offload_onload_exact(runs: dict[str, Any]) -> None:

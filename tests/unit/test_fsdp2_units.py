@@ -1,0 +1,125 @@
+"""Single-process pieces of the fsdp2 backend: layout validation, sp/head checks, meta building,
+decoder-layer discovery, HF naming, signature diffs and the sharded safetensors writer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from underlay.backends.fsdp2 import _build
+from underlay.backends.fsdp2.engine import signature_diff
+from underlay.backends.fsdp2.parallelize import build_layout, decoder_layers, validate_sp_heads
+from underlay.backends.fsdp2.weights import _ShardWriter
+from underlay.interfaces import ConfigError, LoraConfig, ModelConfig, ParallelConfig
+
+
+def _llama(**over: object) -> object:
+    from transformers import LlamaConfig
+
+    kw: dict[str, object] = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    kw.update(over)
+    return LlamaConfig(**kw)
+
+
+def test_layout_fills_dp_shard_and_keeps_sp_inside() -> None:
+    lay = build_layout(ParallelConfig(sp=2), 4)
+    assert (lay.dp_replicate, lay.dp_shard, lay.sp, lay.dp) == (1, 4, 2, 2)
+    hsdp = build_layout(ParallelConfig(dp_replicate=2), 4)
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp) == (2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("par", "world", "needle"),
+    [
+        (ParallelConfig(tp=2), 4, "use mcore for tp/pp/cp/ep"),
+        (ParallelConfig(pp=2), 4, "use mcore for tp/pp/cp/ep"),
+        (ParallelConfig(ep=2), 4, "use mcore for tp/pp/cp/ep"),
+        (ParallelConfig(dp_replicate=2), 3, "not divisible by"),
+        (ParallelConfig(sp=4), 2, "sp=4 must divide dp_shard=2"),
+    ],
+)
+def test_layout_errors_name_the_fix(par: ParallelConfig, world: int, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("/", ".")):
+        build_layout(par, world)
+
+
+def test_sp_must_divide_heads() -> None:
+    validate_sp_heads(_llama(), 2)
+    validate_sp_heads(_llama(hidden_size=24, num_attention_heads=3, num_key_value_heads=1), 1)
+    with pytest.raises(ConfigError, match="num_attention_heads=6, num_key_value_heads=3"):
+        validate_sp_heads(_llama(hidden_size=24, num_attention_heads=6, num_key_value_heads=3), 2)
+
+
+def test_meta_build_keeps_buffers_and_finds_layers() -> None:
+    cfg = _llama()
+    model = _build.build_model(ModelConfig(hf_config=cfg), cfg, meta=True)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    buffers = dict(model.named_buffers())
+    assert buffers and all(b.device.type == "cpu" and torch.isfinite(b).all() for b in buffers.values())
+    assert [type(m).__name__ for m in decoder_layers(model)] == ["LlamaDecoderLayer"] * 2
+    lora = ModelConfig(hf_config=_llama(), lora=LoraConfig(rank=2, target_modules=("q_proj",)))
+    peft_model = _build.build_model(lora, lora.hf_config, meta=True)
+    assert len(decoder_layers(peft_model)) == 2
+    with pytest.raises(ConfigError, match="no decoder layers"):
+        decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_seeded_build_is_deterministic_and_rng_neutral() -> None:
+    cfg = _llama()
+    mc = ModelConfig(hf_config=cfg, seed=5)
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a = _build.seeded_state(mc, cfg)
+    after = torch.rand(3)
+    b = _build.seeded_state(mc, cfg)
+    assert torch.equal(after, expected_next), "building from the seed must not move the caller's RNG"
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c = _build.seeded_state(ModelConfig(hf_config=cfg, seed=6), cfg)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_hf_names_drop_peft_wrapping() -> None:
+    assert _build.hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == (
+        "model.layers.0.self_attn.q_proj.weight"
+    )
+    assert _build.hf_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_signature_diff_names_what_differs() -> None:
+    a = {"architecture": "LlamaConfig", "params": {"w": [4, 4], "v": [2]}}
+    assert signature_diff(a, json.loads(json.dumps(a))) == ""
+    b = {"architecture": "Qwen2Config", "params": {"w": [4, 8], "u": [2]}}
+    text = signature_diff(a, b)
+    assert "Qwen2Config" in text and "missing from the checkpoint: ['u']" in text
+    assert "does not have: ['v']" in text and "w [4, 4] != [4, 8]" in text
+
+
+def test_shard_writer_flushes_at_the_limit(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = {f"t{i}": torch.randn(16, 16) for i in range(5)}  # 1 KiB each
+    writer = _ShardWriter(tmp_path, max_bytes=2100)
+    for n, t in tensors.items():
+        writer.add(n, t)
+    writer.finish()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 5 * 1024
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        loaded.update(load_file(str(f)))
+    assert set(index["weight_map"]) == set(tensors)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    assert not list(tmp_path.glob("*.tmp"))
