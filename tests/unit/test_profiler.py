@@ -96,6 +96,14 @@ def test_torch_steps_count_from_construction_and_empty_steps_record_all(tmp_path
     assert {n for n in _names(trace) if n.startswith("work")} == {"work0", "work1"}
 
 
+def test_torch_chrome_gzip(tmp_path: Path) -> None:
+    cfg = {"steps": [1], "warmup": 0, "output_dir": str(tmp_path), "options": {"gzip": True}}
+    prof = registry.get_profiler(cfg, name="torch")
+    _work(prof, 2, label="gz")
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0_step1.json.gz"]
+    assert {n for n in _names(tmp_path / "rank0_step1.json.gz") if n.startswith("gz")} == {"gz1"}
+
+
 def test_torch_tensorboard_format(tmp_path: Path) -> None:
     cfg = {"steps": [0], "warmup": 0, "format": "tensorboard", "output_dir": str(tmp_path)}
     prof = registry.get_profiler(cfg, name="torch")

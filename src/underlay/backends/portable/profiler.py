@@ -85,8 +85,8 @@ class TorchProfiler(ProfilerBase):
     empty, everything from ``start`` to ``stop`` is one run. ``with_memory``, ``with_stack`` and
     ``record_shapes`` map to torch's ``profile_memory``, ``with_stack``, ``record_shapes``.
 
-    ``config.options``: ``with_flops`` (bool), ``with_modules`` (bool), ``gzip`` (bool; tensorboard
-    format only: write ``.json.gz``). ``range(name)`` is ``torch.profiler.record_function(name)``
+    ``config.options``: ``with_flops`` (bool), ``with_modules`` (bool), ``gzip`` (bool: write the trace
+    gzipped, ``.json.gz``). ``range(name)`` is ``torch.profiler.record_function(name)``
     while a configured step runs. Unknown options raise ``ConfigError``.
     """
 
@@ -128,7 +128,7 @@ class TorchProfiler(ProfilerBase):
         out.mkdir(parents=True, exist_ok=True)
         stem = f"rank{self._rank}_step{self._block_start}"
         if self._config.format == "chrome":
-            path = out / f"{stem}.json"
+            path = out / (f"{stem}.json.gz" if self._opts["gzip"] else f"{stem}.json")
             prof.export_chrome_trace(os.fspath(path))
             self._traces.append(path)
             return
