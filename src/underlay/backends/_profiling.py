@@ -204,6 +204,7 @@ class ProfilerBase(abc.ABC):
             self._on_record_step()
 
     def __enter__(self) -> ProfilerBase:
+        """``with prof:`` starts the session and stops it on exit."""
         self.start()
         return self
 
