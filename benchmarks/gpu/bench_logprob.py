@@ -1,10 +1,11 @@
 """Fused linear -> log-prob + entropy, forward + backward, on one GPU (issue 9, item 5).
 
 Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as arguments):
-- ``triton``: underlay's TritonLogprobKernel in its default ``hybrid`` mode (cuBLAS logits blocks with
-  fp32 output + Triton statistics/dlogits kernels), log-prob + entropy, both with upstream gradients;
+- ``triton``: underlay's TritonLogprobKernel in its default ``fused`` mode (logits by ``tl.dot`` inside
+  Triton), log-prob + entropy, both with upstream gradients;
 - ``triton_no_ent``: the same kernel with ``with_entropy=False``;
-- ``triton_fused``: ``UNDERLAY_TRITON_LOGPROB_MODE=fused`` (logits computed by ``tl.dot`` inside Triton);
+- ``triton_hybrid``: ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` (cuBLAS logits blocks with fp32 output +
+  the same Triton statistics/dlogits kernels);
 - ``chunked_torch``: ``underlay.ops.linear_logprobs`` (log-prob + entropy);
 - ``naive_torch``: matmul, float, log_softmax, gather, entropy (materialises [N, V] fp32);
 - ``liger_flce``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss (loss only, reduction="sum"), when
@@ -75,7 +76,7 @@ def main() -> None:
         hh.grad = None
         ww.grad = None
 
-    def ours(with_entropy: bool = True, mode: str = "hybrid") -> Callable[[], None]:
+    def ours(with_entropy: bool = True, mode: str = "fused") -> Callable[[], None]:
         def fn() -> None:
             clear()
             os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = mode
@@ -117,10 +118,10 @@ def main() -> None:
     methods: list[tuple[str, Callable[[], None], int]] = [
         ("matmul_bf16", matmul, 1),
         ("triton", ours(), 4),
-        ("triton_fwd_only", ours_fwd("hybrid"), 1),
+        ("triton_fwd_only", ours_fwd("fused"), 1),
         ("triton_no_ent", ours(False), 4),
-        ("triton_fused", ours(mode="fused"), 4),
-        ("triton_fused_fwd", ours_fwd("fused"), 1),
+        ("triton_hybrid", ours(mode="hybrid"), 4),
+        ("triton_hybrid_fwd", ours_fwd("hybrid"), 1),
     ]
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

@@ -97,10 +97,10 @@ def _cases() -> dict[str, dict[str, Any]]:
         "bf16": _case("bf16", 37, 48, 130, torch.bfloat16, v_chunk=64),
         "fp16": _case("fp16", 29, 40, 97, torch.float16),
         "no_entropy": _case("noent", 21, 32, 70, torch.float32, with_entropy=False),
-        "fused_fp32_chunks": _case(
-            "fused", 37, 50, 131, torch.float32, row_split=16, v_chunk=64, mode="fused"
+        "hybrid_fp32_chunks": _case(
+            "fused", 37, 50, 131, torch.float32, row_split=16, v_chunk=64, mode="hybrid"
         ),
-        "fused_bf16": _case("fused_bf16", 37, 48, 130, torch.bfloat16, mode="fused"),
+        "hybrid_bf16": _case("hybrid_bf16", 37, 48, 130, torch.bfloat16, mode="hybrid"),
     }
 
 
@@ -177,7 +177,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "no_entropy", "fused_fp32_chunks"]
+    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "no_entropy", "hybrid_fp32_chunks"]
 )
 def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case: str) -> None:
     r = report[0][case]
@@ -191,7 +191,7 @@ def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case:
     assert r["grad_dtypes"] == ["torch.float32", "torch.float32"]
 
 
-@pytest.mark.parametrize(("case", "ulp"), [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("fused_bf16", 2.0**-8)])
+@pytest.mark.parametrize(("case", "ulp"), [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("hybrid_bf16", 2.0**-8)])
 def test_half_precision_within_rounding(report: dict[int, dict[str, Any]], case: str, ulp: float) -> None:
     r = report[0][case]
     assert r["lp_err"] < 1e-3 and r["ent_err"] < 5e-3
@@ -260,6 +260,15 @@ def test_cpu_tensors_need_the_interpreter() -> None:
     assert kernel.name == "triton"
     with pytest.raises(InvalidInput, match="UNDERLAY_LOGPROB_KERNEL=torch"):
         kernel(**_inputs())
+
+
+def test_unknown_mode_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs
+    from underlay.interfaces import ConfigError
+
+    monkeypatch.setenv("UNDERLAY_TRITON_LOGPROB_MODE", "bogus")
+    with pytest.raises(ConfigError, match="bogus"):
+        fused_linear_logprobs(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")

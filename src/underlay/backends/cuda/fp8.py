@@ -19,9 +19,10 @@ from underlay.ops.quant import E4M3_MAX, check_dequant_args, check_quant_args
 __all__ = ["TritonFp8Quantizer"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MANUAL_ROUNDING = _INTERPRET or os.environ.get("UNDERLAY_FP8_MANUAL_ROUNDING") == "1"
-"""Round with integer/fp32 arithmetic instead of the hardware conversions (always under the
-interpreter, whose own fp8/bf16 casts are not round-to-nearest-even). Read at import."""
+MANUAL_ROUNDING = _INTERPRET or os.environ.get("UNDERLAY_FP8_MANUAL_ROUNDING", "1") != "0"
+"""Round with integer/fp32 arithmetic (exact round-to-nearest-even, the path that ran on the H200) rather
+than the hardware conversions (``UNDERLAY_FP8_MANUAL_ROUNDING=0``; not yet checked on a GPU). Always on
+under the interpreter, whose own fp8/bf16 casts are not round-to-nearest-even. Read at import."""
 _WARPS = (
     [triton.Config({}, num_warps=4)] if _INTERPRET else [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
 )

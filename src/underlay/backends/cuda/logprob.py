@@ -34,6 +34,8 @@ class TritonLogprobKernel:
     interpreter is on, ``TRITON_INTERPRET=1``, for tests). ``vocab_group`` follows the protocol: ``weight`` is
     rank ``r``'s shard ``[r * V_local, (r + 1) * V_local)``; statistics are all-reduced over the group and
     the hidden gradient is summed over it (each rank must call with the same hidden and labels).
+    ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` computes the logits blocks with cuBLAS instead (see
+    ``_logprob_triton.fused_linear_logprobs``); an unknown value raises ``ConfigError``.
     """
 
     def __init__(self, device: Device) -> None:
