@@ -8,7 +8,7 @@ for both contenders, a policy-gradient token-mean loss over the response tokens.
 - ``fsdp2``: ``underlay.get_engine``-built FSDP2 engine, bf16 compute / fp32 master weights and
   reduction, packed (padding-free) micro-batches of at most 16384 real tokens, the cuda attention
   (varlen) and fused Triton log-prob head, activation checkpointing (``--no-act-ckpt`` to disable),
-  fused AdamW.
+  fused AdamW, parameters kept unsharded between forward and backward (``reshard_after_forward=False``).
 - ``hf``: plain transformers: the fp32 model under bf16 autocast, SDPA, padded micro-batches of the
   same sequences in dataset order (as many as fit 16384 padded tokens), ``logits.float().log_softmax``,
   fused AdamW, no activation checkpointing (``--baseline-act-ckpt`` to enable). Only when world size 1.
@@ -116,7 +116,7 @@ def bench_engine(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: A
         reduce_dtype="float32",
         activation_checkpointing=not args.no_act_ckpt,
         with_entropy=False,
-        options={"fused_adamw": True},
+        options={"fused_adamw": True, "reshard_after_forward": False},
     )
     t0 = time.perf_counter()
     engine = get_engine(ec)

@@ -41,6 +41,22 @@ def llama_config(**over: Any) -> Any:
     return LlamaConfig(**kw)
 
 
+def qwen2_tied_config() -> Any:
+    """A 2-layer Qwen2 with tied input/output embeddings (the benchmark's shape, tiny)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+
+
 def qwen3_moe_config() -> Any:
     """A 2-layer Qwen3-MoE, hidden 32, 4 experts (top-2), vocab 128."""
     from transformers import Qwen3MoeConfig

@@ -210,6 +210,8 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     out.update({f"sp_{k}": v for k, v in usp.items()})
     hsdp = _equivalence(rank, world, H.llama_config(), parallel=ParallelConfig(dp_replicate=2))
     out.update({f"hsdp_{k}": v for k, v in hsdp.items()})
+    tied = _equivalence(rank, world, H.qwen2_tied_config())
+    out.update({f"tied_{k}": v for k, v in tied.items()})
     # activation checkpointing and CPUOffloadPolicy change memory, not the step
     ac = _equivalence(rank, world, H.llama_config(), activation_checkpointing=True)
     out.update({f"ac_{k}": v for k, v in ac.items()})
@@ -314,9 +316,9 @@ def test_sharded_step_equals_reference(runs: dict[str, Any]) -> None:
         assert r["step_loss"] < TOL and r["step_norm"] < TOL and r["step_weights"] < TOL, r
 
 
-def test_moe_value_sp_hsdp_ac_offload_steps(runs: dict[str, Any]) -> None:
+def test_moe_value_tied_sp_hsdp_ac_offload_steps(runs: dict[str, Any]) -> None:
     for r in runs["pair"]:
-        for p in ("moe", "value", "sp", "hsdp", "ac", "cpuoff"):
+        for p in ("moe", "value", "tied", "sp", "hsdp", "ac", "cpuoff"):
             assert r[f"{p}_loss"] < TOL and r[f"{p}_norm"] < TOL and r[f"{p}_weights"] < TOL, (p, r)
             assert r[f"{p}_loss_tokens"] == 0
 
@@ -352,6 +354,7 @@ def test_lr_schedule_steps_and_resumes(runs: dict[str, Any]) -> None:
     sched = build_lr_scheduler(opt, cfg)
     expected = []
     for _ in range(3):
+        opt.step()
         sched.step()
         expected.append(opt.param_groups[0]["lr"])
     lrs = runs["single"]["lrs"]

@@ -70,6 +70,9 @@ def test_meta_build_keeps_buffers_and_finds_layers() -> None:
     lora = ModelConfig(hf_config=_llama(), lora=LoraConfig(rank=2, target_modules=("q_proj",)))
     peft_model = _build.build_model(lora, lora.hf_config, meta=True)
     assert len(decoder_layers(peft_model)) == 2
+    tied_cfg = _llama(tie_word_embeddings=True)
+    tied = _build.build_model(ModelConfig(hf_config=tied_cfg), tied_cfg, meta=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight, "meta build must keep the tie"
     with pytest.raises(ConfigError, match="no decoder layers"):
         decoder_layers(torch.nn.Linear(2, 2))
 

@@ -50,7 +50,8 @@ def meta_params() -> Iterator[None]:
 
     def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None:
+        # an already-meta parameter is re-registered as is, so ties (lm_head = embed_tokens) hold
+        if param is not None and param.device.type != "meta":
             kwargs = {"requires_grad": param.requires_grad}
             module._parameters[name] = type(param)(param.to("meta"), **kwargs)
 
