@@ -145,8 +145,10 @@ def test_triton_quantizer_refuses_cpu_tensors_without_interpreter() -> None:
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("interpreter is on in this process")
+    quant = TritonFp8Quantizer(CpuDevice())
+    assert quant.name == "triton" and isinstance(quant, Fp8Quantizer)
     with pytest.raises(InvalidInput, match="UNDERLAY_QUANT=torch"):
-        TritonFp8Quantizer(CpuDevice()).quantize(torch.randn(8, 8))
+        quant.quantize(torch.randn(8, 8))
 
 
 def _child() -> None:

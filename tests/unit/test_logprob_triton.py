@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from underlay.interfaces import IGNORE_INDEX, BackendUnavailable, InvalidInput
+from underlay.interfaces import IGNORE_INDEX, BackendUnavailable, InvalidInput, LogprobKernel
 
 _SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -57,7 +57,11 @@ def _case(
     else:
         hidden = torch.randn(n, h, generator=gen).to(dtype)
         weight = (torch.randn(v, h, generator=gen) * 0.4).to(dtype)
-    labels = torch.randint(0, v, (n,), generator=gen)
+    labels = (
+        torch.randint(0, v, (2 * n,), generator=gen)[::2]
+        if strided
+        else torch.randint(0, v, (n,), generator=gen)
+    )
     labels[:: max(1, n // 5)] = IGNORE_INDEX
     g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     hid = hidden.detach().requires_grad_()
@@ -258,6 +262,7 @@ def test_cpu_tensors_need_the_interpreter() -> None:
 
     kernel = TritonLogprobKernel(CpuDevice())
     assert kernel.name == "triton"
+    assert isinstance(kernel, LogprobKernel)
     with pytest.raises(InvalidInput, match="UNDERLAY_LOGPROB_KERNEL=torch"):
         kernel(**_inputs())
 

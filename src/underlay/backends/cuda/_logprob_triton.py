@@ -568,7 +568,7 @@ def fused_linear_logprobs(
             f"the default (fused)"
         )
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, labels, float(temperature), bool(with_entropy), group, int(label_offset),
+        hidden, weight, labels.contiguous(), float(temperature), bool(with_entropy), group, int(label_offset),
         row_split, v_chunk, mode,
     )  # fmt: skip
     return lp, (ent if with_entropy else None)
