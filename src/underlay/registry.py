@@ -281,6 +281,18 @@ def _builtin_specs() -> list[BackendSpec]:
             "chunked torch linear -> log-prob",
         ),
         BackendSpec(
+            "quant",
+            "triton",
+            f"{b}.cuda.fp8:TritonFp8Quantizer",
+            20,
+            "Triton blockwise e4m3 quantiser",
+            _all(_probe_cuda, _requires("triton", "cuda")),
+            ("cuda",),
+        ),
+        BackendSpec(
+            "quant", "torch", f"{b}.portable.quant:TorchFp8Quantizer", 0, "torch blockwise e4m3 quantiser"
+        ),
+        BackendSpec(
             "profiler", "off", f"{b}.portable.profiler:OffProfiler", 0, "records nothing; near-zero cost"
         ),
         BackendSpec(
