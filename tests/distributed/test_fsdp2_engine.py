@@ -74,6 +74,19 @@ def _equivalence(
     }
 
 
+def _write_tokenizer(path: Path) -> None:
+    """A tiny word-level tokenizer built locally (nothing downloaded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(
+        WordLevel({f"w{i}": i for i in range(H.VOCAB - 1)} | {"[UNK]": H.VOCAB - 1}, unk_token="[UNK]")
+    )
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+
+
 def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     """Everything that needs 2 ranks."""
     from underlay.backends.fsdp2.engine import FSDP2Engine
@@ -150,10 +163,27 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
         out["export_index"] = (exported / "model.safetensors.index.json").is_file()
         hf = AutoModelForCausalLM.from_pretrained(str(exported))
         out["export_hf"] = H.max_diff(dict(hf.state_dict()), current)
+        _write_tokenizer(exported / "tokenizer.json")
     from underlay.interfaces import ModelConfig
 
     loaded = FSDP2Engine(H.engine_config(H.llama_config(), model=ModelConfig(path=str(base / "hf"))), dev)
     out["load_hf"] = H.max_diff(_weights(loaded), current)
+    again = FSDP2WeightLoader(dev).export_hf(loaded, base / "hf2")
+    if rank == 0:
+        assert again is not None
+        out["tokenizer_copied"] = (again / "tokenizer.json").read_bytes() == (
+            base / "hf" / "tokenizer.json"
+        ).read_bytes()
+    # a value model from a causal-LM directory: backbone loaded, the new score head from the seed
+    critic = FSDP2Engine(
+        H.engine_config(H.llama_config(), model=ModelConfig(path=str(base / "hf"), kind="value")), dev
+    )
+    cw = _weights(critic)
+    out["value_backbone"] = H.max_diff(
+        {k: v for k, v in cw.items() if k.startswith("model.")},
+        {k: v for k, v in current.items() if k.startswith("model.")},
+    )
+    out["value_head_finite"] = "score.weight" in cw and bool(torch.isfinite(cw["score.weight"]).all())
 
     # another model: checkpoint and HF weights are refused before anything changes
     other = FSDP2Engine(H.engine_config(H.llama_config(intermediate_size=48)), dev)
@@ -372,8 +402,10 @@ def test_export_and_load_hf(runs: dict[str, Any]) -> None:
     r0 = runs["pair"][0]
     assert r0["export_files"] > 1 and r0["export_index"]
     assert r0["export_hf"] == 0.0
+    assert r0["tokenizer_copied"]
     for r in runs["pair"]:
         assert r["load_hf"] == 0.0
+        assert r["value_backbone"] == 0.0 and r["value_head_finite"]
 
 
 def test_lora_trains_adapters_only(runs: dict[str, Any]) -> None:
