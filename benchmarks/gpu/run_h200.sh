@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every single-GPU check and benchmark of underlay, on one H200, in one call. From the repo root:
+#
+#     bash benchmarks/gpu/run_h200.sh [STEP ...]      # default: all steps, in the order below
+#
+# Each step runs with its own time limit; its full log goes to $OUT/logs.tgz and the last lines to stdout.
+# Carry .whl (the liger-kernel wheel) for the logprob benchmark. NVLink multicast stays off.
+set -u
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-$PWD/gpu_out}"
+LOGS=/tmp/underlay_gpu_logs
+mkdir -p "$OUT" "$LOGS"
+export OUT
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+summary="$OUT/summary.txt"
+: > "$summary"
+step() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  local t0; t0=$(date +%s)
+  timeout "$secs" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  local line="$name rc=$rc $(( $(date +%s) - t0 ))s"
+  echo "$line" >> "$summary"
+  echo "===== $line"
+  tail -n "${TAIL:-30}" "$LOGS/$name.log"
+}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench demo)
+for s in "${steps[@]}"; do
+  case $s in
+    env) step env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"; git log -1 --format=%H 2>/dev/null || true' ;;
+    conformance) step conformance 240 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider tests/conformance ;;
+    gputests) step gputests 240 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests ;;
+    attention) step attention 180 python3 benchmarks/gpu/bench_attention.py ;;
+    models) step models 240 bash -c 'python3 benchmarks/gpu/check_models_bf16.py; python3 benchmarks/gpu/bench_models_memory.py' ;;
+    logprob) step logprob 300 bash -c 'python3 benchmarks/gpu/check_logprob.py; python3 benchmarks/gpu/bench_logprob.py' ;;
+    fp8) step fp8 150 python3 benchmarks/gpu/bench_fp8.py ;;
+    nvtx) step nvtx 90 python3 benchmarks/gpu/check_nvtx.py ;;
+    fsdp2check) step fsdp2check 240 python3 benchmarks/gpu/check_fsdp2_cuda.py ;;
+    fsdp2bench) step fsdp2bench 330 python3 benchmarks/gpu/bench_fsdp2.py ;;
+    demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
+    *) echo "unknown step $s" | tee -a "$summary" ;;
+  esac
+done
+tar czf "$OUT/logs.tgz" -C "$LOGS" .
+echo "===== summary"; cat "$summary"
