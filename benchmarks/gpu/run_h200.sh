@@ -3,19 +3,19 @@
 #
 #     bash benchmarks/gpu/run_h200.sh [STEP ...]      # default: all steps, in the order below
 #
-# Each step runs with its own time limit; its full log goes to $OUT/logs.tgz and the last lines to stdout.
+# Each step runs with its own time limit; logs and result files go into $OUT/results.tgz, the last lines to stdout.
 # Carry .whl (the liger-kernel wheel) for the logprob benchmark. NVLink multicast stays off.
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT="${OUT:-$PWD/gpu_out}"
-LOGS=/tmp/underlay_gpu_logs
-mkdir -p "$OUT" "$LOGS"
-export OUT
+FINAL="${OUT:-$PWD/gpu_out}"       # what comes back: summary.txt and results.tgz
+export OUT=/tmp/underlay_gpu_out   # where each script writes its JSON and files
+LOGS="$OUT/logs"
+mkdir -p "$FINAL" "$LOGS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
-summary="$OUT/summary.txt"
+summary="$FINAL/summary.txt"
 : > "$summary"
 step() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
@@ -45,5 +45,5 @@ for s in "${steps[@]}"; do
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done
-tar czf "$OUT/logs.tgz" -C "$LOGS" .
+tar czf "$FINAL/results.tgz" -C "$OUT" .
 echo "===== summary"; cat "$summary"
