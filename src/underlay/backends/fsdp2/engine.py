@@ -296,9 +296,9 @@ class FSDP2Engine:
             (loss_sum * scale).backward()  # type: ignore[no-untyped-call]
             _accumulate(sums, "loss", loss_sum.detach())
             for key, value in metrics.items():
-                _accumulate(sums, key, torch.as_tensor(value).detach())
+                _accumulate(sums, key, torch.as_tensor(value, device=self._torch_device).detach())
         keys = sorted(sums)
-        stacked = torch.stack([sums[k].to(torch.float64).reshape(()).cpu() for k in keys])
+        stacked = torch.stack([sums[k].to(torch.float64).reshape(()) for k in keys]).to(self._torch_device)
         dist.all_reduce(stacked, group=dp_group)
         values = (stacked / denom).tolist()
         return StepResult(dict(zip(keys, values)), len(plan), n_tokens)
