@@ -172,3 +172,19 @@ def test_torch_kernel_from_registry() -> None:
     torch.testing.assert_close(out.log_probs.double(), lp_ref, rtol=1e-5, atol=1e-5)
     assert out.entropy is not None
     torch.testing.assert_close(out.entropy.double(), ent_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_kernel_chunking_choice() -> None:
+    from underlay.backends.portable.logprob import TorchLogprobKernel
+
+    device = registry.get_device("cpu")
+    auto = TorchLogprobKernel(device)
+    assert auto.chunk_for(torch.empty(152064, 8)) == (1 << 26) // 152064
+    assert auto.chunk_for(torch.empty(10, 8)) == 16384
+    fixed = TorchLogprobKernel(device, chunk_size=3)
+    gen = torch.Generator().manual_seed(19)
+    h, w = torch.randn(7, 4, generator=gen), torch.randn(9, 4, generator=gen)
+    labels = torch.randint(0, 9, (7,), generator=gen)
+    torch.testing.assert_close(fixed(h, w, labels).log_probs, auto(h, w, labels).log_probs)
+    with pytest.raises(InvalidInput, match="chunk_size"):
+        TorchLogprobKernel(device, chunk_size=0)
