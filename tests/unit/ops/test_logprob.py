@@ -188,3 +188,23 @@ def test_torch_kernel_chunking_choice() -> None:
     torch.testing.assert_close(fixed(h, w, labels).log_probs, auto(h, w, labels).log_probs)
     with pytest.raises(InvalidInput, match="chunk_size"):
         TorchLogprobKernel(device, chunk_size=0)
+
+
+def test_nothing_of_size_n_by_v_is_saved_for_backward() -> None:
+    """Between forward and backward only the inputs and per-token stats are kept (no [N, V] logits)."""
+    gen = torch.Generator().manual_seed(23)
+    n, hid, vocab = 64, 8, 97
+    h = torch.randn(n, hid, generator=gen, requires_grad=True)
+    w = torch.randn(vocab, hid, generator=gen, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = linear_logprobs(h, w, labels, chunk_size=16)
+    assert saved and max(saved) <= max(h.numel(), w.numel()) < n * vocab
+    (out.log_probs.sum() + out.entropy.sum()).backward()  # type: ignore[union-attr]
+    assert h.grad is not None and w.grad is not None
