@@ -205,13 +205,20 @@ class FlopsCounter:
             raise InvalidInput(f"achieved_tflops: seconds={seconds} must be > 0 (wall time of the step)")
         return self.estimate_flops(seqlens) / seconds / 1e12
 
-    def mfu(self, seqlens: Sequence[int] | torch.Tensor, seconds: float, device: Device) -> float | None:
-        """Achieved FLOP/s of one device divided by ``device.peak_flops(torch.bfloat16)``.
+    def mfu(
+        self,
+        seqlens: Sequence[int] | torch.Tensor,
+        seconds: float,
+        device: Device,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> float | None:
+        """Achieved FLOP/s of one device divided by ``device.peak_flops(dtype)``.
 
-        ``seqlens`` are the sequences this device processed in ``seconds``. Returns ``None`` when the
-        device's peak is unknown (report MFU as unavailable; ``UNDERLAY_PEAK_TFLOPS`` sets it).
+        ``seqlens`` are the sequences this device processed in ``seconds``; ``dtype`` is the dtype the
+        matmuls ran in (bf16 for mixed-precision training; fp32 for an fp32 CPU run). Returns ``None``
+        when the device's peak is unknown (report MFU as unavailable; ``UNDERLAY_PEAK_TFLOPS`` sets it).
         """
-        peak = device.peak_flops(torch.bfloat16)
+        peak = device.peak_flops(dtype)
         if peak is None or peak <= 0:
             return None
         return self.achieved_tflops(seqlens, seconds) * 1e12 / peak
