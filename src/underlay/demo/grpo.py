@@ -318,10 +318,7 @@ class _Trainer:
             opt = self.engine.optimizer_step()
             lr = self.engine.lr_scheduler_step()
         seqlens = ro.batch.attention_mask.sum(dim=1).tolist()
-        # MFU against the peak of the dtype we compute in (FlopsCounter.mfu assumes bf16)
-        peak = self.device.peak_flops(self.dtype)
-        achieved = self.flops.achieved_tflops(seqlens, timings["timing/update"]) * 1e12
-        mfu = None if not peak else achieved / peak
+        mfu = self.flops.mfu(seqlens, timings["timing/update"], self.device, self.dtype)
         local = torch.tensor(
             [
                 float(ro.rewards.sum()),
