@@ -17,9 +17,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 summary="$FINAL/summary.txt"
 : > "$summary"
+START=$(date +%s)
+BUDGET="${BUDGET:-540}"            # seconds for all steps together; later steps are skipped past it
 step() {  # name, seconds, command...
   local name=$1 secs=$2; shift 2
   local t0; t0=$(date +%s)
+  local left=$(( BUDGET - (t0 - START) ))
+  if [ "$left" -lt 20 ]; then echo "$name skipped (budget)" | tee -a "$summary"; return; fi
+  [ "$secs" -gt "$left" ] && secs=$left
   timeout "$secs" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   local line="$name rc=$rc $(( $(date +%s) - t0 ))s"
