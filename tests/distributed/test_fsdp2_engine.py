@@ -129,7 +129,9 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     out["loss_tokens_ok"] = res.loss_tokens == int(gb1.loss_mask.sum())
 
     manager = CheckpointManager(base / "ckpt", engine, max_to_keep=2)
+    torch.manual_seed(100 + rank)  # per-rank RNG streams
     manager.save(1, {"step": 1, "tag": "after-one"})
+    draw_after_save = torch.rand(4)
 
     # step 2 with an offload/onload round trip between backward and the optimizer step
     res2 = engine.forward_backward(local2, H.pg_loss)
@@ -145,7 +147,9 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
         torch.save({"loss2": res2.metrics["loss"], "w2": w2}, base / "expected.pt")
 
     # resume from step 1 on the same world: identical next step
+    torch.rand(7)
     state = manager.load()
+    out["rng_restored"] = torch.equal(torch.rand(4), draw_after_save)
     out["trainer_state"] = state == {"step": 1, "tag": "after-one"}
     out["global_step"] = engine.global_step
     res2b, _ = _step(engine, local2)
@@ -222,6 +226,7 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     _, _, lref_w = H.reference_step(lref, gb1, H.engine_config(H.llama_config(), lora=lora))
     out["lora_merged"] = H.max_diff(_weights(le), lref_w)
     adir = FSDP2WeightLoader(dev).export_adapters(le, base / "adapters")
+    lora_merged = _weights(le)  # collective: every rank
     if rank == 0:
         assert adir is not None
         from safetensors.torch import load_file
@@ -229,6 +234,14 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
         tensors = load_file(str(adir / "adapter_model.safetensors"))
         out["adapter_tensors"] = len(tensors)
         out["adapter_config"] = (adir / "adapter_config.json").is_file()
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            base_model = AutoModelForCausalLM.from_config(H.llama_config(), dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base_model, str(adir)).merge_and_unload()
+        out["adapter_reload"] = H.max_diff(dict(merged.state_dict()), lora_merged)
 
     # Qwen3-MoE and a value model: the same step equivalence
     moe = _equivalence(rank, world, H.qwen3_moe_config())
@@ -362,7 +375,7 @@ def test_infer_and_iter_weights(runs: dict[str, Any]) -> None:
 
 def test_resume_identical(runs: dict[str, Any]) -> None:
     for r in runs["pair"]:
-        assert r["trainer_state"] and r["global_step"] == 1
+        assert r["trainer_state"] and r["global_step"] == 1 and r["rng_restored"]
         assert r["resume_loss"] == 0.0 and r["resume_weights"] == 0.0
     s = runs["single"]
     assert s["trainer_state"] == "after-one"
@@ -412,7 +425,9 @@ def test_lora_trains_adapters_only(runs: dict[str, Any]) -> None:
     for r in runs["pair"]:
         assert r["lora_base_same"] and r["lora_changed"]
         assert r["lora_merged"] < TOL
-    assert runs["pair"][0]["adapter_tensors"] == 8 and runs["pair"][0]["adapter_config"]
+    r0 = runs["pair"][0]
+    assert r0["adapter_tensors"] == 8 and r0["adapter_config"]
+    assert r0["adapter_reload"] < 1e-6, "peft must rebuild the merged weights from the exported adapters"
 
 
 def test_bad_inputs_rejected_before_state_changes(runs: dict[str, Any]) -> None:
