@@ -45,7 +45,7 @@ def _snapshot(engine: Any) -> list[torch.Tensor]:
 
 
 def _equivalence(
-    rank: int, world: int, hf_config: Any, kind: str = "causal_lm", **cfg: Any
+    rank: int, world: int, hf_config: Any, kind: str = "causal_lm", uneven: bool = False, **cfg: Any
 ) -> dict[str, float]:
     """One sharded step on this rank's data share vs the float64 reference on the whole batch (ranks
     of one sp group share their data)."""
@@ -62,7 +62,10 @@ def _equivalence(
     sp = engine.layout.sp
     gb = H.global_batch(11)
     loss_fn = H.value_loss if kind == "value" else H.pg_loss
-    res, st = _step(engine, H.shard(gb, rank // sp, world // sp), loss_fn)
+    local = H.shard(gb, rank // sp, world // sp)
+    if uneven:  # rank 0 one sequence, rank 1 the rest: rank 0 runs empty micro-batches
+        local = gb.select([0] if rank == 0 else list(range(1, gb.batch_size)))
+    res, st = _step(engine, local, loss_fn)
     ref = H.reference_model(copy.deepcopy(hf_config), 0, ec.model.lora, kind)
     loss, norm, ref_w = H.reference_step(ref, gb, ec, loss_fn, kind)
     return {
@@ -253,6 +256,8 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     out.update({f"sp_{k}": v for k, v in usp.items()})
     hsdp = _equivalence(rank, world, H.llama_config(), parallel=ParallelConfig(dp_replicate=2))
     out.update({f"hsdp_{k}": v for k, v in hsdp.items()})
+    uneven = _equivalence(rank, world, H.llama_config(), uneven=True, max_tokens=12)
+    out.update({f"uneven_{k}": v for k, v in uneven.items()})
     tied = _equivalence(rank, world, H.qwen2_tied_config())
     out.update({f"tied_{k}": v for k, v in tied.items()})
     # activation checkpointing and CPUOffloadPolicy change memory, not the step
@@ -361,9 +366,10 @@ def test_sharded_step_equals_reference(runs: dict[str, Any]) -> None:
 
 def test_moe_value_tied_sp_hsdp_ac_offload_steps(runs: dict[str, Any]) -> None:
     for r in runs["pair"]:
-        for p in ("moe", "value", "tied", "sp", "hsdp", "ac", "cpuoff"):
+        for p in ("moe", "value", "uneven", "tied", "sp", "hsdp", "ac", "cpuoff"):
             assert r[f"{p}_loss"] < TOL and r[f"{p}_norm"] < TOL and r[f"{p}_weights"] < TOL, (p, r)
             assert r[f"{p}_loss_tokens"] == 0
+        assert r["uneven_micro_batches"] >= 3, "rank 0 must run (empty) micro-batches it has no data for"
 
 
 def test_infer_and_iter_weights(runs: dict[str, Any]) -> None:
