@@ -46,7 +46,8 @@ def shift_to_tokens(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def _run_inside(module: nn.Module, body: Callable[..., Any], *args: Any) -> Any:
     """Call ``body(*args)`` as ``module``'s forward through ``module.__call__``, so that the hooks of
-    ``module`` run around it (FSDP2 unshards its parameters, CPU offload moves them in)."""
+    ``module`` run around it (FSDP2 unshards its parameters, CPU offload moves them in). Pass at least
+    one tensor in ``args``: FSDP2's root pre-forward on an accelerator indexes its (moved) inputs."""
     previous = module.__dict__.get("forward")
     module.forward = body
     try:
@@ -137,7 +138,9 @@ def packed_forward(
     if head == "lm":
         kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
     outs = _run_inside(
-        model, lambda: _packed_body(inner, head, kernel, packed, group, temperature, with_entropy)
+        model,
+        lambda _ids: _packed_body(inner, head, kernel, packed, group, temperature, with_entropy),
+        packed.input_ids,
     )
     log_probs, entropy, values = outs
     return TokenOutputs(log_probs=log_probs, entropy=entropy, values=values)
@@ -215,12 +218,12 @@ def _packed_body(
         labels[total:] = IGNORE_INDEX
     labels = slice_for_rank(labels, group)
 
-    def fused_head() -> tuple[torch.Tensor, torch.Tensor | None]:
+    def fused_head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a tuple of tensors, so hooks on lm_head (FSDP2) see the outputs they must hook for backward
-        res = kernel(hidden, lm_head.weight, labels, temperature=temperature, with_entropy=with_entropy)
+        res = kernel(h, lm_head.weight, labels, temperature=temperature, with_entropy=with_entropy)
         return res.log_probs, res.entropy
 
-    lp_local, ent_local = _run_inside(lm_head, fused_head)
+    lp_local, ent_local = _run_inside(lm_head, fused_head, hidden)
     cu_real = packed.cu_seqlens.to(device=ids.device)
     log_probs = shift_to_tokens(gather_seq(lp_local, group)[:total], cu_real)
     entropy = None
