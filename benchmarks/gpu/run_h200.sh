@@ -44,6 +44,7 @@ for s in "${steps[@]}"; do
     logprob) step logprob 300 bash -c 'python3 benchmarks/gpu/check_logprob.py; python3 benchmarks/gpu/bench_logprob.py' ;;
     fp8) step fp8 150 python3 benchmarks/gpu/bench_fp8.py ;;
     fp8diag) step fp8diag 60 python3 benchmarks/gpu/diag_fp8.py ;;
+    fp8tests) step fp8tests 120 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu -k fp8 tests ;;
     nvtx) step nvtx 90 python3 benchmarks/gpu/check_nvtx.py ;;
     fsdp2check) step fsdp2check 240 python3 benchmarks/gpu/check_fsdp2_cuda.py ;;
     fsdp2bench) step fsdp2bench 330 python3 benchmarks/gpu/bench_fsdp2.py ;;
