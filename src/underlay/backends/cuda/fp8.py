@@ -102,7 +102,8 @@ def _quant_kernel(  # type: ignore[no-untyped-def]
     q = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     # The sign bit of x goes on every byte: on the H200 values that round to zero came out +0 where
     # round-to-nearest-even (and torch) gives -0 for negative x. OR-ing it is a no-op elsewhere.
-    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    # (taken from w, not the rounded x: the compiler may turn -0.0 produced by the rounding into +0.0)
+    sign = ((w.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
     q = (q.to(tl.uint8, bitcast=True) | sign).to(tl.float8e4nv, bitcast=True)
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + tl.program_id(0) * stride_sm + tl.program_id(1), scale)
