@@ -157,3 +157,9 @@ class WeightLoader(Protocol):
         """Write ``config.json``, ``*.safetensors`` (+ index) and tokenizer files when the source had them,
         from rank 0 with memory bounded by one shard; loadable by ``transformers.from_pretrained``.
         Collective; returns the directory on rank 0 and ``None`` elsewhere."""
+
+    def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
+        """Write the LoRA adapters alone in peft's format (``adapter_model.safetensors`` +
+        ``adapter_config.json``, loadable by ``PeftModel.from_pretrained`` on the base model) from rank 0.
+        Raises ``InvalidInput`` when the engine has no adapters. Collective; the directory on rank 0,
+        ``None`` elsewhere. (``export_hf`` writes merged weights.)"""

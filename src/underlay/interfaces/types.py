@@ -76,7 +76,9 @@ class ParallelLayout:
     ``sp`` (Ulysses) divides ``dp_shard``: sequence-parallel ranks share a data shard. ``ep`` divides
     ``dp_shard * cp * tp`` (experts are spread over the non-pipeline ranks). Groups are opaque
     process-group handles (``None`` when the dimension is 1 or in a single process) and do not take
-    part in equality.
+    part in equality. Keys every engine provides: ``"world"``, ``"dp"`` (ranks that hold different data:
+    one per sp group), ``"sp"`` (the Ulysses group); engines add their own (fsdp2: ``"fsdp"``, the
+    DeviceMesh it shards over; mcore: ``"tp"``, ``"pp"``, ``"cp"``, ``"ep"``).
     """
 
     world_size: int = 1
