@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from underlay.interfaces import IGNORE_INDEX, InvalidInput, LogprobOutput
 
-__all__ = ["entropy_from_logits", "linear_logprobs", "logprobs_from_logits"]
+__all__ = ["check_logprob_args", "entropy_from_logits", "linear_logprobs", "logprobs_from_logits"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _AUTO_CHUNK_ELEMENTS = 1 << 26  # 64 Mi fp32 elements (256 MiB) per logits chunk when chunk_size is None
@@ -44,7 +44,7 @@ def _check_labels(labels: torch.Tensor, vocab: int, what: str) -> None:
     if bool(bad.any()):
         first = labels[bad][0].item()
         raise InvalidInput(
-            f"{what}: label {first} is outside [0, {vocab}) and is not IGNORE_INDEX ({IGNORE_INDEX}); "
+            f"{what}: found {first}: label {first} is outside [0, {vocab}) and is not IGNORE_INDEX ({IGNORE_INDEX}); "
             "check the tokenizer's vocabulary size against the model's"
         )
 
@@ -391,6 +391,52 @@ class _LinearLogprob(torch.autograd.Function):
         )
 
 
+def check_logprob_args(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_group: Any | None = None,
+    what: str = "logprob kernel",
+) -> tuple[int, int]:
+    """Validate the arguments of a ``LogprobKernel`` call (shared by every backend) before any launch.
+
+    ``hidden [N, H]`` and ``weight [V_local, H]`` of one float dtype (fp32/bf16/fp16) and one device with
+    ``labels [N]`` (int64/int32, in ``[0, V_local * world)`` or ``IGNORE_INDEX``); ``temperature`` a
+    finite number > 0. Returns ``(rank, world)`` of ``vocab_group`` (``(0, 1)`` without one). Raises
+    ``InvalidInput`` naming the bad value; ``what`` prefixes the message.
+    """
+    for name, t, dim in (("hidden", hidden, 2), ("weight", weight, 2), ("labels", labels, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim:
+            raise InvalidInput(
+                f"{what}: {name} must be a {dim}-d tensor (hidden [N, H], weight [V, H], labels [N]), got "
+                f"shape {tuple(getattr(t, 'shape', ()))}; flatten batch dimensions into N first"
+            )
+    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise InvalidInput(
+            f"{what}: hidden dtype {hidden.dtype} and weight dtype {weight.dtype} must be equal and one "
+            "of float32, bfloat16, float16; cast one of them"
+        )
+    if hidden.shape[1] != weight.shape[1] or weight.shape[0] == 0 or hidden.shape[1] == 0:
+        raise InvalidInput(
+            f"{what}: hidden size mismatch: hidden has H={hidden.shape[1]}, weight {tuple(weight.shape)} "
+            "must be [V, H] with the same H and V >= 1"
+        )
+    if labels.shape[0] != hidden.shape[0]:
+        raise InvalidInput(
+            f"{what}: labels must be [N] with hidden's N={hidden.shape[0]} tokens; got {labels.shape[0]} tokens"
+        )
+    if not (hidden.device == weight.device == labels.device):
+        raise InvalidInput(
+            f"{what}: hidden on {hidden.device}, weight on {weight.device}, labels on {labels.device}; "
+            "move them to one device"
+        )
+    _check_temperature(temperature)
+    rank, world = _group_info(vocab_group)
+    _check_labels(labels, weight.shape[0] * world, what)
+    return rank, world
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -418,33 +464,9 @@ def linear_logprobs(
     Returns ``LogprobOutput(log_probs [N] fp32, entropy [N] fp32 or None)``. Raises ``InvalidInput`` on
     bad shapes, dtypes, devices, labels, ``chunk_size`` or ``temperature <= 0``.
     """
-    what = "linear_logprobs"
-    for name, t, dim in (("hidden", hidden, 2), ("weight", weight, 2), ("labels", labels, 1)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dim:
-            raise InvalidInput(
-                f"{what}: {name} must be a {dim}-d tensor, got shape {tuple(getattr(t, 'shape', ()))}"
-            )
-    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
-        raise InvalidInput(
-            f"{what}: hidden dtype {hidden.dtype} and weight dtype {weight.dtype} must be equal and one "
-            "of float32, bfloat16, float16; cast one of them"
-        )
-    if hidden.shape[1] != weight.shape[1]:
-        raise InvalidInput(
-            f"{what}: hidden size {hidden.shape[1]} != weight.shape[1] {weight.shape[1]} (weight is [V, H])"
-        )
-    if labels.shape[0] != hidden.shape[0]:
-        raise InvalidInput(f"{what}: labels has {labels.shape[0]} tokens, hidden has {hidden.shape[0]}")
-    if not (hidden.device == weight.device == labels.device):
-        raise InvalidInput(
-            f"{what}: hidden on {hidden.device}, weight on {weight.device}, labels on {labels.device}; "
-            "move them to one device"
-        )
-    _check_temperature(temperature)
+    check_logprob_args(hidden, weight, labels, temperature, vocab_group, "linear_logprobs")
     if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InvalidInput(f"{what}: chunk_size={chunk_size!r} must be an int >= 1")
-    _, world = _group_info(vocab_group)
-    _check_labels(labels, weight.shape[0] * world, what)
+        raise InvalidInput(f"linear_logprobs: chunk_size={chunk_size!r} must be an int >= 1")
     lp, ent = _LinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.long(), float(temperature), bool(with_entropy), chunk_size, vocab_group
     )

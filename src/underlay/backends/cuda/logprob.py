@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from underlay.interfaces import IGNORE_INDEX, Device, InvalidInput, LogprobOutput
+from underlay.interfaces import Device, InvalidInput, LogprobOutput
+from underlay.ops.logprob import check_logprob_args
 
 __all__ = ["TritonLogprobKernel"]
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _group_rank_size(group: Any) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise InvalidInput(
-            "vocab_group was given but torch.distributed is not initialised; call "
-            "underlay.parallel.init_distributed() first or pass vocab_group=None"
-        )
-    return dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
 class TritonLogprobKernel:
@@ -63,11 +50,7 @@ class TritonLogprobKernel:
         """
         from underlay.backends.cuda import _logprob_triton as impl
 
-        offset, world = 0, 1
-        if vocab_group is not None:
-            rank, world = _group_rank_size(vocab_group)
-            offset = rank * weight.shape[0] if weight.dim() == 2 else 0
-        self._validate(hidden, weight, labels, temperature, world, impl.INTERPRET)
+        offset = self._validate(hidden, weight, labels, temperature, vocab_group, impl.INTERPRET)
         lp, ent = impl.fused_linear_logprobs(
             hidden,
             weight,
@@ -85,50 +68,21 @@ class TritonLogprobKernel:
         weight: torch.Tensor,
         labels: torch.Tensor,
         temperature: float,
-        world: int,
+        vocab_group: Any | None,
         interpret: bool,
-    ) -> None:
-        if hidden.dim() != 2 or weight.dim() != 2:
-            raise InvalidInput(
-                f"hidden must be [N, H] and weight [V, H]; got hidden {tuple(hidden.shape)}, "
-                f"weight {tuple(weight.shape)}. Flatten batch dimensions into N first"
-            )
-        if hidden.shape[1] != weight.shape[1]:
-            raise InvalidInput(
-                f"hidden size mismatch: hidden has H={hidden.shape[1]}, weight has H={weight.shape[1]}"
-            )
-        if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
-            raise InvalidInput(
-                f"labels must be [N] with N={hidden.shape[0]}; got shape {tuple(labels.shape)}"
-            )
+    ) -> int:
+        """The shared argument checks, plus: the tensors are on CUDA (or cpu under the interpreter)
+        and labels are int64. Returns this rank's vocabulary offset."""
+        rank, _ = check_logprob_args(
+            hidden, weight, labels, temperature, vocab_group, "triton logprob kernel"
+        )
         if labels.dtype != torch.int64:
-            raise InvalidInput(f"labels must be int64, got {labels.dtype}; use labels.long()")
-        if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
             raise InvalidInput(
-                f"hidden and weight must share one dtype among bf16/fp16/fp32; got {hidden.dtype} and "
-                f"{weight.dtype}"
+                f"triton logprob kernel: labels must be int64, got {labels.dtype}; use labels.long()"
             )
-        devices = {hidden.device, weight.device, labels.device}
-        if len(devices) != 1:
-            raise InvalidInput(
-                f"hidden, weight and labels must be on one device, got {sorted(map(str, devices))}"
-            )
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
-            raise InvalidInput(f"temperature must be a finite number > 0, got {temperature!r}")
-        if weight.shape[0] == 0 or hidden.shape[1] == 0:
-            raise InvalidInput(
-                f"weight must have at least one vocabulary row and H >= 1; got {tuple(weight.shape)}"
-            )
-        if labels.numel():
-            v_total = weight.shape[0] * world
-            bad = ((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= v_total)
-            if bool(bad.any()):
-                first = int(labels[bad][0])
-                raise InvalidInput(
-                    f"labels must lie in [0, {v_total}) or equal {IGNORE_INDEX}; found {first}"
-                )
         if hidden.device.type != "cuda" and not (interpret and hidden.device.type == "cpu"):
             raise InvalidInput(
                 f"the triton logprob kernel needs CUDA tensors, got {hidden.device}; move them with "
                 f".cuda() or select UNDERLAY_LOGPROB_KERNEL=torch"
             )
+        return rank * weight.shape[0]
