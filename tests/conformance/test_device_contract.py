@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from underlay import registry
-from underlay.interfaces import Device, Event, InvalidInput, MemoryStats, Stream
+from underlay.interfaces import Device, Event, InvalidInput, MemoryStats, Stream, UnsupportedOperation
 
 
 def _device_names() -> list[str]:
@@ -136,3 +137,21 @@ def test_streams_and_events(device: Device) -> None:
     assert start.elapsed_ms(end) >= 0.0
     device.new_stream().wait_stream(s)
     assert torch.isfinite(x).all()
+
+
+def test_memory_history_and_snapshot(device: Device, tmp_path: Path) -> None:
+    target = tmp_path / "snap.pickle"
+    if not device.is_accelerator:
+        with pytest.raises(UnsupportedOperation, match="unsupported on"):
+            device.record_memory_history()
+        with pytest.raises(UnsupportedOperation, match="unsupported on"):
+            device.dump_memory_snapshot(str(target))
+        return
+    with pytest.raises(InvalidInput, match="max_entries"):
+        device.record_memory_history(max_entries=0)
+    device.record_memory_history(max_entries=1000)
+    x = torch.randn(1 << 20, device=device.torch_device(0))
+    device.dump_memory_snapshot(str(target))
+    device.record_memory_history(False)
+    del x
+    assert target.stat().st_size > 0

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import Event, InvalidInput, MemoryStats, Stream
+from underlay.interfaces import Event, InvalidInput, MemoryStats, Stream, UnsupportedOperation
 from underlay.utils.hardware import lookup_peak_flops, peak_flops_from_env
 
 __all__ = ["AcceleratorDevice", "AcceleratorEvent"]
@@ -137,6 +137,33 @@ class AcceleratorDevice:
     def empty_cache(self) -> None:
         """Release cached blocks."""
         self._mod.empty_cache()
+
+    def record_memory_history(
+        self, enabled: bool = True, *, max_entries: int = 100_000, stacks: str = "python"
+    ) -> None:
+        """``<module>.memory._record_memory_history`` (torch.cuda; torch_npu's npu module mirrors it)."""
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise InvalidInput(f"record_memory_history: max_entries={max_entries!r} must be an int >= 1")
+        if stacks not in ("python", "all"):
+            raise InvalidInput(f"record_memory_history: stacks={stacks!r}; use 'python' or 'all'")
+        record = self._memory_fn("_record_memory_history")
+        if enabled:
+            record(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
+        else:
+            record(enabled=None)
+
+    def dump_memory_snapshot(self, path: str) -> None:
+        """``<module>.memory._dump_snapshot(path)``."""
+        self._memory_fn("_dump_snapshot")(path)
+
+    def _memory_fn(self, name: str) -> Any:
+        fn = getattr(getattr(self._mod, "memory", None), name, None)
+        if fn is None:
+            raise UnsupportedOperation(
+                f"memory history is unsupported on {self._name!r}: {self._mod.__name__}.memory has no {name}; "
+                "upgrade the device extension or use underlay.profiling.log_memory()"
+            )
+        return fn
 
     # -- rng
     def manual_seed(self, seed: int) -> None:

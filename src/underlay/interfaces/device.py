@@ -98,6 +98,18 @@ class Device(Protocol):
     def empty_cache(self) -> None:
         """Return cached, unused blocks to the driver (cpu: run the garbage collector)."""
 
+    def record_memory_history(
+        self, enabled: bool = True, *, max_entries: int = 100_000, stacks: str = "python"
+    ) -> None:
+        """Start (or, with ``enabled=False``, stop) recording the caching allocator's alloc/free events
+        with Python (``stacks="python"``) or also C++ (``"all"``) frames, keeping the last
+        ``max_entries``. Raises ``UnsupportedOperation`` where the device has no such allocator history
+        (cpu) and ``InvalidInput`` for bad arguments."""
+
+    def dump_memory_snapshot(self, path: str) -> None:
+        """Write the allocator snapshot (segments, blocks and the recorded events) as a pickle to ``path``
+        (for https://pytorch.org/memory_viz). Raises ``UnsupportedOperation`` where unsupported (cpu)."""
+
     def manual_seed(self, seed: int) -> None:
         """Seed the host RNG and every device RNG of this family."""
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib
 import inspect
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar, cast
 
 from underlay.backends._profiling import current_rank
-from underlay.interfaces import Device, InvalidInput, MemoryStats, UnsupportedOperation
+from underlay.interfaces import Device, InvalidInput, MemoryStats
 from underlay.registry import get_device
 
 __all__ = [
@@ -113,28 +111,15 @@ def log_memory_usage(
     return decorate
 
 
-def _cuda_memory(dev: Device, what: str) -> ModuleType:
-    if dev.name != "cuda":
-        raise UnsupportedOperation(
-            f"memory snapshots are unsupported on {dev.name!r}: {what} needs the CUDA caching allocator's "
-            "history (torch.cuda.memory._record_memory_history); use underlay.profiling.log_memory() on "
-            "this device, or run on a GPU with UNDERLAY_DEVICE=cuda"
-        )
-    return importlib.import_module("underlay.backends.cuda.memory")
-
-
 def record_memory_history(
     enabled: bool = True, *, max_entries: int = 100_000, stacks: str = "python", device: Device | None = None
 ) -> None:
     """Start (``enabled=True``) or stop recording allocator events with their stacks for
     ``memory_snapshot``: the last ``max_entries`` allocations and frees, with Python (``stacks="python"``)
     or also C++ (``"all"``) frames. Recording slows allocation; enable it around the steps you study.
-    Raises ``UnsupportedOperation`` on every device but cuda, ``InvalidInput`` for bad arguments."""
-    mod = _cuda_memory(_resolve(device), "record_memory_history")
-    if enabled:
-        mod.start_history(max_entries, stacks)
-    else:
-        mod.stop_history()
+    Raises ``UnsupportedOperation`` on devices without allocator history (cpu), ``InvalidInput`` for bad
+    arguments."""
+    _resolve(device).record_memory_history(enabled, max_entries=max_entries, stacks=stacks)
 
 
 def memory_snapshot(path: str | os.PathLike[str], device: Device | None = None) -> Path:
@@ -142,12 +127,20 @@ def memory_snapshot(path: str | os.PathLike[str], device: Device | None = None) 
     ``record_memory_history()``, the recorded alloc/free events with stacks) as a pickle to ``path``,
     for https://pytorch.org/memory_viz. The file is written atomically; parent directories are created.
     Returns the path. Raises ``UnsupportedOperation("memory snapshots are unsupported on <device>...")``
-    on every device but cuda."""
-    mod = _cuda_memory(_resolve(device), "memory_snapshot")
+    on devices without allocator history (cpu)."""
+    dev = _resolve(device)
     target = Path(path)
     if target.is_dir():
         raise InvalidInput(f"memory_snapshot: path {os.fspath(target)!r} is a directory; give a file name")
-    return cast(Path, mod.dump_snapshot(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        dev.dump_memory_snapshot(os.fspath(tmp))
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return target
 
 
 def aggressive_empty_cache(device: Device | None = None, force_sync: bool = True) -> int:

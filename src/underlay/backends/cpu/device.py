@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import Event, InvalidInput, MemoryStats, Stream
+from underlay.interfaces import Event, InvalidInput, MemoryStats, Stream, UnsupportedOperation
 from underlay.utils.hardware import peak_flops_from_env
 
 __all__ = ["CpuDevice", "CpuEvent", "CpuStream"]
@@ -165,6 +165,23 @@ class CpuDevice:
     def empty_cache(self) -> None:
         """Run the garbage collector (there is no caching allocator to trim)."""
         gc.collect()
+
+    def record_memory_history(
+        self, enabled: bool = True, *, max_entries: int = 100_000, stacks: str = "python"
+    ) -> None:
+        """Unsupported: the cpu has no caching allocator with history."""
+        raise UnsupportedOperation(self._no_history("record_memory_history"))
+
+    def dump_memory_snapshot(self, path: str) -> None:
+        """Unsupported: the cpu has no caching allocator with history."""
+        raise UnsupportedOperation(self._no_history("memory_snapshot"))
+
+    def _no_history(self, what: str) -> str:
+        return (
+            f"memory snapshots are unsupported on {self.name!r}: {what} needs an accelerator's caching "
+            "allocator history (cuda, npu); use underlay.profiling.log_memory() here, or run on a GPU "
+            "with UNDERLAY_DEVICE=cuda"
+        )
 
     def manual_seed(self, seed: int) -> None:
         """``torch.manual_seed``."""
