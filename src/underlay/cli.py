@@ -18,7 +18,10 @@ def _print_info(data: dict[str, Any]) -> None:
     print("versions: " + ", ".join(f"{k}={v}" for k, v in data["versions"].items() if v and k != "underlay"))
     print(f"platform: {data['platform']}")
     hw = data["hardware"]
-    peak = "unknown" if hw["peak_bf16_tflops"] is None else f"{hw['peak_bf16_tflops']:.1f} TFLOP/s bf16"
+    tf = hw["peak_bf16_tflops"]
+    peak = (
+        "unknown" if tf is None else (f"{tf:.1f} TFLOP/s bf16" if tf >= 1 else f"{tf * 1e3:.1f} GFLOP/s bf16")
+    )
     print(f"hardware: {hw['count']} x {hw['model']} ({hw['device']}; peak {peak})")
     if data["plugins_allowed"]:
         print(f"plugins allowed: {data['plugins_allowed']}")
