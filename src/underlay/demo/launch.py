@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -76,6 +77,12 @@ def _worker(rank: int, cfg: DemoConfig, world: int, port: int, out_dir: str) -> 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # All work and outputs are complete. Leave without interpreter teardown: a thread that
+    # torch.profiler leaves behind occasionally aborts a spawned process at exit ("terminate called
+    # without an active exception"), which would turn a finished run into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _raise_child_error(out: Path, exc: BaseException) -> None:
