@@ -126,3 +126,15 @@ def test_shard_writer_flushes_at_the_limit(tmp_path: Path) -> None:
     assert set(index["weight_map"]) == set(tensors)
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_unknown_engine_option_is_refused_before_any_work() -> None:
+    from transformers import LlamaConfig
+
+    from underlay.backends.cpu.device import CpuDevice
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.interfaces import EngineConfig
+
+    cfg = EngineConfig(ModelConfig(hf_config=LlamaConfig()), options={"reshard_after_foward": False})
+    with pytest.raises(ConfigError, match=r"unknown fsdp2 option\(s\) \['reshard_after_foward'\]"):
+        FSDP2Engine(cfg, CpuDevice())

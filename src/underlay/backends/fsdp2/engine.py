@@ -37,6 +37,7 @@ from underlay.backends.fsdp2.parallelize import (
 )
 from underlay.interfaces import (
     CheckpointError,
+    ConfigError,
     Device,
     EngineConfig,
     InvalidInput,
@@ -50,6 +51,7 @@ from underlay.interfaces import (
 
 __all__ = ["FSDP2Engine"]
 
+_OPTIONS = frozenset({"reshard_after_forward", "fused_adamw"})
 _STATE_FILE = "engine_state.pt"
 _SIGNATURE_FILE = "engine_signature.json"
 
@@ -66,6 +68,12 @@ class FSDP2Engine:
     def __init__(self, config: EngineConfig, device: Device) -> None:
         from underlay.parallel.distributed import init_distributed
 
+        options = dict(config.options)
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"EngineConfig.options: unknown fsdp2 option(s) {unknown}; fsdp2 accepts {sorted(_OPTIONS)}"
+            )
         if not dist.is_initialized():
             init_distributed(device)
         self._config = config
@@ -95,7 +103,6 @@ class FSDP2Engine:
         if config.activation_checkpointing:
             apply_activation_checkpointing(model)
         self._prepare(model)
-        options = dict(config.options)
         apply_fsdp(
             model,
             self._meshes.fsdp,
