@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -79,6 +80,12 @@ def _worker(
         raise
     finally:
         dist.destroy_process_group()
+    # The result is reported (SimpleQueue writes synchronously). Skip interpreter teardown: c10d/gloo
+    # and profiler threads occasionally abort a finished child at exit (SIGABRT, "terminate called
+    # without an active exception"), which would fail a test whose work all passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(
