@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -127,6 +128,10 @@ def run_distributed(
         errors.sort(key=lambda e: (e[0], e[1]))
         _, rank, child_exc, tb = errors[0]
         raise child_exc from ChildFailure(f"rank {rank} of {world_size} failed:\n{tb}")
-    if failure is not None:
+    if failure is not None and len(results) < world_size:
         raise ChildFailure(f"a child process died without reporting an exception: {failure}") from failure
+    if failure is not None:  # every rank finished and reported; the abort came during teardown
+        warnings.warn(
+            f"run_distributed: a child aborted after reporting its result ({failure})", stacklevel=2
+        )
     return [results[r] for r in range(world_size)]
