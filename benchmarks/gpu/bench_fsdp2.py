@@ -7,8 +7,11 @@ for both contenders, a policy-gradient token-mean loss over the response tokens.
 
 - ``fsdp2``: ``underlay.get_engine``-built FSDP2 engine, bf16 compute / fp32 master weights and
   reduction, packed (padding-free) micro-batches of at most 16384 real tokens, the cuda attention
-  (varlen) and fused Triton log-prob head, activation checkpointing (``--no-act-ckpt`` to disable),
-  fused AdamW, parameters kept unsharded between forward and backward (``reshard_after_forward=False``).
+  (varlen) and fused Triton log-prob head, fused AdamW, parameters kept unsharded between forward
+  and backward (``reshard_after_forward=False``). ``--act-ckpt`` lists the activation-checkpointing
+  modes to measure, one engine each in the same run (default ``selective``: matmul and attention
+  outputs kept, elementwise ops recomputed; ``full``; ``none``; a ``+compile`` suffix adds the
+  engine option ``compile``). The first row is the one the goals are judged on.
 - ``hf``: plain transformers: the fp32 model under bf16 autocast, SDPA, padded micro-batches of the
   same sequences in dataset order (as many as fit 16384 padded tokens), ``logits.float().log_softmax``,
   fused AdamW, no activation checkpointing (``--baseline-act-ckpt`` to enable). Only when world size 1.
@@ -105,18 +108,21 @@ def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dic
     return (-(adv * outputs.log_probs) * mask).sum(), {}
 
 
-def bench_engine(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any) -> dict[str, Any]:
+def bench_engine(
+    cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any, variant: str
+) -> dict[str, Any]:
     from underlay.registry import get_engine
 
+    act_ckpt, _, extra = variant.partition("+")
     ec = EngineConfig(
         model=ModelConfig(hf_config=cfg, seed=0),
         optim=OptimConfig(lr=1e-6, grad_clip=1.0),
         micro_batch_max_tokens=MAX_TOKENS if not args.quick else 256,
         param_dtype="bfloat16",
         reduce_dtype="float32",
-        activation_checkpointing=not args.no_act_ckpt,
+        activation_checkpointing=act_ckpt,  # type: ignore[arg-type]
         with_entropy=False,
-        options={"fused_adamw": True, "reshard_after_forward": False},
+        options={"fused_adamw": True, "reshard_after_forward": False, "compile": extra == "compile"},
     )
     t0 = time.perf_counter()
     engine = get_engine(ec)
@@ -136,10 +142,36 @@ def bench_engine(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: A
             times.append(time.perf_counter() - t)
         mbs = res.num_micro_batches
     peak = dev.memory_stats().peak_allocated
+    if args.profile and dev.is_accelerator:
+        profile_step(engine, batch, variant)
+        args.profile = False  # the first mode only
     del engine
     gc.collect()
     dev.empty_cache()
     return {"times": times, "peak": peak, "build_s": build_s, "micro_batches": mbs}
+
+
+def profile_step(engine: Any, batch: TokenBatch, label: str) -> None:
+    """One step under torch.profiler: the 30 costliest device ops and the device-busy fraction,
+    printed and written to ``$OUT/fsdp2_profile_<label>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        engine.forward_backward(batch, pg_loss)
+        engine.optimizer_step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    table = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
+    text = (
+        f"profiled step ({label}): wall {wall:.3f} s, device busy {busy:.3f} s ({busy / wall:.0%})\n{table}"
+    )
+    print(text)
+    out_dir = Path(os.environ.get("OUT", "."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"fsdp2_profile_{label}.txt").write_text(text)
 
 
 def baseline_micro_batches(lens: list[int]) -> list[list[int]]:
@@ -232,8 +264,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--sequences", type=int, default=64, help="sequences per rank and step")
-    ap.add_argument("--no-act-ckpt", action="store_true")
+    ap.add_argument(
+        "--act-ckpt",
+        default="selective",
+        help="comma-separated fsdp2 variants, one row each: an activation-checkpointing mode (none, full, "
+        "selective), optionally with '+compile' (engine option compile=True), e.g. selective,full+compile",
+    )
     ap.add_argument("--baseline-act-ckpt", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one step of the first mode")
     ap.add_argument("--no-baseline", action="store_true")
     args = ap.parse_args()
     from underlay.ops import FlopsCounter
@@ -248,18 +286,31 @@ def main() -> int:
     batch = make_batch(lens, cfg.vocab_size, seed=rank)
     flops = FlopsCounter(cfg).estimate_flops(lens)
     peak_flops = dev.peak_flops(torch.bfloat16)
-    rows = [summarise("fsdp2", bench_engine(cfg, batch, lens, args, dev), lens, flops, peak_flops, world)]
+    rows: list[dict[str, Any]] = []
+    for variant in args.act_ckpt.split(","):
+        try:
+            r = bench_engine(cfg, batch, lens, args, dev, variant)
+        except Exception as exc:  # one failing variant must not hide the others
+            print(f"fsdp2/{variant} failed: {type(exc).__name__}: {exc}")
+            gc.collect()
+            dev.empty_cache()
+            continue
+        rows.append(summarise(f"fsdp2/{variant}", r, lens, flops, peak_flops, world))
+    if not rows:
+        print("every fsdp2 variant failed")
+        return 1
     if world == 1 and not args.no_baseline:
         rows.append(summarise("hf", bench_hf(cfg, batch, lens, args, dev), lens, flops, peak_flops, world))
     if world > 1:  # the slowest rank sets the pace
-        t = torch.tensor(
-            [rows[0]["step_s"]],
-            dtype=torch.float64,
-            device=dev.torch_device() if dev.is_accelerator else "cpu",
-        )
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        rows[0]["step_s_max_rank"] = float(t.item())
-        rows[0]["tokens_per_s_total"] = sum(lens) * world / float(t.item())
+        for row in rows:
+            t = torch.tensor(
+                [row["step_s"]],
+                dtype=torch.float64,
+                device=dev.torch_device() if dev.is_accelerator else "cpu",
+            )
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            row["step_s_max_rank"] = float(t.item())
+            row["tokens_per_s_total"] = sum(lens) * world / float(t.item())
     result: dict[str, Any] = {
         "rows": rows,
         "world_size": world,
@@ -274,8 +325,10 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "args": vars(args),
     }
-    if len(rows) == 2:
-        ours, hf = rows
+    hf_rows = [r for r in rows if r["name"] == "hf"]
+    if hf_rows:
+        ours, hf = rows[0], hf_rows[0]
+        result["speedup_by_mode"] = {r["name"]: r["tokens_per_s"] / hf["tokens_per_s"] for r in rows[:-1]}
         result["speedup"] = ours["tokens_per_s"] / hf["tokens_per_s"]
         result["memory_ratio"] = ours["peak_gib"] / hf["peak_gib"]
         result["goals"] = {
@@ -285,16 +338,19 @@ def main() -> int:
         }
     if rank == 0:
         print(f"world {world}; {len(lens)} seqs/rank, {sum(lens)} real tokens/rank/step, max {max(lens)}")
-        print(f"{'':<6} {'step_s':>8} {'tok/s/gpu':>10} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'mbs':>4}")
+        print(f"{'':<22} {'step_s':>8} {'tok/s/gpu':>10} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'mbs':>4}")
         for r in rows:
             mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "  n/a"
             print(
-                f"{r['name']:<6} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tokens_per_s_total']:>10.0f} "
+                f"{r['name']:<22} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tokens_per_s_total']:>10.0f} "
                 f"{mfu:>6} {r['peak_gib']:>9.2f} {r['micro_batches']:>4}"
             )
         if "speedup" in result:
             print(
                 f"speedup {result['speedup']:.2f}x, memory ratio {result['memory_ratio']:.2f}, goals {result['goals']}"
+            )
+            print(
+                "speedup by mode: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup_by_mode"].items())
             )
         out_dir = Path(os.environ.get("OUT", "."))
         out_dir.mkdir(parents=True, exist_ok=True)

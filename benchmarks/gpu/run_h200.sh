@@ -5,6 +5,7 @@
 #
 # Each step runs with its own time limit; logs and result files go into $OUT/results.tgz, the last lines to stdout.
 # Carry .whl (the liger-kernel wheel) for the logprob benchmark. NVLink multicast stays off.
+# FSDP2_ARGS / FSDP2_SECS: extra arguments and time limit of the fsdp2bench step (e.g. --act-ckpt selective,full --profile).
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,7 +48,7 @@ for s in "${steps[@]}"; do
     fp8tests) step fp8tests 120 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu -k fp8 tests ;;
     nvtx) step nvtx 90 python3 benchmarks/gpu/check_nvtx.py ;;
     fsdp2check) step fsdp2check 240 python3 benchmarks/gpu/check_fsdp2_cuda.py ;;
-    fsdp2bench) step fsdp2bench 330 python3 benchmarks/gpu/bench_fsdp2.py ;;
+    fsdp2bench) step fsdp2bench "${FSDP2_SECS:-330}" python3 benchmarks/gpu/bench_fsdp2.py ${FSDP2_ARGS:-} ;;
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac

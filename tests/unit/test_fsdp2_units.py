@@ -138,3 +138,117 @@ def test_unknown_engine_option_is_refused_before_any_work() -> None:
     cfg = EngineConfig(ModelConfig(hf_config=LlamaConfig()), options={"reshard_after_foward": False})
     with pytest.raises(ConfigError, match=r"unknown fsdp2 option\(s\) \['reshard_after_foward'\]"):
         FSDP2Engine(cfg, CpuDevice())
+
+
+class _OpCounter:
+    """Counts matmul and elementwise aten ops run while active (a TorchDispatchMode)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = {"mm": 0, "other": 0}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = func._schema.name
+                counts["mm" if name in ("aten::mm", "aten::addmm", "aten::bmm") else "other"] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts = counts
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_activation_checkpointing_modes_keep_gradients_and_differ_in_recomputation(mode: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from underlay.backends.fsdp2.parallelize import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
+    ref = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
+    ref.load_state_dict(model.state_dict())
+    apply_activation_checkpointing(model, mode)
+    model.train()
+    ref.train()
+    ids = torch.randint(0, 64, (2, 12))
+    ref(input_ids=ids).logits.square().mean().backward()
+    loss = model(input_ids=ids).logits.square().mean()
+    counter = _OpCounter()
+    with counter.mode:
+        loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+    # backward of the un-checkpointed reference, measured the same way
+    ref.zero_grad()
+    base = _OpCounter()
+    loss_ref = ref(input_ids=ids).logits.square().mean()
+    with base.mode:
+        loss_ref.backward()
+    if mode == "none":
+        assert counter.counts == base.counts
+    elif mode == "full":  # the layers' forward matmuls run again
+        assert counter.counts["mm"] >= base.counts["mm"] + 10
+    else:  # matmul outputs are kept: no matmul reruns, only cheap ops do
+        assert counter.counts["mm"] == base.counts["mm"]
+        assert counter.counts["other"] > base.counts["other"]
+
+
+def test_selective_policy_saves_matmuls_and_attention_only() -> None:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from underlay.backends.fsdp2.parallelize import selective_policy
+
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten._scaled_dot_product_efficient_attention.default):
+        assert selective_policy(None, op) == CheckpointPolicy.MUST_SAVE
+    for op in (aten.silu.default, aten.mul.Tensor, aten.rsqrt.default, aten.add.Tensor):
+        assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("value", ["partial", 2, None])
+def test_activation_checkpointing_value_is_validated(value: object) -> None:
+    from underlay.interfaces import EngineConfig
+
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        EngineConfig(model=ModelConfig(hf_config=_llama()), activation_checkpointing=value)  # type: ignore[arg-type]
+    assert (
+        EngineConfig(
+            model=ModelConfig(hf_config=_llama()), activation_checkpointing=True
+        ).activation_checkpointing_mode
+        == "full"
+    )
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_compiled_layer_parts_keep_gradients(mode: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from underlay.backends.fsdp2.parallelize import apply_activation_checkpointing, compile_layer_parts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
+    ref = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
+    ref.load_state_dict(model.state_dict())
+    apply_activation_checkpointing(model, mode)
+    assert compile_layer_parts(model, backend="aot_eager") == 2 * 3  # 2 norms and the MLP per layer
+    for length in (9, 12):  # a second length: dynamic shapes
+        ids = torch.randint(0, 64, (1, length))
+        model(input_ids=ids).logits.square().mean().backward()
+        ref(input_ids=ids).logits.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_compile_with_selective_checkpointing_is_refused() -> None:
+    from underlay.backends.cpu.device import CpuDevice
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.interfaces import EngineConfig
+
+    cfg = EngineConfig(
+        ModelConfig(hf_config=_llama()), activation_checkpointing="selective", options={"compile": True}
+    )
+    with pytest.raises(ConfigError, match="compile=True cannot be combined"):
+        FSDP2Engine(cfg, CpuDevice())

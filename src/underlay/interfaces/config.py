@@ -163,8 +163,11 @@ class EngineConfig:
     ``micro_batch_max_tokens`` bounds the real tokens of one packed micro-batch
     (``ops.plan_micro_batches``). ``param_dtype``/``reduce_dtype`` are the mixed-precision policy
     (compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; master weights and optimizer
-    state stay fp32). ``options`` holds backend-specific settings (documented by each backend) so that
-    new engines need no new fields here.
+    state stay fp32). ``activation_checkpointing``: ``False``/``"none"`` keeps every activation,
+    ``True``/``"full"`` recomputes each decoder layer in backward, ``"selective"`` keeps the outputs of
+    matmuls and attention and recomputes only the cheap elementwise ops (norms, rotary, activations) —
+    most of full recomputation's memory saving at a few percent of its cost. ``options`` holds
+    backend-specific settings (documented by each backend) so that new engines need no new fields here.
     """
 
     model: ModelConfig
@@ -173,7 +176,7 @@ class EngineConfig:
     micro_batch_max_tokens: int = 16384
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | Literal["none", "full", "selective"] = False
     cpu_offload: bool = False
     temperature: float = 1.0
     with_entropy: bool = True
@@ -190,6 +193,26 @@ class EngineConfig:
             )
         if not self.temperature > 0:
             raise ConfigError(f"EngineConfig.temperature={self.temperature}: must be > 0")
+        ac = self.activation_checkpointing
+        if not isinstance(ac, (bool, str)) or ac not in _AC_MODES:
+            raise ConfigError(
+                f"EngineConfig.activation_checkpointing={ac!r}: use one of "
+                f"False, True, 'none', 'full' or 'selective'"
+            )
+
+    @property
+    def activation_checkpointing_mode(self) -> Literal["none", "full", "selective"]:
+        """``activation_checkpointing`` as a name: ``False`` -> ``"none"``, ``True`` -> ``"full"``."""
+        return _AC_MODES[self.activation_checkpointing]
+
+
+_AC_MODES: dict[object, Literal["none", "full", "selective"]] = {
+    False: "none",
+    True: "full",
+    "none": "none",
+    "full": "full",
+    "selective": "selective",
+}
 
 
 _NESTED: dict[tuple[str, str], type[Any]] = {

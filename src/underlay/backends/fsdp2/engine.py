@@ -8,7 +8,8 @@ from the safetensors of ``config.model.path`` or copied from the seed-initialise
 sharded model equals the single-process model built with the same seed), then AdamW and the LR schedule.
 
 Backend options (``EngineConfig.options``): ``reshard_after_forward`` (bool, default True),
-``fused_adamw`` (bool, default False; fused AdamW kernel on accelerators).
+``fused_adamw`` (bool, default False; fused AdamW kernel on accelerators), ``compile`` (bool, default
+False; ``torch.compile`` the norms and dense MLPs of each decoder layer, ``compile_layer_parts``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from underlay.backends.fsdp2 import _build
 from underlay.backends.fsdp2.parallelize import (
     apply_activation_checkpointing,
+    compile_layer_parts,
     apply_fsdp,
     build_layout,
     build_meshes,
@@ -51,7 +53,7 @@ from underlay.interfaces import (
 
 __all__ = ["FSDP2Engine"]
 
-_OPTIONS = frozenset({"reshard_after_forward", "fused_adamw"})
+_OPTIONS = frozenset({"reshard_after_forward", "fused_adamw", "compile"})
 _STATE_FILE = "engine_state.pt"
 _SIGNATURE_FILE = "engine_signature.json"
 
@@ -73,6 +75,12 @@ class FSDP2Engine:
         if unknown:
             raise ConfigError(
                 f"EngineConfig.options: unknown fsdp2 option(s) {unknown}; fsdp2 accepts {sorted(_OPTIONS)}"
+            )
+        if options.get("compile", False) and config.activation_checkpointing_mode == "selective":
+            raise ConfigError(
+                "EngineConfig.options compile=True cannot be combined with activation_checkpointing="
+                "'selective' (eager selective checkpointing cannot cache the outputs of compiled modules); "
+                "use activation_checkpointing='full' or 'none' with compile"
             )
         if not dist.is_initialized():
             init_distributed(device)
@@ -100,9 +108,10 @@ class FSDP2Engine:
         self._param_dtype = torch_dtype(config.param_dtype)
         model = _build.build_model(config.model, self._hf_config, meta=True)
         buffers = {n: b for n, b in model.named_buffers()}
-        if config.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, config.activation_checkpointing_mode)
         self._prepare(model)
+        if options.get("compile", False):
+            compile_layer_parts(model)
         apply_fsdp(
             model,
             self._meshes.fsdp,

@@ -18,14 +18,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from underlay.interfaces import ConfigError, ParallelConfig, ParallelLayout
 
 __all__ = [
+    "SAVED_OPS",
     "Meshes",
     "apply_activation_checkpointing",
     "apply_fsdp",
     "build_layout",
     "build_meshes",
+    "compile_layer_parts",
     "decoder_layers",
     "mp_policy_for",
     "offload_policy_for",
+    "selective_policy",
     "torch_dtype",
     "validate_sp_heads",
 ]
@@ -127,9 +130,60 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each decoder layer's activations in backward (non-reentrant ``torch.utils.checkpoint``
-    through transformers' ``gradient_checkpointing_enable``; parameter names stay unchanged)."""
+SAVED_OPS: frozenset[str] = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_scaled_mm",
+        "aten::_grouped_mm",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+        "aten::_cudnn_attention_forward",
+        "torch_attn::_varlen_attn",
+        "flash_attn::_flash_attn_forward",
+        "flash_attn::_flash_attn_varlen_forward",
+        "npu::npu_fusion_attention",
+    }
+)
+"""Operators whose outputs ``"selective"`` activation checkpointing keeps (by schema name, so that
+optional backends need not be importable): matmuls and attention kernels, the compute-bound work.
+Everything else in a decoder layer (norms, rotary, activation functions, residual adds) is recomputed."""
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint`` policy: ``MUST_SAVE`` for an operator in ``SAVED_OPS``,
+    ``PREFER_RECOMPUTE`` for every other one."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    schema = getattr(op, "_schema", None)
+    name = getattr(schema, "name", None) or str(op)
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_policy)  # type: ignore[no-untyped-call]
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -> None:
+    """Recompute decoder-layer activations in backward (non-reentrant ``torch.utils.checkpoint``
+    through transformers' ``gradient_checkpointing_enable``; parameter names stay unchanged).
+
+    ``mode``: ``"full"`` recomputes each whole layer; ``"selective"`` keeps the outputs of the
+    ``SAVED_OPS`` (matmuls, attention) and recomputes the rest; ``"none"`` does nothing. Gradients are
+    identical in every mode. Raises ``ConfigError`` for another mode or a model without
+    ``gradient_checkpointing_enable``.
+    """
+    if mode not in ("none", "full", "selective"):
+        raise ConfigError(f"activation checkpointing mode {mode!r}: use 'none', 'full' or 'selective'")
+    if mode == "none":
+        return
     target = model
     get_base = getattr(model, "get_base_model", None)
     if callable(get_base):
@@ -140,10 +194,30 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
             f"{type(target).__name__} has no gradient_checkpointing_enable(); activation checkpointing "
             "needs a transformers PreTrainedModel"
         )
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context
+    enable(gradient_checkpointing_kwargs=kwargs)
     cfg: Any = getattr(target, "config", None)
     if cfg is not None and getattr(cfg, "use_cache", False):
         cfg.use_cache = False
+
+
+def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """``torch.compile`` (in place, ``nn.Module.compile``) the RMSNorm and dense MLP submodules of every
+    decoder layer, so that their elementwise chains (fp32 norm arithmetic, SiLU x up) fuse into few
+    kernels; attention and the FSDP hooks on the layers stay eager. Sequence lengths vary between
+    micro-batches, so shapes become dynamic after the first recompile. Returns how many modules were
+    compiled (``TiledMLP`` is left alone: it loops over tiles by design). ``backend`` is passed to
+    ``torch.compile`` (tests use ``"aot_eager"``)."""
+    count = 0
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            cls = type(module).__name__
+            if module is not layer and cls != "TiledMLP" and cls.endswith(("RMSNorm", "MLP")):
+                module.compile(backend=backend)
+                count += 1
+    return count
 
 
 def apply_fsdp(
