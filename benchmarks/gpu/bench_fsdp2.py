@@ -287,6 +287,10 @@ def main() -> int:
     flops = FlopsCounter(cfg).estimate_flops(lens)
     peak_flops = dev.peak_flops(torch.bfloat16)
     rows: list[dict[str, Any]] = []
+    hf_row = None  # the baseline runs first, so a time limit cuts variants rather than the baseline
+    if world == 1 and not args.no_baseline:
+        hf_row = summarise("hf", bench_hf(cfg, batch, lens, args, dev), lens, flops, peak_flops, world)
+        print(f"hf baseline: {hf_row['step_s']:.3f} s/step, {hf_row['peak_gib']:.1f} GiB", flush=True)
     for variant in args.act_ckpt.split(","):
         try:
             r = bench_engine(cfg, batch, lens, args, dev, variant)
@@ -296,11 +300,12 @@ def main() -> int:
             dev.empty_cache()
             continue
         rows.append(summarise(f"fsdp2/{variant}", r, lens, flops, peak_flops, world))
+        print(f"fsdp2/{variant}: {rows[-1]['step_s']:.3f} s/step, {rows[-1]['peak_gib']:.1f} GiB", flush=True)
     if not rows:
         print("every fsdp2 variant failed")
         return 1
-    if world == 1 and not args.no_baseline:
-        rows.append(summarise("hf", bench_hf(cfg, batch, lens, args, dev), lens, flops, peak_flops, world))
+    if hf_row is not None:
+        rows.append(hf_row)
     if world > 1:  # the slowest rank sets the pace
         for row in rows:
             t = torch.tensor(
