@@ -164,9 +164,7 @@ class EngineConfig:
     (``ops.plan_micro_batches``). ``param_dtype``/``reduce_dtype`` are the mixed-precision policy
     (compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; master weights and optimizer
     state stay fp32). ``activation_checkpointing``: ``False``/``"none"`` keeps every activation,
-    ``True``/``"full"`` recomputes each decoder layer in backward, ``"selective"`` keeps the outputs of
-    matmuls and attention and recomputes only the cheap elementwise ops (norms, rotary, activations) —
-    most of full recomputation's memory saving at a few percent of its cost. ``options`` holds
+    ``True``/``"full"`` recomputes each decoder layer in backward. ``options`` holds
     backend-specific settings (documented by each backend) so that new engines need no new fields here.
     """
 
@@ -176,7 +174,7 @@ class EngineConfig:
     micro_batch_max_tokens: int = 16384
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
-    activation_checkpointing: bool | Literal["none", "full", "selective"] = False
+    activation_checkpointing: bool | Literal["none", "full"] = False
     cpu_offload: bool = False
     temperature: float = 1.0
     with_entropy: bool = True
@@ -196,22 +194,20 @@ class EngineConfig:
         ac = self.activation_checkpointing
         if not isinstance(ac, (bool, str)) or ac not in _AC_MODES:
             raise ConfigError(
-                f"EngineConfig.activation_checkpointing={ac!r}: use one of "
-                f"False, True, 'none', 'full' or 'selective'"
+                f"EngineConfig.activation_checkpointing={ac!r}: use one of False, True, 'none' or 'full'"
             )
 
     @property
-    def activation_checkpointing_mode(self) -> Literal["none", "full", "selective"]:
+    def activation_checkpointing_mode(self) -> Literal["none", "full"]:
         """``activation_checkpointing`` as a name: ``False`` -> ``"none"``, ``True`` -> ``"full"``."""
         return _AC_MODES[self.activation_checkpointing]
 
 
-_AC_MODES: dict[object, Literal["none", "full", "selective"]] = {
+_AC_MODES: dict[object, Literal["none", "full"]] = {
     False: "none",
     True: "full",
     "none": "none",
     "full": "full",
-    "selective": "selective",
 }
 
 

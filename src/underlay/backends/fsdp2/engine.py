@@ -8,14 +8,17 @@ from the safetensors of ``config.model.path`` or copied from the seed-initialise
 sharded model equals the single-process model built with the same seed), then AdamW and the LR schedule.
 
 Backend options (``EngineConfig.options``): ``reshard_after_forward`` (bool, default True),
-``fused_adamw`` (bool, default False; fused AdamW kernel on accelerators), ``compile`` (bool, default
-False; ``torch.compile`` the norms and dense MLPs of each decoder layer, ``compile_layer_parts``).
+``fused_adamw`` (bool, default False; fused AdamW kernel on accelerators), ``compile`` (default False;
+``True`` or ``"layer_parts"``: ``torch.compile`` the norms, dense MLPs and attention modules of each
+decoder layer; ``"norm_mlp"``: the norms and MLPs only; see ``compile_layer_parts``; the
+``torch.compile`` backend is ``UNDERLAY_COMPILE_BACKEND``, default ``inductor``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +30,12 @@ from torch.distributed.tensor import DTensor
 
 from underlay.backends.fsdp2 import _build
 from underlay.backends.fsdp2.parallelize import (
+    COMPILE_SCOPES,
     apply_activation_checkpointing,
-    compile_layer_parts,
     apply_fsdp,
     build_layout,
     build_meshes,
+    compile_layer_parts,
     mp_policy_for,
     offload_policy_for,
     torch_dtype,
@@ -76,11 +80,9 @@ class FSDP2Engine:
             raise ConfigError(
                 f"EngineConfig.options: unknown fsdp2 option(s) {unknown}; fsdp2 accepts {sorted(_OPTIONS)}"
             )
-        if options.get("compile", False) and config.activation_checkpointing_mode == "selective":
+        if options.get("compile", False) not in (False, True, *COMPILE_SCOPES):
             raise ConfigError(
-                "EngineConfig.options compile=True cannot be combined with activation_checkpointing="
-                "'selective' (eager selective checkpointing cannot cache the outputs of compiled modules); "
-                "use activation_checkpointing='full' or 'none' with compile"
+                f"EngineConfig.options compile={options['compile']!r}: use False, True or one of {COMPILE_SCOPES}"
             )
         if not dist.is_initialized():
             init_distributed(device)
@@ -110,8 +112,13 @@ class FSDP2Engine:
         buffers = {n: b for n, b in model.named_buffers()}
         apply_activation_checkpointing(model, config.activation_checkpointing_mode)
         self._prepare(model)
-        if options.get("compile", False):
-            compile_layer_parts(model)
+        compile_opt = options.get("compile", False)
+        if compile_opt:
+            compile_layer_parts(
+                model,
+                backend=os.environ.get("UNDERLAY_COMPILE_BACKEND", "inductor"),
+                scope="layer_parts" if compile_opt is True else str(compile_opt),
+            )
         apply_fsdp(
             model,
             self._meshes.fsdp,

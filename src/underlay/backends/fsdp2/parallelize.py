@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from underlay.interfaces import ConfigError, ParallelConfig, ParallelLayout
 
 __all__ = [
-    "SAVED_OPS",
+    "COMPILE_SCOPES",
     "Meshes",
     "apply_activation_checkpointing",
     "apply_fsdp",
@@ -28,7 +28,6 @@ __all__ = [
     "decoder_layers",
     "mp_policy_for",
     "offload_policy_for",
-    "selective_policy",
     "torch_dtype",
     "validate_sp_heads",
 ]
@@ -130,58 +129,16 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-SAVED_OPS: frozenset[str] = frozenset(
-    {
-        "aten::mm",
-        "aten::addmm",
-        "aten::bmm",
-        "aten::baddbmm",
-        "aten::_scaled_mm",
-        "aten::_grouped_mm",
-        "aten::_scaled_dot_product_flash_attention",
-        "aten::_scaled_dot_product_efficient_attention",
-        "aten::_scaled_dot_product_cudnn_attention",
-        "aten::_flash_attention_forward",
-        "aten::_efficient_attention_forward",
-        "aten::_cudnn_attention_forward",
-        "torch_attn::_varlen_attn",
-        "flash_attn::_flash_attn_forward",
-        "flash_attn::_flash_attn_varlen_forward",
-        "npu::npu_fusion_attention",
-    }
-)
-"""Operators whose outputs ``"selective"`` activation checkpointing keeps (by schema name, so that
-optional backends need not be importable): matmuls and attention kernels, the compute-bound work.
-Everything else in a decoder layer (norms, rotary, activation functions, residual adds) is recomputed."""
-
-
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """``torch.utils.checkpoint`` policy: ``MUST_SAVE`` for an operator in ``SAVED_OPS``,
-    ``PREFER_RECOMPUTE`` for every other one."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    schema = getattr(op, "_schema", None)
-    name = getattr(schema, "name", None) or str(op)
-    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context() -> Any:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(selective_policy)  # type: ignore[no-untyped-call]
-
-
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -> None:
     """Recompute decoder-layer activations in backward (non-reentrant ``torch.utils.checkpoint``
     through transformers' ``gradient_checkpointing_enable``; parameter names stay unchanged).
 
-    ``mode``: ``"full"`` recomputes each whole layer; ``"selective"`` keeps the outputs of the
-    ``SAVED_OPS`` (matmuls, attention) and recomputes the rest; ``"none"`` does nothing. Gradients are
-    identical in every mode. Raises ``ConfigError`` for another mode or a model without
+    ``mode``: ``"full"`` recomputes each whole layer; ``"none"`` does nothing. Gradients are identical
+    either way. Raises ``ConfigError`` for another mode or a model without
     ``gradient_checkpointing_enable``.
     """
-    if mode not in ("none", "full", "selective"):
-        raise ConfigError(f"activation checkpointing mode {mode!r}: use 'none', 'full' or 'selective'")
+    if mode not in ("none", "full"):
+        raise ConfigError(f"activation checkpointing mode {mode!r}: use 'none' or 'full'")
     if mode == "none":
         return
     target = model
@@ -194,29 +151,41 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
             f"{type(target).__name__} has no gradient_checkpointing_enable(); activation checkpointing "
             "needs a transformers PreTrainedModel"
         )
-    kwargs: dict[str, Any] = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = _selective_context
-    enable(gradient_checkpointing_kwargs=kwargs)
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg: Any = getattr(target, "config", None)
     if cfg is not None and getattr(cfg, "use_cache", False):
         cfg.use_cache = False
 
 
-def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """``torch.compile`` (in place, ``nn.Module.compile``) the RMSNorm and dense MLP submodules of every
-    decoder layer, so that their elementwise chains (fp32 norm arithmetic, SiLU x up) fuse into few
-    kernels; attention and the FSDP hooks on the layers stay eager. Sequence lengths vary between
-    micro-batches, so shapes become dynamic after the first recompile. Returns how many modules were
-    compiled (``TiledMLP`` is left alone: it loops over tiles by design). ``backend`` is passed to
-    ``torch.compile`` (tests use ``"aot_eager"``)."""
+COMPILE_SCOPES = ("norm_mlp", "layer_parts")
+"""What ``compile_layer_parts`` compiles: the norms and dense MLPs (``"norm_mlp"``), or those and the
+attention modules (``"layer_parts"``: projections, rotary and the attention call, which graph-breaks
+where the kernel needs host values)."""
+
+
+def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope: str = "layer_parts") -> int:
+    """``torch.compile`` (in place, ``nn.Module.compile``) parts of every decoder layer so that their
+    elementwise chains (fp32 norm arithmetic, rotary, SiLU x up) fuse into few kernels; the FSDP hooks
+    on the layers and the residual adds stay eager. ``scope`` is one of ``COMPILE_SCOPES``. Sequence
+    lengths vary between micro-batches, so shapes become dynamic after the first recompile. Returns
+    how many modules were compiled (``TiledMLP`` is left alone: it loops over tiles by design);
+    ``backend`` is passed to ``torch.compile`` (tests use ``"aot_eager"``). Raises ``ConfigError`` for
+    another scope."""
+    if scope not in COMPILE_SCOPES:
+        raise ConfigError(f"compile scope {scope!r}: use one of {COMPILE_SCOPES}")
+    suffixes: tuple[str, ...] = ("RMSNorm", "MLP") + (("Attention",) if scope == "layer_parts" else ())
     count = 0
     for layer in decoder_layers(model):
+        inside_compiled: list[torch.nn.Module] = []
         for module in layer.modules():
             cls = type(module).__name__
-            if module is not layer and cls != "TiledMLP" and cls.endswith(("RMSNorm", "MLP")):
-                module.compile(backend=backend)
-                count += 1
+            if module is layer or cls == "TiledMLP" or not cls.endswith(suffixes):
+                continue
+            if any(any(m is module for m in outer.modules()) for outer in inside_compiled):
+                continue  # e.g. q_norm inside a compiled attention module
+            module.compile(backend=backend)
+            inside_compiled.append(module)
+            count += 1
     return count
 
 
