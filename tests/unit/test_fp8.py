@@ -285,11 +285,8 @@ def test_variant_is_read_from_the_environment_at_call_time(monkeypatch: pytest.M
     from underlay.backends.cuda import fp8
 
     monkeypatch.delenv("UNDERLAY_FP8_VARIANT", raising=False)
-    monkeypatch.delenv("UNDERLAY_FP8_MANUAL_ROUNDING", raising=False)
     quant = fp8.TritonFp8Quantizer(None)  # type: ignore[arg-type]
-    assert quant.variant == fp8.DEFAULT_VARIANT
-    monkeypatch.setenv("UNDERLAY_FP8_MANUAL_ROUNDING", "0")  # legacy switch: hardware conversion
-    assert quant.variant == "div-cast-t1"
+    assert quant.variant == fp8.DEFAULT_VARIANT == "div-cast-t1"
     monkeypatch.setenv("UNDERLAY_FP8_VARIANT", "rcp-ptx-t2")
     assert quant.variant == "rcp-ptx-t2"
     assert fp8.TritonFp8Quantizer(None, variant="div-sw-t4").variant == "div-sw-t4"  # type: ignore[arg-type]

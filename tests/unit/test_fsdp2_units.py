@@ -217,7 +217,7 @@ def test_compiled_layer_parts_keep_gradients(mode: str, scope: str, count: int) 
     ref = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
     ref.load_state_dict(model.state_dict())
     apply_activation_checkpointing(model, mode)
-    # per layer: 2 norms + MLP (+ attention for "layer_parts", whose 2 norms... llama has none inside)
+    # per layer: the 2 norms and the MLP, plus the attention module for "layer_parts"
     n = compile_layer_parts(model, backend="aot_eager", scope=scope)
     assert n == 2 * (count + (scope == "layer_parts"))
     for length in (9, 12):  # a second length: dynamic shapes

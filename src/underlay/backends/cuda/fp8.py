@@ -29,10 +29,9 @@ fp8/bf16 casts are not round-to-nearest-even). Tiles of fewer than 128 elements 
 
 Environment, read at each call:
 
-* ``UNDERLAY_FP8_VARIANT``: the variant for quantise and dequantise (default :data:`DEFAULT_VARIANT`,
-  the exact arithmetic that was bit-identical to torch on the H200). A ``variant=`` passed to
+* ``UNDERLAY_FP8_VARIANT``: the variant for quantise and dequantise (default :data:`DEFAULT_VARIANT`;
+  every variant was bit-identical to torch on the H200). A ``variant=`` passed to
   :class:`TritonFp8Quantizer` takes precedence.
-* ``UNDERLAY_FP8_MANUAL_ROUNDING=0`` (legacy): without ``UNDERLAY_FP8_VARIANT``, selects ``div-cast-t1``.
 * ``UNDERLAY_FP8_AUTOTUNE=0``: no autotuning (4/8/16 warps, with or without a register cap); 8 warps.
 """
 
@@ -53,8 +52,10 @@ __all__ = ["DEFAULT_VARIANT", "VARIANTS", "Fp8Variant", "TritonFp8Quantizer", "p
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-DEFAULT_VARIANT = "div-sw-t1"
-"""The variant used when neither ``variant=`` nor ``UNDERLAY_FP8_VARIANT`` names one."""
+DEFAULT_VARIANT = "div-cast-t1"
+"""The variant used when neither ``variant=`` nor ``UNDERLAY_FP8_VARIANT`` names one: the fastest
+quantise that was bit-identical to torch on the H200 (``benchmarks/results/fp8_h200_2026-12-02.md``,
+run F: 87% of copy bandwidth for quantise and dequantise)."""
 
 VARIANTS = (
     *(f"{d}-{c}-t{n}" for d in ("div", "rcp") for c in ("sw", "cast", "ptx") for n in (1, 2, 4)),
@@ -114,11 +115,7 @@ def parse_variant(name: str) -> Fp8Variant:
 
 
 def _env_variant() -> Fp8Variant:
-    name = os.environ.get("UNDERLAY_FP8_VARIANT", "").strip()
-    if not name:
-        legacy_hw = os.environ.get("UNDERLAY_FP8_MANUAL_ROUNDING", "1").strip() == "0"
-        name = "div-cast-t1" if legacy_hw else DEFAULT_VARIANT
-    return parse_variant(name)
+    return parse_variant(os.environ.get("UNDERLAY_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
 
 
 def _make_configs() -> list[Any]:
