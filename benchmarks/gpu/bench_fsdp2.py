@@ -10,16 +10,17 @@ for both contenders, a policy-gradient token-mean loss over the response tokens.
   (varlen) and fused Triton log-prob head, fused AdamW, parameters kept unsharded between forward
   and backward (``reshard_after_forward=False``). ``--act-ckpt`` lists the variants to measure, one
   engine each in the same run: an activation-checkpointing mode (``none`` or ``full``), optionally
-  with ``+compile`` (engine option ``compile=True``: norms, MLPs and attention modules compiled) or
-  ``+norm_mlp`` (``compile="norm_mlp"``). Default ``none+compile``; the first row is the one the goals
-  are judged on.
+  with ``+compile`` (engine option ``compile=True``: norms, MLPs and attention modules compiled),
+  ``+norm_mlp`` (``compile="norm_mlp"``) or ``+layer`` (``compile="layer"``: each decoder layer's whole
+  forward). Default ``none+compile``; the first row is the one the goals are judged on.
 - ``hf``: plain transformers: the fp32 model under bf16 autocast, SDPA, padded micro-batches of the
   same sequences in dataset order (as many as fit 16384 padded tokens), ``logits.float().log_softmax``,
   fused AdamW, no activation checkpointing (``--baseline-act-ckpt`` to enable). Only when world size 1.
 
 Reports real (non-padding) tokens/s, MFU (``ops.FlopsCounter`` over the real tokens / the device's
 dense bf16 peak) and peak allocated memory, averaged over ``--steps`` timed steps after a warm-up.
-Goals: fsdp2 >= 50% MFU, >= 2x hf tokens/s, <= 0.5x hf peak memory.
+Goals: fsdp2 >= 50% MFU, >= 2x hf tokens/s, <= 0.5x hf peak memory. ``--profile`` profiles one more
+step of every fsdp2 variant: the costliest kernels and where the GPU sat idle (``trace_gaps.py``).
 
 Run on the GPU host from the repo root (one H200, well under 5 minutes)::
 
@@ -41,6 +42,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,30 @@ def make_batch(lens: list[int], vocab: int, seed: int) -> TokenBatch:
     return TokenBatch(ids, attn, loss_mask, {"advantages": torch.randn(len(lens), generator=g)})
 
 
+@dataclass(frozen=True)
+class Step:
+    """One training step's sequences: lengths, the padded batch, and its training FLOPs."""
+
+    lens: list[int]
+    batch: TokenBatch
+    flops: float
+
+
+def workload(cfg: Any, args: Any, rank: int) -> list[Step]:
+    """``args.warmup`` warm-up steps, then ``args.steps`` timed steps. Each step draws new sequences from
+    the same mix (as RL training does, so new lengths every step; compiled code must not recompile for
+    them) unless ``--same-batch``, which repeats the first."""
+    from underlay.ops import FlopsCounter
+
+    counter = FlopsCounter(cfg)
+    out = []
+    for i in range(args.warmup + args.steps):
+        seed = rank if args.same_batch else rank + 7919 * i
+        lens = length_mix(args.sequences, seed=seed, quick=args.quick)
+        out.append(Step(lens, make_batch(lens, cfg.vocab_size, seed=seed), counter.estimate_flops(lens)))
+    return out
+
+
 def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     assert outputs.log_probs is not None
     mask = batch.loss_mask.to(outputs.log_probs.dtype)
@@ -109,9 +135,7 @@ def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dic
     return (-(adv * outputs.log_probs) * mask).sum(), {}
 
 
-def bench_engine(
-    cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any, variant: str
-) -> dict[str, Any]:
+def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) -> dict[str, Any]:
     from underlay.registry import get_engine
 
     act_ckpt, _, extra = variant.partition("+")
@@ -137,42 +161,66 @@ def bench_engine(
     dev.reset_peak_memory_stats()
     times: list[float] = []
     mbs = 0
-    for step in range(args.steps + 1):
+    for i, step in enumerate(work):
         dev.synchronize()
         t = time.perf_counter()
-        res = engine.forward_backward(batch, pg_loss)
+        res = engine.forward_backward(step.batch, pg_loss)
         engine.optimizer_step()
         dev.synchronize()
-        if step:
+        if i >= args.warmup:
             times.append(time.perf_counter() - t)
-        mbs = res.num_micro_batches
+        mbs = max(mbs, res.num_micro_batches)
     peak = dev.memory_stats().peak_allocated
+    print(f"fsdp2/{variant}: torch.compile {dynamo_counts()}", flush=True)
     if args.profile and dev.is_accelerator:
-        profile_step(engine, batch, variant)
-        args.profile = False  # the first mode only
+        profile_step(engine, work[-1].batch, variant)
     del engine
     gc.collect()
     dev.empty_cache()
     return {"times": times, "peak": peak, "build_s": build_s, "micro_batches": mbs}
 
 
+def dynamo_counts() -> str:
+    """Graph breaks, graphs and compiled frames of torch.compile since the last call (then reset)."""
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
+    graphs = counters["stats"].get("unique_graphs", 0)
+    frames = counters["frames"]
+    text = (
+        f"graph breaks {breaks} ({len(counters['graph_break'])} reasons), unique graphs {graphs}, "
+        f"frames ok {frames.get('ok', 0)} of {frames.get('total', 0)}"
+    )
+    counters.clear()  # the next variant counts from zero
+    return text
+
+
 def profile_step(engine: Any, batch: TokenBatch, label: str) -> None:
-    """One step under torch.profiler: its wall time and the 30 costliest device ops, printed and
-    written to ``$OUT/fsdp2_profile_<label>.txt``."""
-    from torch.profiler import ProfilerActivity, profile
+    """One step under torch.profiler: its wall time, the 30 costliest device ops and the idle-gap
+    attribution of ``trace_gaps.py``, printed and written to ``$OUT/fsdp2_profile_<label>.txt``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trace_gaps import analyse
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        engine.forward_backward(batch, pg_loss)
-        engine.optimizer_step()
+        with record_function("bench.forward_backward"):
+            engine.forward_backward(batch, pg_loss)
+        with record_function("bench.optimizer_step"):
+            engine.optimizer_step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     events = prof.key_averages()
     table = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
-    text = f"profiled step ({label}): wall {wall:.3f} s (its 'Self CUDA time total' is kernel time)\n{table}"
-    print(text)
     out_dir = Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
+    trace = out_dir / f"fsdp2_trace_{label}.json"
+    prof.export_chrome_trace(str(trace))
+    gaps = analyse(json.loads(trace.read_text()), top=22)
+    trace.unlink()  # tens of MB; the report is what comes back
+    text = f"profiled step ({label}): wall {wall:.3f} s (its 'Self CUDA time total' is kernel time)\n{table}\n{gaps}"
+    print(text)
     (out_dir / f"fsdp2_profile_{label}.txt").write_text(text)
 
 
@@ -190,7 +238,7 @@ def baseline_micro_batches(lens: list[int]) -> list[list[int]]:
     return out
 
 
-def bench_hf(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any) -> dict[str, Any]:
+def bench_hf(cfg: Any, work: list[Step], args: Any, dev: Any) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     device = dev.torch_device() if dev.is_accelerator else torch.device("cpu")
@@ -203,15 +251,17 @@ def bench_hf(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any) 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=dev.is_accelerator)
-    plan = baseline_micro_batches(lens)
-    batch = batch.to(device)
-    n_loss = float(batch.loss_mask.sum())
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     dev.synchronize()
     dev.empty_cache()
     dev.reset_peak_memory_stats()
     times: list[float] = []
-    for step in range(args.steps + 1):
+    padded = 0
+    mbs = 0
+    for i, step in enumerate(work):
+        plan = baseline_micro_batches(step.lens)
+        batch = step.batch.to(device)
+        n_loss = float(batch.loss_mask.sum())
         dev.synchronize()
         t = time.perf_counter()
         for idx in plan:
@@ -230,24 +280,29 @@ def bench_hf(cfg: Any, batch: TokenBatch, lens: list[int], args: Any, dev: Any) 
         opt.step()
         opt.zero_grad(set_to_none=True)
         dev.synchronize()
-        if step:
+        if i >= args.warmup:
             times.append(time.perf_counter() - t)
+            padded += sum(len(idx) * max(step.lens[i] for i in idx) for idx in plan)
+        mbs = max(mbs, len(plan))
     peak = dev.memory_stats().peak_allocated
-    padded = sum(len(idx) * max(lens[i] for i in idx) for idx in plan)
     del model, opt
     gc.collect()
     dev.empty_cache()
-    return {"times": times, "peak": peak, "build_s": build_s, "micro_batches": len(plan), "padded": padded}
+    return {"times": times, "peak": peak, "build_s": build_s, "micro_batches": mbs, "padded": padded}
 
 
 def summarise(
-    name: str, r: dict[str, Any], lens: list[int], flops: float, peak_flops: float | None, world: int
+    name: str, r: dict[str, Any], work: list[Step], peak_flops: float | None, world: int
 ) -> dict[str, Any]:
+    """Means over the timed steps (the last ``len(r["times"])`` of ``work``)."""
+    timed = work[-len(r["times"]) :]
     step_s = sum(r["times"]) / len(r["times"])
-    tokens = sum(lens)
+    tokens = sum(sum(s.lens) for s in timed) / len(timed)
+    flops = sum(s.flops for s in timed) / len(timed)
     row = {
         "name": name,
         "step_s": step_s,
+        "step_s_each": r["times"],
         "tokens_per_s": tokens / step_s,
         "tokens_per_s_total": tokens * world / step_s,
         "mfu": (flops / step_s / peak_flops) if peak_flops else None,
@@ -256,7 +311,7 @@ def summarise(
         "build_s": r["build_s"],
     }
     if "padded" in r:
-        row["padding_fraction"] = 1 - tokens / r["padded"]
+        row["padding_fraction"] = 1 - tokens * len(timed) / r["padded"]
     return row
 
 
@@ -265,18 +320,23 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation settles)")
     ap.add_argument("--sequences", type=int, default=64, help="sequences per rank and step")
     ap.add_argument(
         "--act-ckpt",
         default="none+compile",
         help="comma-separated fsdp2 variants, one row each: an activation-checkpointing mode (none, full), "
-        "optionally with '+compile' or '+norm_mlp' (engine option compile), e.g. none+compile,full",
+        "optionally with '+compile', '+norm_mlp' or '+layer' (engine option compile), e.g. none+compile,full",
     )
     ap.add_argument("--baseline-act-ckpt", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="profile one step of the first mode")
+    ap.add_argument("--profile", action="store_true", help="profile one more step of every fsdp2 variant")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument(
+        "--same-batch",
+        action="store_true",
+        help="repeat one batch every step (runs A-F did) instead of new ones",
+    )
     args = ap.parse_args()
-    from underlay.ops import FlopsCounter
     from underlay.parallel.distributed import init_distributed
     from underlay.registry import get_device
 
@@ -284,24 +344,22 @@ def main() -> int:
     env = init_distributed(dev)
     rank, world = env.rank, env.world_size
     cfg = model_config(args.quick)
-    lens = length_mix(args.sequences, seed=rank, quick=args.quick)
-    batch = make_batch(lens, cfg.vocab_size, seed=rank)
-    flops = FlopsCounter(cfg).estimate_flops(lens)
+    work = workload(cfg, args, rank)
     peak_flops = dev.peak_flops(torch.bfloat16)
     rows: list[dict[str, Any]] = []
     hf_row = None  # the baseline runs first, so a time limit cuts variants rather than the baseline
     if world == 1 and not args.no_baseline:
-        hf_row = summarise("hf", bench_hf(cfg, batch, lens, args, dev), lens, flops, peak_flops, world)
+        hf_row = summarise("hf", bench_hf(cfg, work, args, dev), work, peak_flops, world)
         print(f"hf baseline: {hf_row['step_s']:.3f} s/step, {hf_row['peak_gib']:.1f} GiB", flush=True)
     for variant in args.act_ckpt.split(","):
         try:
-            r = bench_engine(cfg, batch, lens, args, dev, variant)
+            r = bench_engine(cfg, work, args, dev, variant)
         except Exception as exc:  # one failing variant must not hide the others
             print(f"fsdp2/{variant} failed: {type(exc).__name__}: {exc}")
             gc.collect()
             dev.empty_cache()
             continue
-        rows.append(summarise(f"fsdp2/{variant}", r, lens, flops, peak_flops, world))
+        rows.append(summarise(f"fsdp2/{variant}", r, work, peak_flops, world))
         print(f"fsdp2/{variant}: {rows[-1]['step_s']:.3f} s/step, {rows[-1]['peak_gib']:.1f} GiB", flush=True)
     if not rows:
         print("every fsdp2 variant failed")
@@ -317,14 +375,14 @@ def main() -> int:
             )
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             row["step_s_max_rank"] = float(t.item())
-            row["tokens_per_s_total"] = sum(lens) * world / float(t.item())
+            row["tokens_per_s_total"] = row["tokens_per_s"] * row["step_s"] * world / float(t.item())
     result: dict[str, Any] = {
         "rows": rows,
         "world_size": world,
-        "real_tokens_per_rank_step": sum(lens),
-        "sequences_per_rank": len(lens),
-        "max_len": max(lens),
-        "mean_len": sum(lens) / len(lens),
+        "real_tokens_per_rank_step": [sum(st.lens) for st in work[args.warmup :]],
+        "sequences_per_rank": args.sequences,
+        "max_len": max(max(st.lens) for st in work[args.warmup :]),
+        "mean_len": sum(sum(st.lens) for st in work[args.warmup :]) / (args.sequences * args.steps),
         "device": dev.model_name() if dev.is_accelerator else platform.processor(),
         "peak_tflops": peak_flops / 1e12 if peak_flops else None,
         "torch": torch.__version__,
@@ -344,7 +402,12 @@ def main() -> int:
             "memory<=0.5": bool(result["memory_ratio"] <= 0.5),
         }
     if rank == 0:
-        print(f"world {world}; {len(lens)} seqs/rank, {sum(lens)} real tokens/rank/step, max {max(lens)}")
+        toks = result["real_tokens_per_rank_step"]
+        batches = "one batch repeated" if args.same_batch else "new sequences every step"
+        print(
+            f"world {world}; {args.sequences} seqs/rank/step ({batches}), real tokens/rank/step {toks}, "
+            f"max length {result['max_len']}"
+        )
         print(f"{'':<22} {'step_s':>8} {'tok/s/gpu':>10} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'mbs':>4}")
         for r in rows:
             mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "  n/a"

@@ -268,7 +268,32 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     out.update({f"compiled_{k}": v for k, v in comp.items()})
     off = _equivalence(rank, world, H.llama_config(), cpu_offload=True)
     out.update({f"cpuoff_{k}": v for k, v in off.items()})
+    # reshard_after_forward=False keeps the parameters unsharded from one micro-batch to the next (one
+    # all-gather per step); compiled whole layers. Two steps, so the second forward must see the update.
+    out.update(_kept_unsharded_two_steps(rank, world))
     return out
+
+
+def _kept_unsharded_two_steps(rank: int, world: int) -> dict[str, float]:
+    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.registry import get_device
+
+    results = []
+    for options in ({}, {"reshard_after_forward": False, "compile": "layer"}):
+        engine = FSDP2Engine(H.engine_config(H.llama_config(), max_tokens=12, options=options), get_device("cpu"))
+        losses = []
+        for seed in (3, 4):
+            res, _ = _step(engine, H.shard(H.global_batch(seed), rank, world))
+            losses.append(res.metrics["loss"])
+        unsharded = [p for p in engine.model.parameters() if type(p).__name__ != "DTensor"]
+        results.append((losses, _weights(engine), res.num_micro_batches, len(unsharded)))
+    (base_l, base_w, _, _), (kept_l, kept_w, mbs, left_unsharded) = results
+    return {
+        "kept_loss": max(abs(a - b) for a, b in zip(base_l, kept_l)),
+        "kept_weights": H.max_diff(kept_w, base_w),
+        "kept_micro_batches": float(mbs),
+        "kept_left_unsharded": float(left_unsharded),
+    }
 
 
 def job_single(rank: int, world: int, root: str, killed_root: str) -> dict[str, Any]:
@@ -373,6 +398,8 @@ def test_moe_value_tied_sp_hsdp_ac_offload_steps(runs: dict[str, Any]) -> None:
             assert r[f"{p}_loss"] < TOL and r[f"{p}_norm"] < TOL and r[f"{p}_weights"] < TOL, (p, r)
             assert r[f"{p}_loss_tokens"] == 0
         assert r["uneven_micro_batches"] >= 3, "rank 0 must run (empty) micro-batches it has no data for"
+        assert r["kept_loss"] < TOL and r["kept_weights"] < TOL, r
+        assert r["kept_micro_batches"] >= 2 and r["kept_left_unsharded"] == 0, r
 
 
 def test_infer_and_iter_weights(runs: dict[str, Any]) -> None:

@@ -119,3 +119,39 @@ def test_cuda_bf16_uses_varlen_attn() -> None:
     kernel = TorchAttention(registry.get_device())
     path, why = kernel.varlen_path(_spec())
     assert path == "varlen_attn", why
+
+
+def test_traceable_varlen_is_offered_only_for_the_varlen_attn_path() -> None:
+    """The per-sequence SDPA path needs host lengths, so it has no in-graph form."""
+    kernel = TorchAttention(registry.get_device("cpu"))
+    assert kernel.traceable_varlen(_spec(device_type="cpu", dtype=torch.float32)) is None
+
+
+@pytest.mark.gpu
+def test_cuda_traceable_varlen_compiles_without_graph_breaks_and_matches_varlen() -> None:
+    """``traceable_varlen`` runs inside one ``torch.compile(fullgraph=True)`` graph with dynamic token
+    counts (new lengths: no recompilation) and gives the eager kernel's output and gradients."""
+    dev = registry.get_device()
+    kernel = TorchAttention(dev)
+    spec = _spec(num_heads=12, num_kv_heads=2, requires_grad=True)
+    fn = kernel.traceable_varlen(spec)
+    assert fn is not None
+
+    def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int) -> torch.Tensor:
+        return fn(q * 1.5, k, v, cu, m, True, None, None).sum(-1)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for lens in ([5, 300, 77], [1000, 24], [64, 64, 64, 9]):
+        t = sum(lens)
+        q = torch.randn(t, 12, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        k = torch.randn(t, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        v = torch.randn(t, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        cu = _cu(lens).cuda()
+        out = compiled(q, k, v, cu, max(lens))
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        ref = kernel.varlen(q * 1.5, k, v, cu, cu, max(lens), max(lens), causal=True).sum(-1)
+        ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=2e-2, atol=5e-2)

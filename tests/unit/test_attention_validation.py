@@ -190,3 +190,33 @@ def test_window_helpers() -> None:
     expected = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(keep, expected)
     assert allowed_mask(4, 4, causal=False, window=None, device=torch.device("cpu")) is None
+
+
+def test_cu_seqlens_is_read_once_per_tensor_and_again_after_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder layers of one packed forward pass the same ``cu_seqlens``: only the first call reads
+    it on the host (one device sync per forward, not per layer); an in-place change or another tensor
+    is read (and validated) again."""
+    import underlay.ops.attention as att
+
+    reads: list[int] = []
+    real = att._read_lengths
+
+    def counting(cu: torch.Tensor, total: int, name: str) -> list[int]:
+        reads.append(int(cu.numel()))
+        return real(cu, total, name)
+
+    monkeypatch.setattr(att, "_read_lengths", counting)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    for _ in range(3):
+        assert att.seqlens_from_cu(cu, 10, 7, "cu_seqlens_q") == LENS
+    assert len(reads) == 1
+    with pytest.raises(InvalidInput, match="max_seqlen 6 is smaller"):
+        att.seqlens_from_cu(cu, 10, 6, "cu_seqlens_q")  # max_seqlen is still checked on a hit
+    with pytest.raises(InvalidInput, match="ends at 10 but the tensor has 11"):
+        att.seqlens_from_cu(cu, 11, 7, "cu_seqlens_q")  # another total is read again
+    cu[1] = 11  # in place: no longer monotonic, and must not pass on the remembered lengths
+    with pytest.raises(InvalidInput, match="not monotonic"):
+        att.seqlens_from_cu(cu, 10, 7, "cu_seqlens_q")
+    other = torch.tensor([0, 3, 10], dtype=torch.int32)
+    assert att.seqlens_from_cu(other, 10, 7, "cu_seqlens_q") == LENS
+    assert len(reads) == 4

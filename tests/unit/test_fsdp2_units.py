@@ -206,7 +206,10 @@ def test_activation_checkpointing_value_is_validated(value: object) -> None:
     )
 
 
-@pytest.mark.parametrize(("mode", "scope", "count"), [("none", "layer_parts", 3), ("full", "norm_mlp", 3)])
+@pytest.mark.parametrize(
+    ("mode", "scope", "count"),
+    [("none", "layer_parts", 4), ("full", "norm_mlp", 3), ("none", "layer", 1), ("full", "layer", 1)],
+)
 def test_compiled_layer_parts_keep_gradients(mode: str, scope: str, count: int) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -217,9 +220,9 @@ def test_compiled_layer_parts_keep_gradients(mode: str, scope: str, count: int) 
     ref = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
     ref.load_state_dict(model.state_dict())
     apply_activation_checkpointing(model, mode)
-    # per layer: the 2 norms and the MLP, plus the attention module for "layer_parts"
+    # per layer: the 2 norms and the MLP, plus the attention module for "layer_parts"; or the layer
     n = compile_layer_parts(model, backend="aot_eager", scope=scope)
-    assert n == 2 * (count + (scope == "layer_parts"))
+    assert n == 2 * count
     for length in (9, 12):  # a second length: dynamic shapes
         ids = torch.randint(0, 64, (1, length))
         model(input_ids=ids).logits.square().mean().backward()

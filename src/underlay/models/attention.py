@@ -20,6 +20,7 @@ attention module by :func:`underlay.models.prepare_model`; the module's ``scalin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,7 @@ class AttentionRoute:
     sp_group: Any | None = None
     _kernels: dict[AttentionSpec, AttentionKernel] = field(default_factory=dict, repr=False)
     _cu_cache: tuple[torch.Tensor, torch.Tensor, int] | None = field(default=None, repr=False)
+    _traceable: dict[tuple[Any, ...], Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AttentionRoute:
         # a copied model shares the process group and kernels (neither can be copied); caches reset
@@ -83,6 +85,21 @@ class AttentionRoute:
             found = get_attention(self.kernel_name, spec=spec)
             self._kernels[spec] = found
         return found
+
+    def traceable(self, key: tuple[Any, ...]) -> Callable[..., torch.Tensor] | None:
+        """The in-graph varlen call for the case ``key`` (see :func:`_trace_key`) once an eager call
+        has resolved its kernel and the kernel offers one (``traceable_varlen``); else ``None``."""
+        return self._traceable.get(key)
+
+    def remember_traceable(self, spec: AttentionSpec, kernel: AttentionKernel) -> None:
+        """After an eager call: keep the kernel's traceable varlen function for ``spec``, if it has one."""
+        key = _trace_key(spec)
+        if key in self._traceable:
+            return
+        offer = getattr(kernel, "traceable_varlen", None)
+        fn = offer(spec) if callable(offer) else None
+        if fn is not None:
+            self._traceable[key] = fn
 
     def boundaries(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``(cu_seqlens int32 [B + 1], max_seqlen)`` of the (full, gathered over the sp group) packed
@@ -98,6 +115,23 @@ class AttentionRoute:
         cu, max_len = cu_seqlens_from_position_ids(pos)
         self._cu_cache = (position_ids, cu, max_len)
         return cu, max_len
+
+
+def _trace_key(spec: AttentionSpec) -> tuple[Any, ...]:
+    """The fields of a varlen ``AttentionSpec`` as a plain tuple (torch.compile guards on it cheaply;
+    :func:`underlay_attention_forward` builds the same tuple from the tensors in traced code)."""
+    return (
+        spec.dtype,
+        spec.head_dim,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.device_type,
+        spec.causal,
+        spec.window,
+        spec.softcap,
+        spec.head_dim_v,
+        spec.requires_grad,
+    )
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -170,7 +204,8 @@ def underlay_attention_forward(
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
     window = _window(sliding_window, causal)
-    bsz, hq, _, dim = (int(s) for s in query.shape)
+    # (no int() of the sequence dimension: under torch.compile it would specialise on the length)
+    bsz, hq, dim = int(query.shape[0]), int(query.shape[1]), int(query.shape[3])
     hk, dim_v = int(key.shape[1]), int(value.shape[-1])
     sp = sp_world_size(route.sp_group)
     cu_q = kwargs.get("cu_seq_lens_q")
@@ -199,31 +234,75 @@ def underlay_attention_forward(
         )
         return out, None
 
-    if cu_q is not None:
-        cu = cu_q
-        max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max().item()))
-    else:
-        cu, max_len = route.boundaries(position_ids)  # type: ignore[arg-type]
-    # [S, H, D], contiguous as varlen kernels expect (transformers' own flash varlen path copies too;
-    # under sp the all-to-all makes the copy)
+    # [S, H, D], contiguous as varlen kernels expect (transformers' own flash varlen path copies too; under
+    # torch.compile the copy fuses with RoPE; under sp the all-to-all makes it)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if sp == 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        max_length = kwargs.get("max_length_q")
+        if torch.compiler.is_compiling() and cu_q is not None and max_length:
+            # inside a compiled graph: the kernel call is traced too (no graph break), with boundaries
+            # packed_forward validated; an eager call of this layer has resolved the kernel
+            key_ = (query.dtype, dim, hq, hk, query.device.type, causal, window, softcap, dim_v, needs_grad)
+            traced = route.traceable(key_)
+            if traced is not None:
+                return traced(q, k, v, cu_q, max_length, causal, window, scale).unsqueeze(0), None
+    out = _packed_attention(
+        route,
+        q,
+        k,
+        v,
+        cu_q,
+        kwargs.get("max_length_q"),
+        position_ids,
+        causal,
+        window,
+        scale,
+        softcap,
+        needs_grad,
+    )
+    return out.unsqueeze(0), None
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _packed_attention(
+    route: AttentionRoute,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor | None,
+    max_length: int | None,
+    position_ids: torch.Tensor | None,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+    softcap: float | None,
+    needs_grad: bool,
+) -> torch.Tensor:
+    """The packed kernel call ``[S, Hq, D] -> [S, Hq, Dv]``. Always eager, also inside a compiled
+    region (a graph break): it reads the sequence boundaries on the host, selects the kernel and runs the
+    Ulysses all-to-alls, and traced it would specialise the graph on every new token count."""
+    if cu_q is not None:
+        cu = cu_q
+        max_len = int(max_length or int((cu[1:] - cu[:-1]).max().item()))
     else:
-        validate_sp(hq, hk, sp)
+        cu, max_len = route.boundaries(position_ids)  # type: ignore[arg-type]
+    sp = sp_world_size(route.sp_group)
+    if sp > 1:
+        validate_sp(int(q.shape[1]), int(k.shape[1]), sp)
         k, v = repeat_kv_for_sp(k, sp), repeat_kv_for_sp(v, sp)
         q, k, v = (seq_to_head(t, route.sp_group) for t in (q, k, v))
     spec = AttentionSpec(
-        query.dtype,
-        dim,
+        q.dtype,
+        int(q.shape[-1]),
         int(q.shape[1]),
         int(k.shape[1]),
-        query.device.type,
+        q.device.type,
         "varlen",
         causal,
         window,
         softcap,
-        dim_v,
+        int(v.shape[-1]),
         needs_grad,
     )
     total = int(q.shape[0])
@@ -232,12 +311,13 @@ def underlay_attention_forward(
             f"underlay attention: cu_seqlens ends at {int(cu[-1])} but the packed input has {total} tokens "
             f"(over sp={sp} ranks); pass the boundaries of the whole packed sequence"
         )
-    out = route.kernel(spec).varlen(
+    kernel = route.kernel(spec)
+    out = kernel.varlen(
         q, k, v, cu, cu, max_len, max_len, causal=causal, window=window, scale=scale, softcap=softcap
     )
-    if sp > 1:
-        out = head_to_seq(out, route.sp_group)
-    return out.unsqueeze(0), None
+    if sp == 1 and cu_q is not None:
+        route.remember_traceable(spec, kernel)
+    return head_to_seq(out, route.sp_group) if sp > 1 else out
 
 
 _DEFAULT_ROUTE = AttentionRoute()

@@ -18,6 +18,7 @@ from underlay.interfaces import (
 )
 from underlay.models._compat import check_architecture, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
+from underlay.ops.attention import seqlens_from_cu
 from underlay.ops.packing import pad_to_multiple
 from underlay.parallel.ulysses import gather_seq, slice_for_rank, sp_world_size
 from underlay.registry import get_logprob_kernel
@@ -74,7 +75,8 @@ def _validate_packed(packed: PackedBatch) -> None:
             f"packed_forward: input_ids {tuple(ids.shape)} and position_ids {tuple(pos.shape)} must both "
             "be [T]; build the batch with underlay.ops.unpad"
         )
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != ids.numel():
+    ends = cu[:: max(cu.numel() - 1, 1)].tolist() if cu.dim() == 1 else []  # first and last: one host read
+    if cu.dim() != 1 or cu.numel() < 2 or ends[0] != 0 or ends[-1] != ids.numel():
         raise InvalidInput(
             f"packed_forward: cu_seqlens {cu.tolist() if cu.numel() < 16 else tuple(cu.shape)} must start "
             f"at 0 and end at T={ids.numel()}"
@@ -194,6 +196,8 @@ def _packed_body(
             pos = torch.cat([pos[:total], torch.arange(extra, device=pos.device, dtype=pos.dtype)])
             cu = torch.cat([cu, cu.new_tensor([total + extra])])
             max_len = max(max_len, extra)
+    # all boundaries checked on the host once per forward (compiled layers call the kernel unchecked)
+    seqlens_from_cu(cu, int(ids.numel()), max_len, "cu_seqlens")
     backbone: nn.Module = getattr(inner, str(getattr(inner, "base_model_prefix", "model")))
     out = backbone(
         input_ids=slice_for_rank(ids, group)[None],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import weakref
 from typing import Literal
 
 import torch
@@ -163,7 +164,9 @@ def seqlens_from_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name:
 
     ``cu_seqlens`` must be a 1-D int32 tensor ``[B + 1]`` (``B >= 1``) starting at 0, non-decreasing,
     ending at ``total``; ``max_seqlen`` an int ``>=`` the longest length. Reads the tensor on the host
-    (one device sync). Raises ``InvalidInput``.
+    (one device sync) the first time it sees this tensor object: the lengths of the last tensor read are
+    kept (weakly, until the tensor is modified in place), so the decoder layers of one packed forward,
+    which all pass the same ``cu_seqlens``, sync once rather than once per layer. Raises ``InvalidInput``.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise InvalidInput(
@@ -178,6 +181,39 @@ def seqlens_from_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name:
         raise InvalidInput(
             f"attention (varlen): {name} has shape {tuple(cu_seqlens.shape)}; it must be 1-D [B + 1] with B >= 1"
         )
+    known = _LENGTHS.get(cu_seqlens, total)
+    lens = list(known) if known is not None else _read_lengths(cu_seqlens, total, name)
+    if known is None:
+        _LENGTHS.put(cu_seqlens, total, lens)
+    _check_max_seqlen(max_seqlen, lens, name)
+    return lens
+
+
+class _LastLengths:
+    """The validated lengths of the last ``cu_seqlens`` tensor read on the host, keyed by the tensor
+    object (weak reference), its in-place version counter and the token total. One entry, replaced as a
+    whole (a single attribute store, so concurrent threads at worst read the tensor again)."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[weakref.ref[torch.Tensor], int, int, tuple[int, ...]] | None = None
+
+    def get(self, cu: torch.Tensor, total: int) -> tuple[int, ...] | None:
+        entry = self._entry
+        if entry is None:
+            return None
+        ref, version, seen_total, lens = entry
+        if ref() is not cu or cu._version != version or seen_total != total:
+            return None
+        return lens
+
+    def put(self, cu: torch.Tensor, total: int, lens: list[int]) -> None:
+        self._entry = (weakref.ref(cu), cu._version, total, tuple(lens))
+
+
+_LENGTHS = _LastLengths()
+
+
+def _read_lengths(cu_seqlens: torch.Tensor, total: int, name: str) -> list[int]:
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise InvalidInput(f"attention (varlen): {name} starts at {cu[0]}; it must start at 0")
@@ -193,7 +229,6 @@ def seqlens_from_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name:
             f"attention (varlen): {name} ends at {cu[-1]} but the tensor has {total} tokens; the last entry "
             "must equal the token count"
         )
-    _check_max_seqlen(max_seqlen, lens, name)
     return lens
 
 

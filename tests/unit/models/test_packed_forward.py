@@ -176,3 +176,32 @@ def test_peft_value_model_with_trainable_score() -> None:
     out.values.sum().backward()
     score_grads = [p.grad for n, p in lora.named_parameters() if "score" in n and p.requires_grad]
     assert score_grads and all(g is not None for g in score_grads)
+
+
+def test_compiled_layers_take_the_traceable_kernel_call_once_an_eager_call_resolved_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torch.compile the packed attention calls the kernel's ``traceable_varlen`` function (kept
+    by the first, eager call of each layer) instead of the eager dispatch, with the same result."""
+    from underlay.backends.portable.attention import TorchAttention
+
+    calls: list[int] = []
+
+    def offer(self: TorchAttention, spec: object) -> object:
+        def traced(q, k, v, cu, max_len, causal, window, scale):  # type: ignore[no-untyped-def]
+            calls.append(int(max_len))
+            return self.varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, window=window, scale=scale)
+
+        return traced
+
+    monkeypatch.setattr(TorchAttention, "traceable_varlen", offer)
+    model = prepare_model(tiny_model("llama"), attention="torch")
+    ids, mask = padded_batch(SEQLENS, 10)
+    packed = unpad(ids, mask)
+    eager = packed_forward(model, packed, logprob_kernel=logprob_kernel())
+    assert calls == []  # eager calls dispatch through the route and remember the kernel's offer
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = packed_forward(model, packed, logprob_kernel=logprob_kernel())
+    assert calls == [max(SEQLENS)] * 2  # one per decoder layer
+    assert eager.log_probs is not None and traced.log_probs is not None
+    torch.testing.assert_close(traced.log_probs, eager.log_probs, rtol=0, atol=0)

@@ -10,7 +10,8 @@ sharded model equals the single-process model built with the same seed), then Ad
 Backend options (``EngineConfig.options``): ``reshard_after_forward`` (bool, default True),
 ``fused_adamw`` (bool, default False; fused AdamW kernel on accelerators), ``compile`` (default False;
 ``True`` or ``"layer_parts"``: ``torch.compile`` the norms, dense MLPs and attention modules of each
-decoder layer; ``"norm_mlp"``: the norms and MLPs only; see ``compile_layer_parts``; the
+decoder layer; ``"norm_mlp"``: the norms and MLPs only; ``"layer"``: each decoder layer's whole forward;
+see ``compile_layer_parts``; the
 ``torch.compile`` backend is ``UNDERLAY_COMPILE_BACKEND``, default ``inductor``).
 """
 
@@ -108,6 +109,8 @@ class FSDP2Engine:
             groups=groups,
         )
         self._param_dtype = torch_dtype(config.param_dtype)
+        # parameters stay unsharded from forward to backward: then also from one micro-batch to the next
+        self._keep_unsharded = not bool(options.get("reshard_after_forward", True))
         model = _build.build_model(config.model, self._hf_config, meta=True)
         buffers = {n: b for n, b in model.named_buffers()}
         apply_activation_checkpointing(model, config.activation_checkpointing_mode)
@@ -124,7 +127,7 @@ class FSDP2Engine:
             self._meshes.fsdp,
             mp_policy_for(config.param_dtype, config.reduce_dtype),
             offload_policy_for(config.cpu_offload, pin_memory=device.is_accelerator),
-            reshard_after_forward=bool(options.get("reshard_after_forward", True)),
+            reshard_after_forward=not self._keep_unsharded,
         )
         model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
         self._restore_buffers(model, buffers)
@@ -305,21 +308,29 @@ class FSDP2Engine:
         plan = self._plan(batch)
         self._model.train()
         sums: dict[str, torch.Tensor] = {}
-        for idx in plan:
-            if not idx:
-                self._dummy_backward(batch)
-                continue
-            sub = batch.select(idx)
-            outputs = self._forward(sub, self._config.temperature, self._config.with_entropy)
-            loss_sum, metrics = loss_fn(outputs, sub)
-            if loss_sum.dim() != 0:
-                raise InvalidInput(
-                    f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar"
-                )
-            (loss_sum * scale).backward()  # type: ignore[no-untyped-call]
-            _accumulate(sums, "loss", loss_sum.detach())
-            for key, value in metrics.items():
-                _accumulate(sums, key, torch.as_tensor(value, device=self._torch_device).detach())
+        try:
+            for i, idx in enumerate(plan):
+                # with reshard_after_forward=False the parameters are unsharded for the whole
+                # micro-batch anyway: keep them so until the last backward (no all-gather per micro-batch)
+                self._set_reshard_after_backward(not self._keep_unsharded or i == len(plan) - 1)
+                if not idx:
+                    self._dummy_backward(batch)
+                    continue
+                sub = batch.select(idx)
+                outputs = self._forward(sub, self._config.temperature, self._config.with_entropy)
+                loss_sum, metrics = loss_fn(outputs, sub)
+                if loss_sum.dim() != 0:
+                    raise InvalidInput(
+                        f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar"
+                    )
+                (loss_sum * scale).backward()  # type: ignore[no-untyped-call]
+                _accumulate(sums, "loss", loss_sum.detach())
+                for key, value in metrics.items():
+                    _accumulate(sums, key, torch.as_tensor(value, device=self._torch_device).detach())
+        finally:
+            if self._keep_unsharded:
+                self._set_reshard_after_backward(True)
+                self._reshard()  # after a failed micro-batch too: the optimizer works on the shards
         keys = sorted(sums)
         stacked = torch.stack([sums[k].to(torch.float64).reshape(()) for k in keys]).to(self._torch_device)
         dist.all_reduce(stacked, group=dp_group)
@@ -369,6 +380,11 @@ class FSDP2Engine:
                     buf[rows] = t.to(torch.float32)
         self._reshard()
         return TokenOutputs(result.get("log_probs"), result.get("entropy"), result.get("values"))
+
+    def _set_reshard_after_backward(self, value: bool) -> None:
+        setter = getattr(self._model, "set_reshard_after_backward", None)
+        if callable(setter):
+            setter(value)
 
     def _reshard(self) -> None:
         reshard = getattr(self._model, "reshard", None)

@@ -157,10 +157,11 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
         cfg.use_cache = False
 
 
-COMPILE_SCOPES = ("norm_mlp", "layer_parts")
+COMPILE_SCOPES = ("norm_mlp", "layer_parts", "layer")
 """What ``compile_layer_parts`` compiles: the norms and dense MLPs (``"norm_mlp"``), or those and the
 attention modules (``"layer_parts"``: projections, rotary and the attention call, which graph-breaks
-where the kernel needs host values)."""
+where the kernel needs host values), or the whole ``forward`` of each decoder layer (``"layer"``:
+residual adds included; the FSDP hooks around it stay eager)."""
 
 
 def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope: str = "layer_parts") -> int:
@@ -173,6 +174,12 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
     another scope."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope {scope!r}: use one of {COMPILE_SCOPES}")
+    if scope == "layer":
+        layers = decoder_layers(model)
+        for layer in layers:
+            # the bound method, so that hooks registered later (fully_shard) run eagerly around it
+            layer.forward = torch.compile(layer.forward, backend=backend)
+        return len(layers)
     suffixes: tuple[str, ...] = ("RMSNorm", "MLP") + (("Attention",) if scope == "layer_parts" else ())
     count = 0
     for layer in decoder_layers(model):

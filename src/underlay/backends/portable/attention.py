@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, cast
 
 import torch
@@ -194,6 +194,66 @@ def _sdpa(
     return out * seen.to(out.dtype)
 
 
+def _call_varlen_attn(
+    fn: Callable[..., torch.Tensor],
+    has_window: bool,
+    has_gqa: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """``varlen_attn`` with this torch's keyword names; GQA through ``enable_gqa`` or repeated heads."""
+    kwargs: dict[str, Any] = {"scale": scale}
+    if has_window:
+        kwargs["window_size"] = effective_window(causal, window)
+    else:
+        kwargs["is_causal"] = causal
+    if q.shape[1] != k.shape[1]:
+        if has_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def _traced_varlen(
+    fn: Callable[..., torch.Tensor],
+    has_window: bool,
+    has_gqa: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+) -> torch.Tensor:
+    return _call_varlen_attn(
+        fn,
+        has_window,
+        has_gqa,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        causal,
+        window,
+        scale,
+    )
+
+
 class TorchAttention:
     """``torch``: PyTorch's own kernels.
 
@@ -312,20 +372,26 @@ class TorchAttention:
     ) -> torch.Tensor:
         fn, params = _varlen_api()
         assert fn is not None  # varlen_path checked it
-        kwargs: dict[str, Any] = {"scale": scale}
-        if "window_size" in params:
-            kwargs["window_size"] = effective_window(causal, window)
-        else:
-            kwargs["is_causal"] = causal
-        if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in params:
-                kwargs["enable_gqa"] = True
-            else:
-                group = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         cu_q = cu_q.to(q.device, non_blocking=True)
         cu_k = cu_q if cu_k is cu_q else cu_k.to(q.device, non_blocking=True)
-        return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+        has_window, has_gqa = "window_size" in params, "enable_gqa" in params
+        return _call_varlen_attn(
+            fn, has_window, has_gqa, q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale
+        )
+
+    def traceable_varlen(self, spec: AttentionSpec) -> Callable[..., torch.Tensor] | None:
+        """For ``torch.compile``: a function ``(q, k, v, cu_seqlens, max_seqlen, causal, window, scale)
+        -> out`` that runs ``spec`` through ``varlen_attn`` (a traceable custom op) with no host read
+        and no validation, so a compiled decoder layer keeps attention inside its graph (GQA heads are
+        repeated in-graph when this torch's ``varlen_attn`` lacks ``enable_gqa``). The caller must have
+        validated the boundaries (:func:`underlay.ops.attention.check_varlen`). ``None`` when ``spec``
+        takes the per-sequence SDPA path, which needs the lengths on the host. The function refers to
+        module-level objects only, so every layer's compiled graph can share it."""
+        if self.varlen_path(spec)[0] != "varlen_attn":
+            return None
+        fn, params = _varlen_api()
+        assert fn is not None
+        return partial(_traced_varlen, fn, "window_size" in params, "enable_gqa" in params)
 
     def padded(
         self,
