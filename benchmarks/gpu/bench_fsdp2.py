@@ -161,7 +161,9 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
     dev.reset_peak_memory_stats()
     times: list[float] = []
     mbs = 0
+    compiled: list[bool] = []
     for i, step in enumerate(work):
+        graphs = graphs_compiled()
         dev.synchronize()
         t = time.perf_counter()
         res = engine.forward_backward(step.batch, pg_loss)
@@ -169,6 +171,7 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         dev.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
+            compiled.append(graphs_compiled() > graphs)
         mbs = max(mbs, res.num_micro_batches)
     peak = dev.memory_stats().peak_allocated
     print(f"fsdp2/{variant}: torch.compile {dynamo_counts()}", flush=True)
@@ -177,7 +180,14 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
     del engine
     gc.collect()
     dev.empty_cache()
-    return {"times": times, "peak": peak, "build_s": build_s, "micro_batches": mbs}
+    return {"times": times, "compiled": compiled, "peak": peak, "build_s": build_s, "micro_batches": mbs}
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has compiled so far (a step that compiles is not steady state)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
 
 
 def dynamo_counts() -> str:
@@ -282,7 +292,7 @@ def bench_hf(cfg: Any, work: list[Step], args: Any, dev: Any) -> dict[str, Any]:
         dev.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
-            padded += sum(len(idx) * max(step.lens[i] for i in idx) for idx in plan)
+            padded += sum(len(idx) * max(step.lens[j] for j in idx) for idx in plan)
         mbs = max(mbs, len(plan))
     peak = dev.memory_stats().peak_allocated
     del model, opt
@@ -294,15 +304,21 @@ def bench_hf(cfg: Any, work: list[Step], args: Any, dev: Any) -> dict[str, Any]:
 def summarise(
     name: str, r: dict[str, Any], work: list[Step], peak_flops: float | None, world: int
 ) -> dict[str, Any]:
-    """Means over the timed steps (the last ``len(r["times"])`` of ``work``)."""
+    """Means over the timed steps (the last ``len(r["times"])`` of ``work``) in which torch.compile
+    compiled nothing (steady state; compilation is a one-time cost, reported as ``compiled``); all
+    timed steps when every one compiled."""
     timed = work[-len(r["times"]) :]
-    step_s = sum(r["times"]) / len(r["times"])
-    tokens = sum(sum(s.lens) for s in timed) / len(timed)
-    flops = sum(s.flops for s in timed) / len(timed)
+    flags = r.get("compiled") or [False] * len(timed)
+    keep = [i for i, c in enumerate(flags) if not c] or list(range(len(timed)))
+    step_s = sum(r["times"][i] for i in keep) / len(keep)
+    tokens = sum(sum(timed[i].lens) for i in keep) / len(keep)
+    flops = sum(timed[i].flops for i in keep) / len(keep)
     row = {
         "name": name,
         "step_s": step_s,
         "step_s_each": r["times"],
+        "compiled": flags,
+        "steady_steps": len(keep),
         "tokens_per_s": tokens / step_s,
         "tokens_per_s_total": tokens * world / step_s,
         "mfu": (flops / step_s / peak_flops) if peak_flops else None,
@@ -311,7 +327,7 @@ def summarise(
         "build_s": r["build_s"],
     }
     if "padded" in r:
-        row["padding_fraction"] = 1 - tokens * len(timed) / r["padded"]
+        row["padding_fraction"] = 1 - sum(sum(s.lens) for s in timed) / r["padded"]
     return row
 
 
@@ -319,7 +335,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation settles)")
     ap.add_argument("--sequences", type=int, default=64, help="sequences per rank and step")
     ap.add_argument(
@@ -415,6 +431,8 @@ def main() -> int:
                 f"{r['name']:<22} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tokens_per_s_total']:>10.0f} "
                 f"{mfu:>6} {r['peak_gib']:>9.2f} {r['micro_batches']:>4}"
             )
+            each = ", ".join(f"{t:.3f}{'*' if c else ''}" for t, c in zip(r["step_s_each"], r["compiled"]))
+            print(f"{'':<22} steps {each} (* compiled: left out of the mean)")
         if "speedup" in result:
             print(
                 f"speedup {result['speedup']:.2f}x, memory ratio {result['memory_ratio']:.2f}, goals {result['goals']}"

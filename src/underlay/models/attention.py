@@ -73,6 +73,7 @@ class AttentionRoute:
     _kernels: dict[AttentionSpec, AttentionKernel] = field(default_factory=dict, repr=False)
     _cu_cache: tuple[torch.Tensor, torch.Tensor, int] | None = field(default=None, repr=False)
     _traceable: dict[tuple[Any, ...], Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
+    _pending: dict[tuple[Any, ...], Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AttentionRoute:
         # a copied model shares the process group and kernels (neither can be copied); caches reset
@@ -92,14 +93,23 @@ class AttentionRoute:
         return self._traceable.get(key)
 
     def remember_traceable(self, spec: AttentionSpec, kernel: AttentionKernel) -> None:
-        """After an eager call: keep the kernel's traceable varlen function for ``spec``, if it has one."""
+        """After an eager call: note the kernel's traceable varlen function for ``spec``, if it has one.
+        It is used from the next :meth:`activate_traceable` on, so that one forward pass, and its
+        recomputation under activation checkpointing, takes the same path throughout."""
         key = _trace_key(spec)
-        if key in self._traceable:
+        if key in self._traceable or key in self._pending:
             return
         offer = getattr(kernel, "traceable_varlen", None)
         fn = offer(spec) if callable(offer) else None
         if fn is not None:
-            self._traceable[key] = fn
+            self._pending[key] = fn
+
+    def activate_traceable(self) -> None:
+        """Make the noted traceable calls available to compiled graphs (``packed_forward`` calls this
+        before each forward pass; nothing changes when nothing new was noted)."""
+        if self._pending:
+            self._traceable.update(self._pending)
+            self._pending.clear()
 
     def boundaries(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``(cu_seqlens int32 [B + 1], max_seqlen)`` of the (full, gathered over the sp group) packed

@@ -68,6 +68,14 @@ def _route_group(inner: nn.Module) -> tuple[bool, Any | None]:
     return False, None
 
 
+def _activate_routes(inner: nn.Module) -> None:
+    """Let compiled layers use the kernel calls their eager calls resolved (see ``AttentionRoute``)."""
+    for module in inner.modules():
+        route = getattr(module, ROUTE_ATTR, None)
+        if isinstance(route, AttentionRoute):
+            route.activate_traceable()
+
+
 def _validate_packed(packed: PackedBatch) -> None:
     ids, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens
     if ids.dim() != 1 or pos.shape != ids.shape:
@@ -135,6 +143,7 @@ def packed_forward(
             "with prepare_model(model, sp_group=group) and pass the same group (or none)"
         )
     group = prepared_group
+    _activate_routes(inner)
     head = _head_of(inner)
     kernel = None
     if head == "lm":

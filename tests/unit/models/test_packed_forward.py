@@ -181,7 +181,7 @@ def test_peft_value_model_with_trainable_score() -> None:
 def test_compiled_layers_take_the_traceable_kernel_call_once_an_eager_call_resolved_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Under torch.compile the packed attention calls the kernel's ``traceable_varlen`` function (kept
+    """Under torch.compile the packed attention calls the kernel's ``traceable_varlen`` function (noted
     by the first, eager call of each layer) instead of the eager dispatch, with the same result."""
     from underlay.backends.portable.attention import TorchAttention
 
@@ -190,18 +190,27 @@ def test_compiled_layers_take_the_traceable_kernel_call_once_an_eager_call_resol
     def offer(self: TorchAttention, spec: object) -> object:
         def traced(q, k, v, cu, max_len, causal, window, scale):  # type: ignore[no-untyped-def]
             calls.append(int(max_len))
-            return self.varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, window=window, scale=scale)
+            out = self.varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, window=window, scale=scale)
+            return out * torch.ones((), dtype=out.dtype)  # one more saved tensor than the eager path
 
         return traced
 
     monkeypatch.setattr(TorchAttention, "traceable_varlen", offer)
     model = prepare_model(tiny_model("llama"), attention="torch")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
     ids, mask = padded_batch(SEQLENS, 10)
     packed = unpad(ids, mask)
-    eager = packed_forward(model, packed, logprob_kernel=logprob_kernel())
-    assert calls == []  # eager calls dispatch through the route and remember the kernel's offer
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    # the first forward resolves the kernels (eager dispatch) and notes their offer; it is used only
+    # from the next forward, so one pass and its checkpoint recomputation take one path (a switch in
+    # between would make torch.utils.checkpoint see a different number of saved tensors)
+    eager = packed_forward(model, packed, logprob_kernel=logprob_kernel())
+    assert eager.log_probs is not None
+    eager.log_probs.sum().backward()
+    assert calls == []
     traced = packed_forward(model, packed, logprob_kernel=logprob_kernel())
-    assert calls == [max(SEQLENS)] * 2  # one per decoder layer
-    assert eager.log_probs is not None and traced.log_probs is not None
+    assert traced.log_probs is not None
+    traced.log_probs.sum().backward()
+    assert calls == [max(SEQLENS)] * 4  # per decoder layer: forward and recomputation
     torch.testing.assert_close(traced.log_probs, eager.log_probs, rtol=0, atol=0)
