@@ -12,7 +12,8 @@ for both contenders, a policy-gradient token-mean loss over the response tokens.
   engine each in the same run: an activation-checkpointing mode (``none`` or ``full``), optionally
   with ``+compile`` (engine option ``compile=True``: norms, MLPs and attention modules compiled),
   ``+norm_mlp`` (``compile="norm_mlp"``) or ``+layer`` (``compile="layer"``: each decoder layer's whole
-  forward). Default ``none+compile``; the first row is the one the goals are judged on.
+  forward), optionally with ``@B`` (engine option ``compile_memory_budget=B``, e.g. ``none+layer@0.8``).
+  Default ``none+layer``; the first row is the one the goals are judged on.
 - ``hf``: plain transformers: the fp32 model under bf16 autocast, SDPA, padded micro-batches of the
   same sequences in dataset order (as many as fit 16384 padded tokens), ``logits.float().log_softmax``,
   fused AdamW, no activation checkpointing (``--baseline-act-ckpt`` to enable). Only when world size 1.
@@ -136,9 +137,14 @@ def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dic
 
 
 def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) -> dict[str, Any]:
+    import torch._functorch.config as functorch_config
+
     from underlay.registry import get_engine
 
     act_ckpt, _, extra = variant.partition("+")
+    extra, _, budget = extra.partition("@")
+    torch._dynamo.reset()  # every variant compiles its own graphs (the partitioner reads the budget)
+    functorch_config.activation_memory_budget = 1.0
     ec = EngineConfig(
         model=ModelConfig(hf_config=cfg, seed=0),
         optim=OptimConfig(lr=1e-6, grad_clip=1.0),
@@ -151,6 +157,7 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
             "fused_adamw": True,
             "reshard_after_forward": False,
             "compile": {"": False, "compile": True}.get(extra, extra),
+            "compile_memory_budget": float(budget) if budget else None,
         },
     )
     t0 = time.perf_counter()
@@ -319,6 +326,7 @@ def summarise(
         "step_s_each": r["times"],
         "compiled": flags,
         "steady_steps": len(keep),
+        "mfu_each": [s.flops / t / peak_flops for s, t in zip(timed, r["times"])] if peak_flops else [],
         "tokens_per_s": tokens / step_s,
         "tokens_per_s_total": tokens * world / step_s,
         "mfu": (flops / step_s / peak_flops) if peak_flops else None,
@@ -340,9 +348,9 @@ def main() -> int:
     ap.add_argument("--sequences", type=int, default=64, help="sequences per rank and step")
     ap.add_argument(
         "--act-ckpt",
-        default="none+compile",
+        default="none+layer",
         help="comma-separated fsdp2 variants, one row each: an activation-checkpointing mode (none, full), "
-        "optionally with '+compile', '+norm_mlp' or '+layer' (engine option compile), e.g. none+compile,full",
+        "optionally with '+compile', '+norm_mlp' or '+layer' (engine option compile) and '@budget' (compile_memory_budget), e.g. none+layer,full+layer@0.8",
     )
     ap.add_argument("--baseline-act-ckpt", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one more step of every fsdp2 variant")
@@ -432,7 +440,8 @@ def main() -> int:
                 f"{mfu:>6} {r['peak_gib']:>9.2f} {r['micro_batches']:>4}"
             )
             each = ", ".join(f"{t:.3f}{'*' if c else ''}" for t, c in zip(r["step_s_each"], r["compiled"]))
-            print(f"{'':<22} steps {each} (* compiled: left out of the mean)")
+            mfus = ", ".join(f"{m * 100:.1f}%" for m in r["mfu_each"]) if r["mfu_each"] else "n/a"
+            print(f"{'':<22} steps {each} s (* compiled: left out of the mean); MFU {mfus}")
         if "speedup" in result:
             print(
                 f"speedup {result['speedup']:.2f}x, memory ratio {result['memory_ratio']:.2f}, goals {result['goals']}"

@@ -6,7 +6,7 @@
 # Each step runs with its own time limit; logs and result files go into $OUT/results.tgz, the last lines to stdout.
 # Carry .whl (the liger-kernel wheel) for the logprob benchmark. NVLink multicast stays off.
 # FSDP2_ARGS / FSDP2_SECS, FP8_ARGS / FP8_SECS: extra arguments and time limit of the fsdp2bench and fp8 steps
-# (e.g. FSDP2_ARGS="--act-ckpt none+compile,full --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
+# (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -280,7 +280,9 @@ def _kept_unsharded_two_steps(rank: int, world: int) -> dict[str, float]:
 
     results = []
     for options in ({}, {"reshard_after_forward": False, "compile": "layer"}):
-        engine = FSDP2Engine(H.engine_config(H.llama_config(), max_tokens=12, options=options), get_device("cpu"))
+        engine = FSDP2Engine(
+            H.engine_config(H.llama_config(), max_tokens=12, options=options), get_device("cpu")
+        )
         losses = []
         for seed in (3, 4):
             res, _ = _step(engine, H.shard(H.global_batch(seed), rank, world))

@@ -240,3 +240,9 @@ def test_bad_compile_option_is_refused_before_any_work() -> None:
     cfg = EngineConfig(ModelConfig(hf_config=_llama()), options={"compile": "everything"})
     with pytest.raises(ConfigError, match="compile='everything'.*layer_parts"):
         FSDP2Engine(cfg, CpuDevice())
+    for bad in (0, 1.5, "0.8", True):
+        cfg = EngineConfig(
+            ModelConfig(hf_config=_llama()), options={"compile": "layer", "compile_memory_budget": bad}
+        )
+        with pytest.raises(ConfigError, match=r"compile_memory_budget=.*\(0, 1\]"):
+            FSDP2Engine(cfg, CpuDevice())

@@ -12,7 +12,10 @@ Backend options (``EngineConfig.options``): ``reshard_after_forward`` (bool, def
 ``True`` or ``"layer_parts"``: ``torch.compile`` the norms, dense MLPs and attention modules of each
 decoder layer; ``"norm_mlp"``: the norms and MLPs only; ``"layer"``: each decoder layer's whole forward;
 see ``compile_layer_parts``; the
-``torch.compile`` backend is ``UNDERLAY_COMPILE_BACKEND``, default ``inductor``).
+``torch.compile`` backend is ``UNDERLAY_COMPILE_BACKEND``, default ``inductor``), ``compile_memory_budget``
+(default None: torch's choice; a number in (0, 1]: the fraction of activation memory compiled graphs save
+for backward, the partitioner recomputing the cheapest of the rest; it sets the process-wide
+``torch._functorch.config.activation_memory_budget``).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from underlay.interfaces import (
 
 __all__ = ["FSDP2Engine"]
 
-_OPTIONS = frozenset({"reshard_after_forward", "fused_adamw", "compile"})
+_OPTIONS = frozenset({"reshard_after_forward", "fused_adamw", "compile", "compile_memory_budget"})
 _STATE_FILE = "engine_state.pt"
 _SIGNATURE_FILE = "engine_signature.json"
 
@@ -84,6 +87,14 @@ class FSDP2Engine:
         if options.get("compile", False) not in (False, True, *COMPILE_SCOPES):
             raise ConfigError(
                 f"EngineConfig.options compile={options['compile']!r}: use False, True or one of {COMPILE_SCOPES}"
+            )
+        budget = options.get("compile_memory_budget")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1
+        ):
+            raise ConfigError(
+                f"EngineConfig.options compile_memory_budget={budget!r}: use a number in (0, 1] (the fraction "
+                "of the activations a compiled layer saves for backward; the rest is recomputed)"
             )
         if not dist.is_initialized():
             init_distributed(device)
@@ -116,6 +127,11 @@ class FSDP2Engine:
         apply_activation_checkpointing(model, config.activation_checkpointing_mode)
         self._prepare(model)
         compile_opt = options.get("compile", False)
+        if compile_opt and budget is not None:
+            import torch._functorch.config as functorch_config
+
+            # read when each graph is partitioned for backward, at its first call (process-wide setting)
+            functorch_config.activation_memory_budget = float(budget)
         if compile_opt:
             compile_layer_parts(
                 model,
