@@ -13,7 +13,7 @@ for both contenders, a policy-gradient token-mean loss over the response tokens.
   with ``+compile`` (engine option ``compile=True``: norms, MLPs and attention modules compiled),
   ``+norm_mlp`` (``compile="norm_mlp"``) or ``+layer`` (``compile="layer"``: each decoder layer's whole
   forward), optionally with ``@B`` (engine option ``compile_memory_budget=B``, e.g. ``none+layer@0.8``).
-  Default ``none+layer``; the first row is the one the goals are judged on.
+  Default ``none+layer@0.85``; the first row is the one the goals are judged on.
 - ``hf``: plain transformers: the fp32 model under bf16 autocast, SDPA, padded micro-batches of the
   same sequences in dataset order (as many as fit 16384 padded tokens), ``logits.float().log_softmax``,
   fused AdamW, no activation checkpointing (``--baseline-act-ckpt`` to enable). Only when world size 1.
@@ -160,6 +160,11 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
             "compile_memory_budget": float(budget) if budget else None,
         },
     )
+    if dev.is_accelerator:
+        gib = torch.cuda.memory_reserved() / 2**30
+        print(
+            f"fsdp2/{variant}: {gib:.1f} GiB reserved by the caching allocator before the build", flush=True
+        )
     t0 = time.perf_counter()
     engine = get_engine(ec)
     build_s = time.perf_counter() - t0
@@ -348,7 +353,7 @@ def main() -> int:
     ap.add_argument("--sequences", type=int, default=64, help="sequences per rank and step")
     ap.add_argument(
         "--act-ckpt",
-        default="none+layer",
+        default="none+layer@0.85",
         help="comma-separated fsdp2 variants, one row each: an activation-checkpointing mode (none, full), "
         "optionally with '+compile', '+norm_mlp' or '+layer' (engine option compile) and '@budget' (compile_memory_budget), e.g. none+layer,full+layer@0.8",
     )
