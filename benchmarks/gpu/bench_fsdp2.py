@@ -195,11 +195,34 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
     return {"times": times, "compiled": compiled, "peak": peak, "build_s": build_s, "micro_batches": mbs}
 
 
+_TRITON_COMPILES = [0]
+
+
+def count_triton_compiles() -> bool:
+    """Count Triton JIT compilations (``triton.knobs.runtime.jit_post_compile_hook``, Triton >= 3.4):
+    the log-prob and FP8 kernels specialise on their integer arguments (e.g. divisible by 16), so a new
+    token count can compile a kernel again in the middle of a run. Returns whether the hook is in."""
+    try:
+        import triton.knobs as knobs
+    except ImportError:
+        return False
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+
+    def hook(**_: Any) -> None:
+        _TRITON_COMPILES[0] += 1
+
+    runtime.jit_post_compile_hook = hook
+    return True
+
+
 def graphs_compiled() -> int:
-    """Graphs torch.compile has compiled so far (a step that compiles is not steady state)."""
+    """Graphs torch.compile has compiled plus Triton JIT compilations so far (a step that compiles is
+    not steady state)."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"].get("unique_graphs", 0))
+    return int(counters["stats"].get("unique_graphs", 0)) + _TRITON_COMPILES[0]
 
 
 def dynamo_counts() -> str:
@@ -316,9 +339,9 @@ def bench_hf(cfg: Any, work: list[Step], args: Any, dev: Any) -> dict[str, Any]:
 def summarise(
     name: str, r: dict[str, Any], work: list[Step], peak_flops: float | None, world: int
 ) -> dict[str, Any]:
-    """Means over the timed steps (the last ``len(r["times"])`` of ``work``) in which torch.compile
-    compiled nothing (steady state; compilation is a one-time cost, reported as ``compiled``); all
-    timed steps when every one compiled."""
+    """Means over the timed steps (the last ``len(r["times"])`` of ``work``) in which neither torch.compile
+    nor Triton compiled anything (steady state; compilation is a one-time cost, reported as
+    ``compiled``); all timed steps when every one compiled."""
     timed = work[-len(r["times"]) :]
     flags = r.get("compiled") or [False] * len(timed)
     keep = [i for i, c in enumerate(flags) if not c] or list(range(len(timed)))
@@ -370,6 +393,10 @@ def main() -> int:
     from underlay.registry import get_device
 
     dev = get_device(args.device)
+    if dev.is_accelerator and not count_triton_compiles():
+        print(
+            "this triton has no jit_post_compile_hook: steps that JIT-compile a Triton kernel are not flagged"
+        )
     env = init_distributed(dev)
     rank, world = env.rank, env.world_size
     cfg = model_config(args.quick)

@@ -165,13 +165,15 @@ residual adds included; the FSDP hooks around it stay eager)."""
 
 
 def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope: str = "layer_parts") -> int:
-    """``torch.compile`` (in place, ``nn.Module.compile``) parts of every decoder layer so that their
-    elementwise chains (fp32 norm arithmetic, rotary, SiLU x up) fuse into few kernels; the FSDP hooks
-    on the layers and the residual adds stay eager. ``scope`` is one of ``COMPILE_SCOPES``. Sequence
-    lengths vary between micro-batches, so shapes become dynamic after the first recompile. Returns
-    how many modules were compiled (``TiledMLP`` is left alone: it loops over tiles by design);
-    ``backend`` is passed to ``torch.compile`` (tests use ``"aot_eager"``). Raises ``ConfigError`` for
-    another scope."""
+    """``torch.compile`` (in place) parts of every decoder layer so that their elementwise chains (fp32
+    norm arithmetic, rotary, SiLU x up) fuse into few kernels. ``scope`` is one of ``COMPILE_SCOPES``:
+    ``"layer"`` compiles each layer's bound ``forward`` (one graph per layer when the attention kernel
+    offers a traceable call, see ``AttentionRoute``; the FSDP hooks, registered later, stay eager around
+    it); the other scopes compile modules inside the layer (``nn.Module.compile``) and leave the residual
+    adds eager. Sequence lengths vary between micro-batches, so shapes become dynamic after the first
+    recompile. Returns how many layers or modules were compiled (in the module scopes ``TiledMLP`` is
+    left alone: it loops over tiles by design); ``backend`` is passed to ``torch.compile`` (tests use
+    ``"aot_eager"``). Raises ``ConfigError`` for another scope."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope {scope!r}: use one of {COMPILE_SCOPES}")
     if scope == "layer":
