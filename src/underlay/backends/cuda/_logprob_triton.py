@@ -103,6 +103,12 @@ def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: An
     return [c for c in configs if c.kwargs["BLOCK_K"] == 32]
 
 
+# The token count N changes with every micro-batch. Triton would specialise a kernel on an integer
+# argument divisible by 16 (or equal to 1) and compile it again the first time such a count comes, in the
+# middle of a training run (about a second per kernel, measured as one-time slow steps on the H200). N only
+# bounds masks here, so the kernels are compiled once without that specialisation.
+_NO_SPECIALISE = ("N",)
+
 _EVEN_K = {"EVEN_K": lambda args: bool(args.get("FROM_LOGITS")) or args["H"] % args["BLOCK_K"] == 0}
 """No K masking when H is a multiple of BLOCK_K (and no K loop at all when reading a logits buffer)."""
 
@@ -173,7 +179,7 @@ def _program_logits(  # type: ignore[no-untyped-def]
     prune_configs_by={"early_config_prune": _prune_fwd},
 )  # type: ignore[untyped-decorator]
 @triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=_NO_SPECIALISE)  # type: ignore[untyped-decorator]
 def _fwd_kernel(  # type: ignore[no-untyped-def]
     h_ptr,
     w_ptr,
@@ -228,7 +234,7 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     prune_configs_by={"early_config_prune": _prune_bwd},
 )  # type: ignore[untyped-decorator]
 @triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=_NO_SPECIALISE)  # type: ignore[untyped-decorator]
 def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
     h_ptr,
     w_ptr,
