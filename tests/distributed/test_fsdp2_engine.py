@@ -266,6 +266,8 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     os.environ["UNDERLAY_COMPILE_BACKEND"] = "aot_eager"  # dynamo + autograd tracing, no C++ build
     comp = _equivalence(rank, world, H.qwen3_moe_config(), options={"compile": True})
     out.update({f"compiled_{k}": v for k, v in comp.items()})
+    whole = _equivalence(rank, world, H.qwen3_moe_config(), options={"compile": "layer"})
+    out.update({f"layer_{k}": v for k, v in whole.items()})
     off = _equivalence(rank, world, H.llama_config(), cpu_offload=True)
     out.update({f"cpuoff_{k}": v for k, v in off.items()})
     # reshard_after_forward=False keeps the parameters unsharded from one micro-batch to the next (one
@@ -396,7 +398,7 @@ def test_sharded_step_equals_reference(runs: dict[str, Any]) -> None:
 
 def test_moe_value_tied_sp_hsdp_ac_offload_steps(runs: dict[str, Any]) -> None:
     for r in runs["pair"]:
-        for p in ("moe", "value", "uneven", "tied", "sp", "hsdp", "ac", "compiled", "cpuoff"):
+        for p in ("moe", "value", "uneven", "tied", "sp", "hsdp", "ac", "compiled", "layer", "cpuoff"):
             assert r[f"{p}_loss"] < TOL and r[f"{p}_norm"] < TOL and r[f"{p}_weights"] < TOL, (p, r)
             assert r[f"{p}_loss_tokens"] == 0
         assert r["uneven_micro_batches"] >= 3, "rank 0 must run (empty) micro-batches it has no data for"
