@@ -175,7 +175,7 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
     mbs = 0
     compiled: list[bool] = []
     for i, step in enumerate(work):
-        graphs = graphs_compiled()
+        graphs = compile_events()
         dev.synchronize()
         t = time.perf_counter()
         res = engine.forward_backward(step.batch, pg_loss)
@@ -183,7 +183,7 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         dev.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
-            compiled.append(graphs_compiled() > graphs)
+            compiled.append(compile_events() > graphs)
         mbs = max(mbs, res.num_micro_batches)
     peak = dev.memory_stats().peak_allocated
     print(f"fsdp2/{variant}: torch.compile {dynamo_counts()}", flush=True)
@@ -217,7 +217,7 @@ def count_triton_compiles() -> bool:
     return True
 
 
-def graphs_compiled() -> int:
+def compile_events() -> int:
     """Graphs torch.compile has compiled plus Triton JIT compilations so far (a step that compiles is
     not steady state)."""
     from torch._dynamo.utils import counters

@@ -60,20 +60,10 @@ def _run_inside(module: nn.Module, body: Callable[..., Any], *args: Any) -> Any:
             module.forward = previous
 
 
-def _route_group(inner: nn.Module) -> tuple[bool, Any | None]:
-    for module in inner.modules():
-        route = getattr(module, ROUTE_ATTR, None)
-        if isinstance(route, AttentionRoute):
-            return True, route.sp_group
-    return False, None
-
-
-def _activate_routes(inner: nn.Module) -> None:
-    """Let compiled layers use the kernel calls their eager calls resolved (see ``AttentionRoute``)."""
-    for module in inner.modules():
-        route = getattr(module, ROUTE_ATTR, None)
-        if isinstance(route, AttentionRoute):
-            route.activate_traceable()
+def _routes(inner: nn.Module) -> list[AttentionRoute]:
+    """The attention routes ``prepare_model`` attached, in module order (empty: not prepared)."""
+    routes = (getattr(module, ROUTE_ATTR, None) for module in inner.modules())
+    return [route for route in routes if isinstance(route, AttentionRoute)]
 
 
 def _validate_packed(packed: PackedBatch) -> None:
@@ -131,19 +121,20 @@ def packed_forward(
     _validate_packed(packed)
     inner = unwrap_model(model)
     config = check_architecture(inner)
-    prepared, prepared_group = _route_group(inner)
-    if not prepared or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+    routes = _routes(inner)
+    if not routes or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ConfigError(
             f"packed_forward: {type(inner).__name__} is not prepared (attn_implementation="
             f"{getattr(config, '_attn_implementation', None)!r}); call underlay.models.prepare_model(model) first"
         )
-    if sp_group is not None and sp_group is not prepared_group:
+    group = routes[0].sp_group
+    if sp_group is not None and sp_group is not group:
         raise ConfigError(
             "packed_forward: sp_group differs from the group given to prepare_model; prepare the model "
             "with prepare_model(model, sp_group=group) and pass the same group (or none)"
         )
-    group = prepared_group
-    _activate_routes(inner)
+    for route in routes:  # compiled layers may now use the kernel calls their eager calls resolved
+        route.activate_traceable()
     head = _head_of(inner)
     kernel = None
     if head == "lm":

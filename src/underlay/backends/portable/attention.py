@@ -345,8 +345,25 @@ class TorchAttention:
         self._require(spec)
         path, _ = self.varlen_path(spec)
         if path == "varlen_attn":
-            return self._varlen_attn(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale
+            fn, params = _varlen_api()
+            assert fn is not None  # varlen_path checked it
+            cu_q = cu_seqlens_q.to(q.device, non_blocking=True)
+            cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(q.device, non_blocking=True)
+            has_window, has_gqa = "window_size" in params, "enable_gqa" in params
+            return _call_varlen_attn(
+                fn,
+                has_window,
+                has_gqa,
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                causal,
+                window,
+                scale,
             )
 
         def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
@@ -356,28 +373,6 @@ class TorchAttention:
             return _sdpa(qs[None], ks[None], vs[None], keep, square_causal, scale)[0]
 
         return _per_sequence(q, k, v, lens_q, lens_k, attend)
-
-    @staticmethod
-    def _varlen_attn(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor,
-        max_q: int,
-        max_k: int,
-        causal: bool,
-        window: tuple[int, int] | None,
-        scale: float | None,
-    ) -> torch.Tensor:
-        fn, params = _varlen_api()
-        assert fn is not None  # varlen_path checked it
-        cu_q = cu_q.to(q.device, non_blocking=True)
-        cu_k = cu_q if cu_k is cu_q else cu_k.to(q.device, non_blocking=True)
-        has_window, has_gqa = "window_size" in params, "enable_gqa" in params
-        return _call_varlen_attn(
-            fn, has_window, has_gqa, q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale
-        )
 
     def traceable_varlen(self, spec: AttentionSpec) -> Callable[..., torch.Tensor] | None:
         """For ``torch.compile``: a function ``(q, k, v, cu_seqlens, max_seqlen, causal, window, scale)
