@@ -44,6 +44,7 @@ for s in "${steps[@]}"; do
     attention) step attention 180 python3 benchmarks/gpu/bench_attention.py ;;
     models) step models 240 bash -c 'python3 benchmarks/gpu/check_models_bf16.py; python3 benchmarks/gpu/bench_models_memory.py' ;;
     logprob) step logprob 300 bash -c 'python3 benchmarks/gpu/check_logprob.py; python3 benchmarks/gpu/bench_logprob.py' ;;
+    logprofile) step logprofile 200 python3 benchmarks/gpu/profile_logprob.py ;;
     fp8) step fp8 "${FP8_SECS:-300}" python3 benchmarks/gpu/bench_fp8.py ${FP8_ARGS:-} ;;
     fp8diag) step fp8diag 60 python3 benchmarks/gpu/diag_fp8.py ;;
     fp8tests) step fp8tests 120 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu -k fp8 tests ;;
