@@ -158,7 +158,7 @@ def main() -> None:
         "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
         "backward_plan(row_split, v_chunk) fused / hybrid": (
             impl.plan_backward(n, h, 2),
-            impl.plan_backward(n, h, 4),
+            impl.plan_backward(n, h, 6),
         ),
         "mm_path": impl.MM_PATH,
         "results": rows,

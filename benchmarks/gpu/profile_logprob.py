@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from underlay.backends.cuda import _logprob_triton as impl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_gaps
 
 
 def ms(fn: Callable[[], Any], reps: int = 3) -> float:
@@ -39,11 +43,16 @@ def ms(fn: Callable[[], Any], reps: int = 3) -> float:
     return statistics.median(out)
 
 
-def kernel_table(fn: Callable[[], Any]) -> list[dict[str, Any]]:
-    """GPU kernels of one call of ``fn``, summed by name, longest first."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+def kernel_table(fn: Callable[[], Any]) -> tuple[list[dict[str, Any]], str]:
+    """GPU kernels of one call of ``fn``, summed by name, longest first; and the idle-gap report."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            gaps = trace_gaps.analyse(json.load(f), top=6)
     total: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -51,7 +60,7 @@ def kernel_table(fn: Callable[[], Any]) -> list[dict[str, Any]]:
             row[0] += 1
             row[1] += ev.device_time / 1000.0
     rows = [{"kernel": k, "count": int(c), "ms": t} for k, (c, t) in total.items()]
-    return sorted(rows, key=lambda r: -r["ms"])
+    return sorted(rows, key=lambda r: -r["ms"]), gaps
 
 
 def main() -> None:
@@ -79,20 +88,23 @@ def main() -> None:
         with torch.no_grad():
             t_fwd = ms(fwd)
         t_all = ms(step)
-        table = kernel_table(step)
+        table, gaps = kernel_table(step)
         report["modes"][mode] = {"fwd_ms": t_fwd, "fwd_bwd_ms": t_all, "kernels": table[:15]}
         print(f"== mode {mode}: forward {t_fwd:.1f} ms, forward+backward {t_all:.1f} ms "
               f"({4 * flop / t_all / 1e9:.0f} TFLOP/s over 4 GEMMs)")  # fmt: skip
         for r in table[:15]:
             print(f"  {r['ms']:8.2f} ms  x{r['count']:<5d} {r['kernel']}")
+        print(gaps)
 
     report["plans"] = {}
-    print("== backward plans (fused mode): rows per split x vocabulary chunk")
-    for rs, vc in ((None, None), (16384, 4096), (4096, 16384), (n, 2048), (8192, 16384)):
+    print("== backward plans: mode, rows per split x vocabulary chunk (None: the planned size)")
+    plans = [("fused", None, None), ("fused", 4096, 16384), ("hybrid", None, None)]
+    plans += [("hybrid", 8192, c) for c in (2048, 3072, 4096)]
+    for md, rs, vc in plans:
 
-        def plan_step(rs: int | None = rs, vc: int | None = vc) -> None:
+        def plan_step(md: str = md, rs: int | None = rs, vc: int | None = vc) -> None:
             hidden.grad = weight.grad = None
-            lp, ent = impl.fused_linear_logprobs(hidden, weight, labels, row_split=rs, v_chunk=vc)
+            lp, ent = impl.fused_linear_logprobs(hidden, weight, labels, row_split=rs, v_chunk=vc, mode=md)
             assert ent is not None
             torch.autograd.backward([lp, ent], [g_lp, g_ent])
 
@@ -105,8 +117,8 @@ def main() -> None:
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         t = ms(plan_step)
-        report["plans"][f"{rs}x{vc}"] = {"ms": t, "peak_gib": peak}
-        print(f"  {rs} x {vc}: {t:.1f} ms, peak extra {peak:.2f} GiB")
+        report["plans"][f"{md} {rs}x{vc}"] = {"ms": t, "peak_gib": peak}
+        print(f"  {md} {rs} x {vc}: {t:.1f} ms, peak extra {peak:.2f} GiB")
 
     rows, chunk = impl.plan_backward(n, h, 2)
     chunk = min(chunk, v)

@@ -6,6 +6,7 @@
 # Each step runs with its own time limit; logs and result files go into $OUT/results.tgz, the last lines to stdout.
 # Carry .whl (the liger-kernel wheel) for the logprob benchmark. NVLink multicast stays off.
 # FSDP2_ARGS / FSDP2_SECS, FP8_ARGS / FP8_SECS: extra arguments and time limit of the fsdp2bench and fp8 steps
+# LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -43,7 +44,7 @@ for s in "${steps[@]}"; do
     gputests) step gputests 240 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests ;;
     attention) step attention 180 python3 benchmarks/gpu/bench_attention.py ;;
     models) step models 240 bash -c 'python3 benchmarks/gpu/check_models_bf16.py; python3 benchmarks/gpu/bench_models_memory.py' ;;
-    logprob) step logprob 300 bash -c 'python3 benchmarks/gpu/check_logprob.py; python3 benchmarks/gpu/bench_logprob.py' ;;
+    logprob) step logprob "${LOGPROB_SECS:-300}" bash -c "python3 benchmarks/gpu/check_logprob.py ${LOGPROB_CHECK_ARGS:-}; python3 benchmarks/gpu/bench_logprob.py" ;;
     logprofile) step logprofile 200 python3 benchmarks/gpu/profile_logprob.py ;;
     fp8) step fp8 "${FP8_SECS:-300}" python3 benchmarks/gpu/bench_fp8.py ${FP8_ARGS:-} ;;
     fp8diag) step fp8diag 60 python3 benchmarks/gpu/diag_fp8.py ;;

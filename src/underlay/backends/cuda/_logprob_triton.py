@@ -10,7 +10,8 @@ Backward: the vocabulary is walked in chunks of ``v_chunk`` columns and the rows
 rows. A Triton kernel recomputes the logits tile by tile and writes ``dlogits`` for one ``[rows, v_chunk]``
 chunk (dtype of the inputs); two cuBLAS matmuls turn it into ``grad_weight[chunk]`` and a fp32 accumulator of
 ``grad_hidden[rows]``. Workspace: one dlogits chunk plus the fp32 accumulator, both bounded by
-``_BWD_BUDGET_BYTES`` independently of ``V``.
+``_BWD_BUDGET_BYTES`` independently of ``V`` (in hybrid mode the fp32 logits block and the dlogits chunk
+share one budget).
 
 ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` swaps the ``tl.dot`` tiles for cuBLAS ``[rows, v_chunk]`` logits
 blocks with fp32 output, read by the same kernels (``FROM_LOGITS``); the default is ``fused``.
@@ -58,13 +59,33 @@ _SHAPES = (
 )
 
 
+_READ_SHAPES = (
+    # BLOCK_N, BLOCK_V, num_warps: tiles for reading an fp32 logits buffer (no K loop, so no stages).
+    # Few rows per tile keeps the fp32 tile and its exp in registers; the H200 profile of the matmul
+    # shapes above used for reading showed the forward statistics pass at a fifth of memory bandwidth.
+    (8, 256, 4),
+    (16, 256, 4),
+    (32, 256, 8),
+    (16, 64, 4),
+    (32, 64, 4),
+    (64, 64, 4),
+    (16, 128, 4),
+    (32, 128, 4),
+)
+
+
 def _configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "GROUP_N": 2})]
-    return [
+    matmul = [
         triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=s)
         for bn, bv, bk, w, s in _SHAPES
     ]
+    read = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": 16, "GROUP_N": 8}, num_warps=w, num_stages=1)
+        for bn, bv, w in _READ_SHAPES
+    ]
+    return matmul + read
 
 
 def fwd_block_v(dtype: torch.dtype) -> int:
@@ -79,28 +100,28 @@ def _from_logits(nargs: dict[str, Any], kwargs: dict[str, Any]) -> bool:
 
 
 def _prune_fwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
-    """Keep the configs whose BLOCK_V matches the workspace allocated for this dtype."""
+    """Keep the configs of the right kind whose BLOCK_V matches the workspace allocated for this dtype."""
     dtype = nargs["w_ptr"].dtype
     bv = fwd_block_v(dtype)
-    keep = [c for c in configs if c.kwargs["BLOCK_V"] == bv]
-    return _prune_from_logits(keep) if _from_logits(nargs, kwargs) else keep
+    return [c for c in _of_kind(configs, nargs, kwargs) if c.kwargs["BLOCK_V"] == bv]
 
 
-def _prune_from_logits(configs: list[triton.Config]) -> list[triton.Config]:
-    """Reading a logits buffer: BLOCK_K and stages are irrelevant; keep one config per tile shape."""
-    seen: dict[tuple[int, int, int], triton.Config] = {}
-    for c in configs:
-        seen.setdefault((c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.num_warps), c)
-    return list(seen.values())
+def _of_kind(
+    configs: list[triton.Config], nargs: dict[str, Any], kwargs: dict[str, Any]
+) -> list[triton.Config]:
+    """The read-tile configs (``num_stages == 1``) when reading a logits buffer, else the matmul ones."""
+    if INTERPRET:
+        return configs
+    reading = _from_logits(nargs, kwargs)
+    return [c for c in configs if (c.num_stages == 1) == reading]
 
 
 def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
-    """fp32 tiles need half the block size to fit shared memory."""
-    if _from_logits(nargs, kwargs):
-        return _prune_from_logits(configs)
-    if nargs["w_ptr"].dtype != torch.float32 or INTERPRET:
-        return configs
-    return [c for c in configs if c.kwargs["BLOCK_K"] == 32]
+    """The configs of the right kind; fp32 matmul tiles need half the block size to fit shared memory."""
+    keep = _of_kind(configs, nargs, kwargs)
+    if _from_logits(nargs, kwargs) or nargs["w_ptr"].dtype != torch.float32 or INTERPRET:
+        return keep
+    return [c for c in keep if c.kwargs["BLOCK_K"] == 32]
 
 
 # The token count N changes with every micro-batch. Triton would specialise a kernel on an integer
@@ -429,7 +450,8 @@ def _backward(
     n, h = hidden.shape
     v = weight.shape[0]
     hybrid = mode == "hybrid"
-    auto_rows, auto_chunk = plan_backward(n, h, 4 if hybrid else hidden.element_size())
+    # hybrid: the fp32 logits block and the dlogits block are both live, so they share the budget
+    auto_rows, auto_chunk = plan_backward(n, h, hidden.element_size() + (4 if hybrid else 0))
     rows = row_split or auto_rows
     chunk = min(v_chunk or auto_chunk, v)
     z_buf = torch.empty(min(rows, n) * chunk, device=hidden.device, dtype=torch.float32) if hybrid else None
