@@ -174,8 +174,10 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
     times: list[float] = []
     mbs = 0
     compiled: list[bool] = []
+    host: list[str] = []
     for i, step in enumerate(work):
         graphs = compile_events()
+        before = host_costs()
         dev.synchronize()
         t = time.perf_counter()
         res = engine.forward_backward(step.batch, pg_loss)
@@ -184,6 +186,8 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
             compiled.append(compile_events() > graphs)
+            after = host_costs()
+            host.append(f"gc {after[0] - before[0]:.2f} s, {after[1] - before[1]} cudaMalloc")
         mbs = max(mbs, res.num_micro_batches)
     peak = dev.memory_stats().peak_allocated
     print(f"fsdp2/{variant}: torch.compile {dynamo_counts()}", flush=True)
@@ -192,10 +196,29 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
     del engine
     gc.collect()
     dev.empty_cache()
+    if host:
+        print(f"fsdp2/{variant}: host costs of the timed steps: {'; '.join(host)}", flush=True)
     return {"times": times, "compiled": compiled, "peak": peak, "build_s": build_s, "micro_batches": mbs}
 
 
 _TRITON_COMPILES = [0]
+_GC_SECONDS = [0.0, 0.0]  # total, start of the collection in progress
+
+
+def _gc_timer(phase: str, _info: dict[str, Any]) -> None:
+    if phase == "start":
+        _GC_SECONDS[1] = time.perf_counter()
+    else:
+        _GC_SECONDS[0] += time.perf_counter() - _GC_SECONDS[1]
+
+
+def host_costs() -> tuple[float, int]:
+    """(seconds spent in Python's garbage collector, cudaMalloc calls of the caching allocator) so far:
+    two one-time host costs that can make a timed step slow without any compilation."""
+    if _gc_timer not in gc.callbacks:
+        gc.callbacks.append(_gc_timer)
+    allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+    return _GC_SECONDS[0], int(allocs)
 
 
 def count_triton_compiles() -> bool:

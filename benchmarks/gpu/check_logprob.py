@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from underlay import registry
+from underlay.backends.cuda import _logprob_triton as impl
 from underlay.interfaces import IGNORE_INDEX
 
 SHAPES = [
@@ -105,7 +106,7 @@ def check(
         "dtype": str(dtype).replace("torch.", ""),
         "temperature": temperature,
         "strided": strided,
-        "mode": os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", "fused"),
+        "mode": os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", impl.DEFAULT_MODE),
         "first_call_s": round(first_s, 2),
         "lp_max_err": float(lp_err.max().detach()),
         "ent_max_err": float(ent_err.max()),
@@ -143,7 +144,7 @@ def main() -> int:
     cases.append(check(777, 1024, 50000, torch.bfloat16, strided=True))
     cases.append(check(20000, 4096, 32256, torch.bfloat16))  # several backward row splits
     if len(sys.argv) > 1 and sys.argv[1] == "--both-modes":
-        os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = "hybrid"
+        os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = "fused"
         cases += [check(n, h, v, torch.bfloat16, temperature=0.8) for n, h, v in SHAPES]
         os.environ.pop("UNDERLAY_TRITON_LOGPROB_MODE")
     print(f"{'N,H,V':>22} {'dtype':>8} {'T':>4} {'lp err':>9} {'ent err':>9} {'gh rel':>9} {'gw rel':>9} "

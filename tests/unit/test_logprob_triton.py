@@ -101,10 +101,11 @@ def _cases() -> dict[str, dict[str, Any]]:
         "bf16": _case("bf16", 37, 48, 130, torch.bfloat16, v_chunk=64),
         "fp16": _case("fp16", 29, 40, 97, torch.float16),
         "no_entropy": _case("noent", 21, 32, 70, torch.float32, with_entropy=False),
-        "hybrid_fp32_chunks": _case(
-            "fused", 37, 50, 131, torch.float32, row_split=16, v_chunk=64, mode="hybrid"
+        # the default mode is hybrid; these run the tl.dot ("fused") tiles
+        "fused_fp32_chunks": _case(
+            "fused", 37, 50, 131, torch.float32, row_split=16, v_chunk=64, mode="fused"
         ),
-        "hybrid_bf16": _case("hybrid_bf16", 37, 48, 130, torch.bfloat16, mode="hybrid"),
+        "fused_bf16": _case("fused_bf16", 37, 48, 130, torch.bfloat16, mode="fused"),
     }
 
 
@@ -181,7 +182,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "no_entropy", "hybrid_fp32_chunks"]
+    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "no_entropy", "fused_fp32_chunks"]
 )
 def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case: str) -> None:
     r = report[0][case]
@@ -195,7 +196,7 @@ def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case:
     assert r["grad_dtypes"] == ["torch.float32", "torch.float32"]
 
 
-@pytest.mark.parametrize(("case", "ulp"), [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("hybrid_bf16", 2.0**-8)])
+@pytest.mark.parametrize(("case", "ulp"), [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("fused_bf16", 2.0**-8)])
 def test_half_precision_within_rounding(report: dict[int, dict[str, Any]], case: str, ulp: float) -> None:
     r = report[0][case]
     assert r["lp_err"] < 1e-3 and r["ent_err"] < 5e-3

@@ -13,8 +13,9 @@ chunk (dtype of the inputs); two cuBLAS matmuls turn it into ``grad_weight[chunk
 ``_BWD_BUDGET_BYTES`` independently of ``V`` (in hybrid mode the fp32 logits block and the dlogits chunk
 share one budget).
 
-``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` swaps the ``tl.dot`` tiles for cuBLAS ``[rows, v_chunk]`` logits
-blocks with fp32 output, read by the same kernels (``FROM_LOGITS``); the default is ``fused``.
+``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``hybrid`` (the default) computes
+cuBLAS ``[rows, v_chunk]`` logits blocks with fp32 output, read by the same kernels (``FROM_LOGITS``);
+``fused`` computes them with ``tl.dot`` inside the kernels.
 
 Setting ``TRITON_INTERPRET=1`` before this module is imported runs every kernel in Triton's interpreter on
 CPU tensors (slow; small shapes only) with one small tile configuration instead of autotuning.
@@ -31,10 +32,20 @@ import triton.language as tl
 
 from underlay.interfaces import ConfigError
 
-__all__ = ["INTERPRET", "MM_PATH", "MODES", "fused_linear_logprobs", "mm_fp32", "plan_backward"]
+__all__ = [
+    "DEFAULT_MODE",
+    "INTERPRET",
+    "MM_PATH",
+    "MODES",
+    "fused_linear_logprobs",
+    "mm_fp32",
+    "plan_backward",
+]
 
 MODES = ("hybrid", "fused")
 """Ways to produce the logits tiles: cuBLAS blocks read by Triton ("hybrid") or ``tl.dot`` in Triton."""
+DEFAULT_MODE = "hybrid"
+"""On the H200 at the issue-9 benchmark shape: hybrid 273.7 ms / 1.65 GiB, fused 281.2 ms / 1.66 GiB."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Whether the kernels were built for Triton's CPU interpreter (read once, at import)."""
@@ -582,18 +593,18 @@ def fused_linear_logprobs(
     all-reduced over it and the hidden gradient is summed over it. ``row_split`` / ``v_chunk`` override the
     backward's planned buffer sizes (tests use them to exercise several chunks at small shapes).
 
-    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE``, else ``"fused"``): ``"fused"`` computes the
-    logits inside the Triton kernels (``tl.dot``); ``"hybrid"`` computes each ``[rows, v_chunk]`` logits
-    block with cuBLAS (fp32 output) and runs the same Triton statistics / dlogits kernels on it. Both keep
-    workspace bounded independently of ``V`` and agree up to fp32 rounding. On the H200 both ran the
-    benchmark shape in 282 ms; fused peaks lower (1.66 vs 1.72 GiB) and is the one checked there against
-    float64 at the issue shapes, hence the default.
+    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE``, else :data:`DEFAULT_MODE`): ``"hybrid"``
+    computes each ``[rows, v_chunk]`` logits block with cuBLAS (fp32 output) and runs the Triton statistics
+    / dlogits kernels on it; ``"fused"`` computes the logits inside the Triton kernels (``tl.dot``). Both
+    keep workspace bounded independently of ``V``, agree up to fp32 rounding and were checked against
+    float64 on the H200; hybrid is faster there (273.7 vs 281.2 ms at the benchmark shape), hence the
+    default.
     """
-    mode = mode or os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", "fused")
+    mode = mode or os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", DEFAULT_MODE)
     if mode not in MODES:
         raise ConfigError(
             f"UNDERLAY_TRITON_LOGPROB_MODE must be one of {', '.join(MODES)}, got {mode!r}; unset it for "
-            f"the default (fused)"
+            f"the default ({DEFAULT_MODE})"
         )
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.contiguous(), float(temperature), bool(with_entropy), group, int(label_offset),
