@@ -1,11 +1,11 @@
 """Fused linear -> log-prob + entropy, forward + backward, on one GPU (issue 9, item 5).
 
 Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as arguments):
-- ``triton``: underlay's TritonLogprobKernel in its default ``hybrid`` mode (cuBLAS logits blocks with
-  fp32 output read by Triton statistics / dlogits kernels), log-prob + entropy, both with upstream
-  gradients; ``triton_fwd_only``: its forward alone;
+- ``triton``: underlay's TritonLogprobKernel in its default mode (``_logprob_triton.DEFAULT_MODE``),
+  log-prob + entropy, both with upstream gradients; ``triton_fwd_only``: its forward alone;
 - ``triton_no_ent``: the same kernel with ``with_entropy=False``;
-- ``triton_fused``: ``UNDERLAY_TRITON_LOGPROB_MODE=fused`` (logits by ``tl.dot`` inside Triton);
+- ``triton_fused`` / ``triton_hybrid`` (whichever is not the default): logits by ``tl.dot`` inside Triton,
+  or cuBLAS logits blocks with fp32 output read by the same Triton statistics / dlogits kernels;
 - ``chunked_torch``: ``underlay.ops.linear_logprobs`` (log-prob + entropy);
 - ``naive_torch``: matmul, float, log_softmax, gather, entropy (materialises [N, V] fp32);
 - ``liger_flce``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss (loss only, reduction="sum"), when
@@ -116,13 +116,14 @@ def main() -> None:
         with torch.no_grad():
             torch.mm(hidden.detach(), weight.detach().T)
 
+    other = next(m for m in impl.MODES if m != impl.DEFAULT_MODE)
     methods: list[tuple[str, Callable[[], None], int]] = [
         ("matmul_bf16", matmul, 1),
         ("triton", ours(), 4),
         ("triton_fwd_only", ours_fwd(impl.DEFAULT_MODE), 1),
         ("triton_no_ent", ours(False), 4),
-        ("triton_fused", ours(mode="fused"), 4),
-        ("triton_fused_fwd", ours_fwd("fused"), 1),
+        (f"triton_{other}", ours(mode=other), 4),
+        (f"triton_{other}_fwd", ours_fwd(other), 1),
     ]
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

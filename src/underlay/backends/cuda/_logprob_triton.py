@@ -13,9 +13,9 @@ chunk (dtype of the inputs); two cuBLAS matmuls turn it into ``grad_weight[chunk
 ``_BWD_BUDGET_BYTES`` independently of ``V`` (in hybrid mode the fp32 logits block and the dlogits chunk
 share one budget).
 
-``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``hybrid`` (the default) computes
-cuBLAS ``[rows, v_chunk]`` logits blocks with fp32 output, read by the same kernels (``FROM_LOGITS``);
-``fused`` computes them with ``tl.dot`` inside the kernels.
+``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``fused`` (the default) computes them
+with ``tl.dot`` inside the kernels; ``hybrid`` computes cuBLAS ``[rows, v_chunk]`` logits blocks with fp32
+output, read by the same kernels (``FROM_LOGITS``).
 
 Setting ``TRITON_INTERPRET=1`` before this module is imported runs every kernel in Triton's interpreter on
 CPU tensors (slow; small shapes only) with one small tile configuration instead of autotuning.
@@ -44,8 +44,11 @@ __all__ = [
 
 MODES = ("hybrid", "fused")
 """Ways to produce the logits tiles: cuBLAS blocks read by Triton ("hybrid") or ``tl.dot`` in Triton."""
-DEFAULT_MODE = "hybrid"
-"""On the H200 at the issue-9 benchmark shape: hybrid 273.7 ms / 1.65 GiB, fused 281.2 ms / 1.66 GiB."""
+DEFAULT_MODE = "fused"
+"""On the H200, at the issue-9 benchmark shape (H=4096), hybrid was 1-3% faster than fused (273.7 vs 281.2
+and 281.2 vs 284.7 ms in two runs); inside the FSDP2 training step of a Qwen2-1.5B shape (H=1536) it was
+slower (MFU 49.9% against 51.5-52%): its fp32 logits blocks cost memory traffic per FLOP in proportion to
+1/H. Fused is the default."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Whether the kernels were built for Triton's CPU interpreter (read once, at import)."""
@@ -135,11 +138,18 @@ def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: An
     return [c for c in keep if c.kwargs["BLOCK_K"] == 32]
 
 
-# The token count N changes with every micro-batch. Triton would specialise a kernel on an integer
-# argument divisible by 16 (or equal to 1) and compile it again the first time such a count comes, in the
-# middle of a training run (about a second per kernel, measured as one-time slow steps on the H200). N only
-# bounds masks here, so the kernels are compiled once without that specialisation.
-_NO_SPECIALISE = ("N",)
+# The token count N changes with every micro-batch, and so does the backward's vocabulary chunk (its width
+# follows from N) and with it V of the chunk kernels. Two one-time costs followed a new value in the middle
+# of a training run, seen on the H200 as timed steps of 3-4 s instead of 1.8 s in which nothing was
+# compiled by torch.compile:
+# - autotuning, when V was part of the autotune key: every config was compiled and benchmarked again for a
+#   new chunk width. The key is now the hidden size, the flags and (implicitly) the dtypes, so a config is
+#   tuned once per model; the tiles do not depend on V;
+# - Triton's specialisation of integer arguments divisible by 16 (or equal to 1): one more compilation
+#   the first time such a value comes. N, V and the label offset only bound masks and shift ids here, so
+#   the kernels are compiled without that specialisation.
+_NO_SPECIALISE = ("N", "V", "label_offset")
+_TUNE_KEY = ["H", "WITH_ENTROPY", "FROM_LOGITS"]
 
 _EVEN_K = {"EVEN_K": lambda args: bool(args.get("FROM_LOGITS")) or args["H"] % args["BLOCK_K"] == 0}
 """No K masking when H is a multiple of BLOCK_K (and no K loop at all when reading a logits buffer)."""
@@ -207,7 +217,7 @@ def _program_logits(  # type: ignore[no-untyped-def]
 
 @triton.autotune(
     configs=_configs(),
-    key=["V", "H", "WITH_ENTROPY", "FROM_LOGITS"],
+    key=_TUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_fwd},
 )  # type: ignore[untyped-decorator]
 @triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
@@ -262,7 +272,7 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
 
 @triton.autotune(
     configs=_configs(),
-    key=["V", "H", "WITH_ENTROPY", "FROM_LOGITS"],
+    key=_TUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_bwd},
 )  # type: ignore[untyped-decorator]
 @triton.heuristics(_EVEN_K)  # type: ignore[untyped-decorator]
@@ -593,12 +603,11 @@ def fused_linear_logprobs(
     all-reduced over it and the hidden gradient is summed over it. ``row_split`` / ``v_chunk`` override the
     backward's planned buffer sizes (tests use them to exercise several chunks at small shapes).
 
-    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE``, else :data:`DEFAULT_MODE`): ``"hybrid"``
-    computes each ``[rows, v_chunk]`` logits block with cuBLAS (fp32 output) and runs the Triton statistics
-    / dlogits kernels on it; ``"fused"`` computes the logits inside the Triton kernels (``tl.dot``). Both
-    keep workspace bounded independently of ``V``, agree up to fp32 rounding and were checked against
-    float64 on the H200; hybrid is faster there (273.7 vs 281.2 ms at the benchmark shape), hence the
-    default.
+    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE``, else :data:`DEFAULT_MODE`): ``"fused"`` computes
+    the logits inside the Triton kernels (``tl.dot``); ``"hybrid"`` computes each ``[rows, v_chunk]`` logits
+    block with cuBLAS (fp32 output) and runs the Triton statistics / dlogits kernels on it. Both keep
+    workspace bounded independently of ``V``, agree up to fp32 rounding and were checked against float64
+    on the H200; which one is faster depends on ``H`` (see :data:`DEFAULT_MODE`).
     """
     mode = mode or os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", DEFAULT_MODE)
     if mode not in MODES:

@@ -15,11 +15,11 @@ __all__ = ["TritonLogprobKernel"]
 class TritonLogprobKernel:
     """``LogprobKernel`` backed by Triton kernels (see ``_logprob_triton``).
 
-    Forward: ``[rows, v_chunk]`` logits blocks (cuBLAS, fp32 output) read by a Triton kernel that writes
-    per-row online-softmax partials (workspace ``[N, ceil(V / 256)]`` fp32); backward recomputes each block,
-    a Triton kernel turns it into a dlogits chunk, and cuBLAS makes the two gradient matmuls. Workspace is
-    bounded independently of ``V``. ``UNDERLAY_TRITON_LOGPROB_MODE=fused`` computes the logits tiles with
-    ``tl.dot`` inside the Triton kernels instead; an unknown value raises ``ConfigError`` (see
+    Forward is one fused Triton pass (matmul tiles + online softmax statistics, workspace
+    ``[N, ceil(V / 256)]`` fp32); backward recomputes logits tile-wise into a bounded dlogits chunk and
+    uses cuBLAS for the two gradient matmuls. Workspace is bounded independently of ``V``.
+    ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` computes the logits blocks with cuBLAS (fp32 output) and reads
+    them with the same kernels; an unknown value raises ``ConfigError`` (see
     ``_logprob_triton.fused_linear_logprobs``). Inputs must live on a CUDA device (or on CPU when Triton's
     interpreter is on, ``TRITON_INTERPRET=1``, for tests). ``vocab_group`` follows the protocol: ``weight``
     is rank ``r``'s shard ``[r * V_local, (r + 1) * V_local)``; statistics are all-reduced over the group
