@@ -45,10 +45,10 @@ __all__ = [
 MODES = ("hybrid", "fused")
 """Ways to produce the logits tiles: cuBLAS blocks read by Triton ("hybrid") or ``tl.dot`` in Triton."""
 DEFAULT_MODE = "fused"
-"""On the H200, at the issue-9 benchmark shape (H=4096), hybrid was 1-3% faster than fused (273.7 vs 281.2
-and 281.2 vs 284.7 ms in two runs); inside the FSDP2 training step of a Qwen2-1.5B shape (H=1536) it was
-slower (MFU 49.9% against 51.5-52%): its fp32 logits blocks cost memory traffic per FLOP in proportion to
-1/H. Fused is the default."""
+"""On the H200, at the issue-9 benchmark shape (H=4096), hybrid was 1-3% faster than fused in three runs
+(273.7 vs 281.2, 281.2 vs 284.7, 284.6 vs 291.3 ms); inside the FSDP2 training step of a Qwen2-1.5B shape
+(H=1536) it was slower (MFU 49.9% against 51.5-52%), because its fp32 logits blocks cost memory traffic
+per FLOP in proportion to 1/H. So fused is the default."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """Whether the kernels were built for Triton's CPU interpreter (read once, at import)."""
@@ -75,8 +75,9 @@ _SHAPES = (
 
 _READ_SHAPES = (
     # BLOCK_N, BLOCK_V, num_warps: tiles for reading an fp32 logits buffer (no K loop, so no stages).
-    # Few rows per tile keeps the fp32 tile and its exp in registers; the H200 profile of the matmul
-    # shapes above used for reading showed the forward statistics pass at a fifth of memory bandwidth.
+    # Few rows per tile keep the fp32 tile and its exponentials in registers. With the matmul tiles above
+    # the forward statistics pass read the 20 GB of logits of the benchmark shape in 26.8 ms on the H200
+    # (a fifth of memory bandwidth); with these, in 9.9 ms.
     (8, 256, 4),
     (16, 256, 4),
     (32, 256, 8),
