@@ -49,6 +49,11 @@ def timed(
     fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return event_ms(fn, reps), peak
+
+
+def event_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median CUDA-event time of ``reps`` calls of ``fn``, in ms (no warm-up: call it warm)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -57,7 +62,7 @@ def timed(
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), peak
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -157,8 +162,8 @@ def main() -> None:
         "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
         "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
         "backward_plan(row_split, v_chunk) fused / hybrid": (
-            impl.plan_backward(n, h, 2),
-            impl.plan_backward(n, h, 6),
+            impl.plan_backward(n, h, 2, "fused"),
+            impl.plan_backward(n, h, 2, "hybrid"),
         ),
         "mm_path": impl.MM_PATH,
         "results": rows,

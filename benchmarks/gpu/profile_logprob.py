@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 from collections import defaultdict
@@ -27,20 +26,13 @@ from underlay.backends.cuda import _logprob_triton as impl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_gaps
+from bench_logprob import event_ms, timed
 
 
 def ms(fn: Callable[[], Any], reps: int = 3) -> float:
     """Median CUDA-event time of ``fn`` in ms (after one untimed call)."""
     fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return event_ms(fn, reps)
 
 
 def kernel_table(fn: Callable[[], Any]) -> tuple[list[dict[str, Any]], str]:
@@ -72,6 +64,10 @@ def main() -> None:
     labels = torch.randint(0, v, (n,), device=dev)
     g_lp, g_ent = torch.randn(n, device=dev), torch.randn(n, device=dev)
     flop = 2.0 * n * h * v
+
+    def clear() -> None:
+        hidden.grad = weight.grad = None
+
     report: dict[str, Any] = {"shape": [n, h, v], "modes": {}}
     for mode in impl.MODES:
 
@@ -79,7 +75,7 @@ def main() -> None:
             return impl.fused_linear_logprobs(hidden, weight, labels, mode=mode)
 
         def step(mode: str = mode) -> None:
-            hidden.grad = weight.grad = None
+            clear()
             lp, ent = fwd(mode)
             assert ent is not None
             torch.autograd.backward([lp, ent], [g_lp, g_ent])
@@ -103,20 +99,12 @@ def main() -> None:
     for md, rs, vc in plans:
 
         def plan_step(md: str = md, rs: int | None = rs, vc: int | None = vc) -> None:
-            hidden.grad = weight.grad = None
+            clear()
             lp, ent = impl.fused_linear_logprobs(hidden, weight, labels, row_split=rs, v_chunk=vc, mode=md)
             assert ent is not None
             torch.autograd.backward([lp, ent], [g_lp, g_ent])
 
-        plan_step()
-        hidden.grad = weight.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        plan_step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        t = ms(plan_step)
+        t, peak = timed(plan_step, clear, reps=3, warm=1)
         report["plans"][f"{md} {rs}x{vc}"] = {"ms": t, "peak_gib": peak}
         print(f"  {md} {rs} x {vc}: {t:.1f} ms, peak extra {peak:.2f} GiB")
 

@@ -386,15 +386,17 @@ def _forward_stats(
     return m, s, t, zl
 
 
-def plan_backward(n: int, h: int, elem_bytes: int) -> tuple[int, int]:
+def plan_backward(n: int, h: int, elem_bytes: int, mode: str = "fused") -> tuple[int, int]:
     """``(row_split, v_chunk)`` for the backward so each buffer stays near ``_BWD_BUDGET_BYTES``.
 
     ``row_split`` rows get one fp32 ``[row_split, H]`` grad-hidden accumulator; the dlogits chunk is
-    ``[row_split, v_chunk]`` of ``elem_bytes``. Both are multiples of 256 (at least 256).
+    ``[row_split, v_chunk]`` of ``elem_bytes``. In ``"hybrid"`` mode an fp32 logits block of the same
+    shape is live beside it, and the two share the budget. Both are multiples of 256 (at least 256).
     """
+    per_elem = elem_bytes + (4 if mode == "hybrid" else 0)
     rows = max(256, (_BWD_BUDGET_BYTES // max(1, 4 * h)) // 256 * 256)
     rows = min(rows, max(n, 1))
-    chunk = max(256, (_BWD_BUDGET_BYTES // max(1, rows * elem_bytes)) // 256 * 256)
+    chunk = max(256, (_BWD_BUDGET_BYTES // max(1, rows * per_elem)) // 256 * 256)
     return rows, chunk
 
 
@@ -472,8 +474,7 @@ def _backward(
     n, h = hidden.shape
     v = weight.shape[0]
     hybrid = mode == "hybrid"
-    # hybrid: the fp32 logits block and the dlogits block are both live, so they share the budget
-    auto_rows, auto_chunk = plan_backward(n, h, hidden.element_size() + (4 if hybrid else 0))
+    auto_rows, auto_chunk = plan_backward(n, h, hidden.element_size(), mode)
     rows = row_split or auto_rows
     chunk = min(v_chunk or auto_chunk, v)
     z_buf = torch.empty(min(rows, n) * chunk, device=hidden.device, dtype=torch.float32) if hybrid else None
