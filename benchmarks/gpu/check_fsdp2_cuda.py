@@ -109,7 +109,7 @@ def cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def run_arch(arch: str, dev: Any, quick: bool) -> dict[str, Any]:
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
 
     hf = tiny(arch, quick)
     gb = batch(hf.vocab_size, 8 if quick else 16, 64 if quick else 256, seed=1)
@@ -150,7 +150,7 @@ def run_arch(arch: str, dev: Any, quick: bool) -> dict[str, Any]:
 
 
 def offload_checks(dev: Any, quick: bool) -> dict[str, Any]:
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
 
     hf = tiny("llama", quick)
     gb = batch(hf.vocab_size, 8 if quick else 16, 64 if quick else 256, seed=2)

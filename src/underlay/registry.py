@@ -319,14 +319,14 @@ def _builtin_specs() -> list[BackendSpec]:
         BackendSpec(
             "engine",
             "fsdp2",
-            f"{b}.fsdp2.engine:FSDP2Engine",
+            "underlay.engines.fsdp2.engine:FSDP2Engine",
             10,
             "PyTorch FSDP2 (fully_shard), HSDP, Ulysses SP",
         ),
         BackendSpec(
             "weight_loader",
             "fsdp2",
-            f"{b}.fsdp2.weights:FSDP2WeightLoader",
+            "underlay.engines.fsdp2.weights:FSDP2WeightLoader",
             10,
             "HF safetensors <-> FSDP2 shards",
         ),

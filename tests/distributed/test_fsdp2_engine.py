@@ -51,7 +51,7 @@ def _equivalence(
     of one sp group share their data)."""
     import copy
 
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
     from underlay.interfaces import ModelConfig
     from underlay.registry import get_device
 
@@ -92,9 +92,9 @@ def _write_tokenizer(path: Path) -> None:
 
 def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     """Everything that needs 2 ranks."""
-    from underlay.backends.fsdp2.engine import FSDP2Engine
-    from underlay.backends.fsdp2.weights import FSDP2WeightLoader
     from underlay.checkpoint import CheckpointManager
+    from underlay.engines.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.weights import FSDP2WeightLoader
     from underlay.interfaces import CheckpointError, ConfigError, LoraConfig, ParallelConfig
     from underlay.registry import get_device
 
@@ -277,7 +277,7 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def _kept_unsharded_two_steps(rank: int, world: int) -> dict[str, float]:
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
     from underlay.registry import get_device
 
     results = []
@@ -302,8 +302,8 @@ def _kept_unsharded_two_steps(rank: int, world: int) -> dict[str, float]:
 
 def job_single(rank: int, world: int, root: str, killed_root: str) -> dict[str, Any]:
     """1 rank: resume the 2-rank checkpoint, the latest of a save killed midway, layout errors."""
-    from underlay.backends.fsdp2.engine import FSDP2Engine
     from underlay.checkpoint import CheckpointManager, latest
+    from underlay.engines.fsdp2.engine import FSDP2Engine
     from underlay.interfaces import CheckpointError, ConfigError, OptimConfig, ParallelConfig
     from underlay.registry import get_device, get_engine
 
@@ -359,8 +359,8 @@ def job_single(rank: int, world: int, root: str, killed_root: str) -> dict[str, 
 
 def job_killed(rank: int, world: int, root: str) -> None:
     """Save steps 1-3 (rotation keeps 2), then die inside the engine write of step 4."""
-    from underlay.backends.fsdp2.engine import FSDP2Engine
     from underlay.checkpoint import CheckpointManager
+    from underlay.engines.fsdp2.engine import FSDP2Engine
     from underlay.registry import get_device
 
     engine = FSDP2Engine(H.engine_config(H.llama_config()), get_device("cpu"))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from underlay.backends.fsdp2 import _build
-from underlay.backends.fsdp2.engine import signature_diff
-from underlay.backends.fsdp2.parallelize import build_layout, decoder_layers, validate_sp_heads
-from underlay.backends.fsdp2.weights import _ShardWriter
+from underlay.engines.fsdp2 import _build
+from underlay.engines.fsdp2.engine import signature_diff
+from underlay.engines.fsdp2.parallelize import build_layout, decoder_layers, validate_sp_heads
+from underlay.engines.fsdp2.weights import _ShardWriter
 from underlay.interfaces import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 
 
@@ -132,7 +132,7 @@ def test_unknown_engine_option_is_refused_before_any_work() -> None:
     from transformers import LlamaConfig
 
     from underlay.backends.cpu.device import CpuDevice
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
     from underlay.interfaces import EngineConfig
 
     cfg = EngineConfig(ModelConfig(hf_config=LlamaConfig()), options={"reshard_after_foward": False})
@@ -162,7 +162,7 @@ class _OpCounter:
 def test_activation_checkpointing_modes_keep_gradients_and_differ_in_recomputation(mode: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from underlay.backends.fsdp2.parallelize import apply_activation_checkpointing
+    from underlay.engines.fsdp2.parallelize import apply_activation_checkpointing
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
@@ -213,7 +213,7 @@ def test_activation_checkpointing_value_is_validated(value: object) -> None:
 def test_compiled_layer_parts_keep_gradients(mode: str, scope: str, count: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from underlay.backends.fsdp2.parallelize import apply_activation_checkpointing, compile_layer_parts
+    from underlay.engines.fsdp2.parallelize import apply_activation_checkpointing, compile_layer_parts
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
@@ -234,7 +234,7 @@ def test_compiled_layer_parts_keep_gradients(mode: str, scope: str, count: int) 
 
 def test_bad_compile_option_is_refused_before_any_work() -> None:
     from underlay.backends.cpu.device import CpuDevice
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
     from underlay.interfaces import EngineConfig
 
     cfg = EngineConfig(ModelConfig(hf_config=_llama()), options={"compile": "everything"})

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from underlay.backends._profiling import NULL_RANGE, HookRange, ProfilerBase, check_options, current_rank
+from underlay.backends._profiling import NULL_RANGE, HookRange, ProfilerBase, check_options
 from underlay.backends.cpu.device import CpuDevice
 from underlay.interfaces import ConfigError, InvalidInput, ProfilerConfig
+from underlay.parallel.rank import current_rank
 
 
 class LoggingProfiler(ProfilerBase):

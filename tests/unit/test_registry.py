@@ -108,7 +108,7 @@ def test_profiler_defaults_to_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_device_restricted_backend_is_incompatible_when_named() -> None:
     registry.register(
         BackendSpec(
-            "engine", "accelonly", "underlay.backends.fsdp2.engine:FSDP2Engine", devices=("cuda", "npu")
+            "engine", "accelonly", "underlay.engines.fsdp2.engine:FSDP2Engine", devices=("cuda", "npu")
         ),
         replace=True,
     )

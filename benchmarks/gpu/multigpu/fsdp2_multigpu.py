@@ -45,7 +45,7 @@ def weights(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def step_mode(args: Any, dev: Any, rank: int, world: int, out_dir: Path) -> dict[str, Any]:
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
 
     res: dict[str, Any] = {}
     for arch, hf in (("llama", H.llama_config()), ("qwen3_moe", H.qwen3_moe_config())):
@@ -76,8 +76,8 @@ def step_mode(args: Any, dev: Any, rank: int, world: int, out_dir: Path) -> dict
 
 
 def save_mode(args: Any, dev: Any, rank: int, world: int) -> dict[str, Any]:
-    from underlay.backends.fsdp2.engine import FSDP2Engine
     from underlay.checkpoint import CheckpointManager
+    from underlay.engines.fsdp2.engine import FSDP2Engine
 
     engine = FSDP2Engine(H.engine_config(H.llama_config()), dev)
     engine.forward_backward(H.shard(H.global_batch(1), rank, world), H.pg_loss)
@@ -92,8 +92,8 @@ def save_mode(args: Any, dev: Any, rank: int, world: int) -> dict[str, Any]:
 
 
 def resume_mode(args: Any, dev: Any, rank: int, world: int) -> dict[str, Any]:
-    from underlay.backends.fsdp2.engine import FSDP2Engine
     from underlay.checkpoint import CheckpointManager
+    from underlay.engines.fsdp2.engine import FSDP2Engine
 
     engine = FSDP2Engine(H.engine_config(H.llama_config()), dev)
     state = CheckpointManager(args.ckpt, engine).load()

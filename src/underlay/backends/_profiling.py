@@ -11,15 +11,13 @@ from __future__ import annotations
 import abc
 import functools
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-import torch.distributed as dist
-
 from underlay.interfaces import ConfigError, Device, IncompatibleBackends, InvalidInput, ProfilerConfig
+from underlay.parallel.rank import current_rank
 
 __all__ = [
     "NULL_RANGE",
@@ -27,7 +25,6 @@ __all__ = [
     "NullRange",
     "ProfilerBase",
     "check_options",
-    "current_rank",
     "identity",
     "require_device",
 ]
@@ -59,21 +56,6 @@ NULL_RANGE = NullRange()
 def identity(fn: F) -> F:
     """The decorator that returns the function itself (``annotate`` of a profiler that never records)."""
     return fn
-
-
-def current_rank() -> int:
-    """Global rank of this process: ``torch.distributed.get_rank()`` when a default group exists, else
-    ``$RANK`` (0 when unset). Raises ``ConfigError`` when ``$RANK`` is not a non-negative integer."""
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    raw = os.environ.get("RANK", "").strip() or "0"
-    try:
-        rank = int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable RANK={raw!r} is not an integer; unset it or fix it") from exc
-    if rank < 0:
-        raise ConfigError(f"environment variable RANK={rank} is negative; ranks are >= 0")
-    return rank
 
 
 def require_device(backend: str, device: Device, needed: str, instead: str) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.interfaces import CheckpointError, Device, InvalidInput, ParallelEngine
+from underlay.parallel.rank import current_rank
 
 __all__ = ["COMPLETE_MARKER", "CheckpointManager", "complete_checkpoints", "latest"]
 
@@ -37,10 +38,6 @@ log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -153,7 +150,7 @@ class CheckpointManager:
             ) from exc
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
-        rank = _rank()
+        rank = current_rank()
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("step_*.tmp"):
@@ -221,10 +218,10 @@ class CheckpointManager:
                 f"checkpoint {target} belongs to another model: {diff}; build the engine from the "
                 "same model config"
             )
-        rng_file = target / f"rng_rank{_rank()}.pt"
+        rng_file = target / f"rng_rank{current_rank()}.pt"
         rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         if rng is None:
-            log.warning("%s has no RNG state for rank %d; keeping this rank's RNG", target, _rank())
+            log.warning("%s has no RNG state for rank %d; keeping this rank's RNG", target, current_rank())
         self.engine.load_checkpoint(target)
         if rng is not None:
             self.device.set_rng_state(rng)

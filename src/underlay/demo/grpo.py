@@ -46,6 +46,7 @@ from underlay.interfaces import (
     TokenBatch,
     TokenOutputs,
 )
+from underlay.parallel.rank import current_rank, current_world_size
 
 __all__ = ["CONSOLE_KEYS", "RESUME_RTOL_ACCELERATOR", "PolicyLoss", "run_rank"]
 
@@ -431,8 +432,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
     t_start = time.perf_counter()
     out = Path(out_dir)
     device = underlay.get_device()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = current_rank(), current_world_size()
     cfg.check_world(world)
     tr = _Trainer(cfg, device, rank, world, out)
     progress = _Progress(cfg.steps + 1, cfg.progress and rank == 0)

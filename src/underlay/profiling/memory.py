@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from underlay.backends._profiling import current_rank
 from underlay.interfaces import Device, InvalidInput, MemoryStats
+from underlay.parallel.rank import current_rank
 from underlay.registry import get_device
 
 __all__ = [

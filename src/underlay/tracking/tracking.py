@@ -9,9 +9,9 @@ from types import TracebackType
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 
 from underlay.interfaces import ConfigError, InvalidInput
+from underlay.parallel.rank import current_rank
 from underlay.tracking.backends import (
     BUILTIN_BACKENDS,
     ConsoleBackend,
@@ -94,7 +94,7 @@ class Tracking:
         self.run_dir = Path(out_dir) / run_name
         self.run_name = run_name
         if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = current_rank()
         self.is_writer = rank == 0
         self._backends: list[TrackerBackend] = []
         self._closed = False

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from underlay.backends.fsdp2 import _build
+from underlay.engines.fsdp2 import _build
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
+from underlay.parallel.rank import current_rank
 
 __all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader"]
 
@@ -31,7 +32,7 @@ TOKENIZER_FILES = (
 
 
 def _engine(engine: ParallelEngine) -> Any:
-    from underlay.backends.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.engine import FSDP2Engine
 
     if not isinstance(engine, FSDP2Engine):
         raise InvalidInput(
@@ -39,10 +40,6 @@ def _engine(engine: ParallelEngine) -> Any:
             "underlay.get_weight_loader(engine.name)"
         )
     return engine
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class FSDP2WeightLoader:
@@ -150,7 +147,7 @@ class FSDP2WeightLoader:
             raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes} must be >= 1")
         out = Path(out_dir)
         dtype = dtype or eng._param_dtype
-        writer = _ShardWriter(out, max_shard_bytes) if _rank() == 0 else None
+        writer = _ShardWriter(out, max_shard_bytes) if current_rank() == 0 else None
         for name, full in eng.named_full_tensors():
             if writer is not None:
                 writer.add(name, full.to(dtype).cpu())
@@ -174,13 +171,13 @@ class FSDP2WeightLoader:
             raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
         tensors = {n: t.cpu().contiguous() for n, t in eng.named_adapter_tensors()}
         out = Path(out_dir)
-        if _rank() == 0:
+        if current_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
             peft_config["default"].save_pretrained(str(out))
         if dist.is_initialized():
             dist.barrier()
-        return out if _rank() == 0 else None
+        return out if current_rank() == 0 else None
 
     @staticmethod
     def _write_config(eng: Any, out: Path) -> None:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from underlay.backends.fsdp2 import _build
-from underlay.backends.fsdp2.parallelize import (
+from underlay.engines.fsdp2 import _build
+from underlay.engines.fsdp2.parallelize import (
     COMPILE_SCOPES,
     apply_activation_checkpointing,
     apply_fsdp,
@@ -58,6 +58,7 @@ from underlay.interfaces import (
     TokenBatch,
     TokenOutputs,
 )
+from underlay.parallel.rank import current_rank
 
 __all__ = ["FSDP2Engine"]
 
@@ -201,7 +202,7 @@ class FSDP2Engine:
         mc = self._config.model
         fill: set[str] | None = None
         if mc.path is not None and mc.load_weights:
-            from underlay.backends.fsdp2.weights import FSDP2WeightLoader
+            from underlay.engines.fsdp2.weights import FSDP2WeightLoader
 
             report = FSDP2WeightLoader(self._device).load_hf(self, mc.path, strict=mc.kind == "causal_lm")
             fill = set(report.missing)
@@ -598,7 +599,7 @@ class FSDP2Engine:
             "optim": get_optimizer_state_dict(self._model, self._optimizer),
         }
         dcp_save(state, checkpoint_id=str(directory))
-        if dist.get_rank() == 0:
+        if current_rank() == 0:
             extra = {"global_step": self._global_step, "scheduler": self._scheduler.state_dict()}
             torch.save(extra, directory / _STATE_FILE)
             (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))

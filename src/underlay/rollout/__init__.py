@@ -1,0 +1,1 @@
+"""Rollout interface: weight sync to inference engines, rollout trace and replay."""
