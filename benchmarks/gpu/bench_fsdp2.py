@@ -151,7 +151,7 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         micro_batch_max_tokens=MAX_TOKENS if not args.quick else 256,
         param_dtype="bfloat16",
         reduce_dtype="float32",
-        activation_checkpointing=act_ckpt,  # type: ignore[arg-type]
+        recompute=act_ckpt,  # type: ignore[arg-type]
         with_entropy=False,
         options={
             "fused_adamw": True,

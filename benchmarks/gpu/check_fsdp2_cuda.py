@@ -159,11 +159,11 @@ def offload_checks(dev: Any, quick: bool) -> dict[str, Any]:
     for name, over in (
         ("plain", {}),
         ("cpu_offload", {"cpu_offload": True}),
-        ("act_ckpt", {"activation_checkpointing": True}),
-        ("compiled", {"activation_checkpointing": True, "options": {"compile": True}}),
+        ("act_ckpt", {"recompute": "full"}),
+        ("compiled", {"recompute": "full", "options": {"compile": True}}),
         # whole layers compiled with the attention call in the graph, parameters kept unsharded
         ("compiled_layer", {"options": {"compile": "layer", "reshard_after_forward": False}}),
-        ("compiled_layer_ckpt", {"activation_checkpointing": True, "options": {"compile": "layer"}}),
+        ("compiled_layer_ckpt", {"recompute": "full", "options": {"compile": "layer"}}),
     ):
         dev.empty_cache()
         dev.reset_peak_memory_stats()

@@ -48,7 +48,7 @@ def _equivalence(
     rank: int, world: int, hf_config: Any, kind: str = "causal_lm", uneven: bool = False, **cfg: Any
 ) -> dict[str, float]:
     """One sharded step on this rank's data share vs the float64 reference on the whole batch (ranks
-    of one sp group share their data)."""
+    of one Ulysses group share their data)."""
     import copy
 
     from underlay.engines.fsdp2.engine import FSDP2Engine
@@ -59,10 +59,10 @@ def _equivalence(
         cfg["model"] = ModelConfig(hf_config=hf_config, kind="value")
     ec = H.engine_config(hf_config, **cfg)
     engine = FSDP2Engine(ec, get_device("cpu"))
-    sp = engine.layout.sp
+    ulysses = engine.layout.ulysses
     gb = H.global_batch(11)
     loss_fn = H.value_loss if kind == "value" else H.pg_loss
-    local = H.shard(gb, rank // sp, world // sp)
+    local = H.shard(gb, rank // ulysses, world // ulysses)
     if uneven:  # rank 0 one sequence, rank 1 the rest: rank 0 runs empty micro-batches
         local = gb.select([0] if rank == 0 else list(range(1, gb.batch_size)))
     res, st = _step(engine, local, loss_fn)
@@ -205,9 +205,13 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
         except CheckpointError as exc:
             out[name] = str(exc)
     out["other_unchanged"] = H.max_diff(_weights(other), pristine) == 0.0
-    try:
+    try:  # 6 q heads / 3 kv heads cannot be split over 2 Ulysses ranks
         FSDP2Engine(
-            H.engine_config(H.llama_config(num_key_value_heads=1), parallel=ParallelConfig(sp=2)), dev
+            H.engine_config(
+                H.llama_config(hidden_size=48, num_attention_heads=6, num_key_value_heads=3),
+                parallel=ParallelConfig(ulysses=2),
+            ),
+            dev,
         )
         out["sp_heads"] = "no error"
     except ConfigError as exc:
@@ -251,9 +255,12 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     out.update({f"moe_{k}": v for k, v in moe.items()})
     val = _equivalence(rank, world, H.llama_config(classifier_dropout=0.0), kind="value")
     out.update({f"value_{k}": v for k, v in val.items()})
-    # Ulysses sp=2 (both ranks consume the same data) and HSDP (replicate 2 x shard 1)
-    usp = _equivalence(rank, world, H.llama_config(), parallel=ParallelConfig(sp=2))
+    # Ulysses 2 (both ranks consume the same data) and HSDP (replicate 2 x shard 1)
+    usp = _equivalence(rank, world, H.llama_config(), parallel=ParallelConfig(ulysses=2))
     out.update({f"sp_{k}": v for k, v in usp.items()})
+    # 4 q heads / 1 kv head over 2 Ulysses ranks: the kv head is repeated (the one head rule accepts it)
+    mqa = _equivalence(rank, world, H.llama_config(num_key_value_heads=1), parallel=ParallelConfig(ulysses=2))
+    out.update({f"mqa_{k}": v for k, v in mqa.items()})
     hsdp = _equivalence(rank, world, H.llama_config(), parallel=ParallelConfig(dp_replicate=2))
     out.update({f"hsdp_{k}": v for k, v in hsdp.items()})
     uneven = _equivalence(rank, world, H.llama_config(), uneven=True, max_tokens=12)
@@ -261,7 +268,7 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     tied = _equivalence(rank, world, H.qwen2_tied_config())
     out.update({f"tied_{k}": v for k, v in tied.items()})
     # activation checkpointing and CPUOffloadPolicy change memory, not the step
-    ac = _equivalence(rank, world, H.llama_config(), activation_checkpointing=True)
+    ac = _equivalence(rank, world, H.llama_config(), recompute="full")
     out.update({f"ac_{k}": v for k, v in ac.items()})
     os.environ["UNDERLAY_COMPILE_BACKEND"] = "aot_eager"  # dynamo + autograd tracing, no C++ build
     comp = _equivalence(rank, world, H.qwen3_moe_config(), options={"compile": True})
@@ -398,7 +405,7 @@ def test_sharded_step_equals_reference(runs: dict[str, Any]) -> None:
 
 def test_moe_value_tied_sp_hsdp_ac_offload_steps(runs: dict[str, Any]) -> None:
     for r in runs["pair"]:
-        for p in ("moe", "value", "uneven", "tied", "sp", "hsdp", "ac", "compiled", "layer", "cpuoff"):
+        for p in ("moe", "value", "uneven", "tied", "sp", "mqa", "hsdp", "ac", "compiled", "layer", "cpuoff"):
             assert r[f"{p}_loss"] < TOL and r[f"{p}_norm"] < TOL and r[f"{p}_weights"] < TOL, (p, r)
             assert r[f"{p}_loss_tokens"] == 0
         assert r["uneven_micro_batches"] >= 3, "rank 0 must run (empty) micro-batches it has no data for"
@@ -475,9 +482,9 @@ def test_bad_inputs_rejected_before_state_changes(runs: dict[str, Any]) -> None:
     assert "another model" in r["ckpt_other"]
     assert "shape mismatch" in r["hf_other"]
     assert r["other_unchanged"]
-    assert "sp=2" in r["sp_heads"] and "num_key_value_heads=1" in r["sp_heads"]
+    assert "ulysses=2 and num_kv_heads=3" in r["sp_heads"] and "choose ulysses in [1, 3, 6]" in r["sp_heads"]
     s = runs["single"]
-    assert "use mcore for tp/pp/cp/ep" in s["tp"]
+    assert "cannot run {'tp': 2}" in s["tp"] and "UNDERLAY_ENGINE=mcore" in s["tp"]
     assert "not divisible by" in s["replicate"]
     assert "COMPLETE" in s["incomplete"]
 

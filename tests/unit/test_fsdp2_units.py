@@ -4,6 +4,7 @@ decoder-layer discovery, HF naming, signature diffs and the sharded safetensors 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from underlay.engines.fsdp2 import _build
 from underlay.engines.fsdp2.engine import signature_diff
-from underlay.engines.fsdp2.parallelize import build_layout, decoder_layers, validate_sp_heads
+from underlay.engines.fsdp2.parallelize import build_layout, decoder_layers, validate_ulysses
 from underlay.engines.fsdp2.weights import _ShardWriter
 from underlay.interfaces import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 
@@ -31,9 +32,9 @@ def _llama(**over: object) -> object:
     return LlamaConfig(**kw)
 
 
-def test_layout_fills_dp_shard_and_keeps_sp_inside() -> None:
-    lay = build_layout(ParallelConfig(sp=2), 4)
-    assert (lay.dp_replicate, lay.dp_shard, lay.sp, lay.dp) == (1, 4, 2, 2)
+def test_layout_fills_dp_shard_and_keeps_ulysses_inside() -> None:
+    lay = build_layout(ParallelConfig(ulysses=2), 4)
+    assert (lay.dp_replicate, lay.dp_shard, lay.ulysses, lay.dp, lay.mp) == (1, 4, 2, 2, 2)
     hsdp = build_layout(ParallelConfig(dp_replicate=2), 4)
     assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp) == (2, 2, 4)
 
@@ -41,23 +42,27 @@ def test_layout_fills_dp_shard_and_keeps_sp_inside() -> None:
 @pytest.mark.parametrize(
     ("par", "world", "needle"),
     [
-        (ParallelConfig(tp=2), 4, "use mcore for tp/pp/cp/ep"),
-        (ParallelConfig(pp=2), 4, "use mcore for tp/pp/cp/ep"),
-        (ParallelConfig(ep=2), 4, "use mcore for tp/pp/cp/ep"),
+        (ParallelConfig(tp=2), 4, "cannot run {'tp': 2}; set them to 1 or select UNDERLAY_ENGINE=mcore"),
+        (ParallelConfig(pp=2), 4, "cannot run {'pp': 2}"),
+        (ParallelConfig(pp=2, vpp=2), 4, "cannot run {'pp': 2, 'vpp': 2}"),
+        (ParallelConfig(ep=2), 4, "cannot run {'ep': 2}"),
+        (ParallelConfig(etp=2), 4, "cannot run {'etp': 2}"),
         (ParallelConfig(dp_replicate=2), 3, "not divisible by"),
-        (ParallelConfig(sp=4), 2, "sp=4 must divide dp_shard=2"),
+        (ParallelConfig(ulysses=4), 2, "ulysses=4 must divide dp_shard=2"),
     ],
 )
 def test_layout_errors_name_the_fix(par: ParallelConfig, world: int, needle: str) -> None:
-    with pytest.raises(ConfigError, match=needle.replace("/", ".")):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
         build_layout(par, world)
 
 
-def test_sp_must_divide_heads() -> None:
-    validate_sp_heads(_llama(), 2)
-    validate_sp_heads(_llama(hidden_size=24, num_attention_heads=3, num_key_value_heads=1), 1)
-    with pytest.raises(ConfigError, match="num_attention_heads=6, num_key_value_heads=3"):
-        validate_sp_heads(_llama(hidden_size=24, num_attention_heads=6, num_key_value_heads=3), 2)
+def test_engine_applies_the_one_ulysses_head_rule() -> None:
+    validate_ulysses(_llama(), 2)
+    validate_ulysses(_llama(hidden_size=24, num_attention_heads=3, num_key_value_heads=1), 1)
+    # 4 q heads / 1 kv head over 2 ranks: the kv head is repeated (parallel.ulysses accepts it, so does the engine)
+    validate_ulysses(_llama(hidden_size=32, num_attention_heads=4, num_key_value_heads=1), 2)
+    with pytest.raises(ConfigError, match=r"ulysses=2 and num_kv_heads=3.*choose ulysses in \[1, 3, 6\]"):
+        validate_ulysses(_llama(hidden_size=24, num_attention_heads=6, num_key_value_heads=3), 2)
 
 
 def test_meta_build_keeps_buffers_and_finds_layers() -> None:
@@ -192,18 +197,41 @@ def test_activation_checkpointing_modes_keep_gradients_and_differ_in_recomputati
         assert counter.counts["mm"] >= base.counts["mm"] + 10
 
 
-@pytest.mark.parametrize("value", ["selective", 2, None])
+@pytest.mark.parametrize("value", ["selective", 2])
 def test_activation_checkpointing_value_is_validated(value: object) -> None:
     from underlay.interfaces import EngineConfig
 
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         EngineConfig(model=ModelConfig(hf_config=_llama()), activation_checkpointing=value)  # type: ignore[arg-type]
-    assert (
-        EngineConfig(
-            model=ModelConfig(hf_config=_llama()), activation_checkpointing=True
-        ).activation_checkpointing_mode
-        == "full"
-    )
+
+
+def test_recompute_policy_and_its_deprecated_alias() -> None:
+    from underlay.interfaces import EngineConfig
+
+    model = ModelConfig(hf_config=_llama())
+    assert EngineConfig(model).recompute == "none"
+    assert EngineConfig(model, recompute="full").recompute == "full"
+    with pytest.warns(DeprecationWarning, match="recompute"):
+        assert EngineConfig(model, activation_checkpointing=True).recompute == "full"
+    with (
+        pytest.warns(DeprecationWarning, match="deprecated"),
+        pytest.raises(ConfigError, match="contradicts recompute='full'"),
+    ):
+        EngineConfig(model, recompute="full", activation_checkpointing=False)
+    with pytest.raises(ConfigError, match="recompute='some'"):
+        EngineConfig(model, recompute="some")  # type: ignore[arg-type]
+
+
+def test_selective_recompute_is_refused_with_the_reason() -> None:
+    from underlay.backends.cpu.device import CpuDevice
+    from underlay.engines.fsdp2.engine import FSDP2Engine
+    from underlay.engines.fsdp2.options import FSDP2Options
+    from underlay.interfaces import EngineConfig
+
+    assert FSDP2Options.supports_recompute("full").available
+    assert "slower" in FSDP2Options.supports_recompute("selective").reason
+    with pytest.raises(ConfigError, match="recompute='selective'.*measured slower.*use recompute='full'"):
+        FSDP2Engine(EngineConfig(ModelConfig(hf_config=_llama()), recompute="selective"), CpuDevice())
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from underlay.interfaces import (
     ModelConfig,
     OptimConfig,
     ParallelLayout,
+    ProcessGroups,
     ProfilerConfig,
     TokenBatch,
     from_dict,
@@ -22,20 +23,42 @@ from underlay.interfaces import (
 
 
 def test_parallel_layout_checks_world_size() -> None:
-    lay = ParallelLayout.infer(8, dp_replicate=2, sp=2)
-    assert (lay.dp_shard, lay.dp, lay.sp) == (4, 4, 2)
+    lay = ParallelLayout.infer(8, dp_replicate=2, ulysses=2)
+    assert (lay.dp_shard, lay.dp, lay.ulysses, lay.mp, lay.edp) == (4, 4, 2, 2, 8)
     with pytest.raises(ConfigError, match="world size 6 is not divisible"):
         ParallelLayout.infer(6, tp=4)
-    with pytest.raises(ConfigError, match="sp=3 must divide dp_shard=4"):
-        ParallelLayout(4, dp_shard=4, sp=3)
+    with pytest.raises(ConfigError, match="ulysses=3 must divide dp_shard=4"):
+        ParallelLayout(4, dp_shard=4, ulysses=3)
     with pytest.raises(ConfigError, match="!= world_size 4"):
         ParallelLayout(4, dp_shard=2)
     with pytest.raises(ConfigError, match="tp=0"):
         ParallelLayout(1, tp=0)
 
 
+def test_parallel_layout_v2_sizes_and_rules() -> None:
+    # Megatron shapes: 16 ranks = pp 2 x tp 2 x cp 2 x dp 2; experts ep 4 x etp 1 -> edp 2
+    lay = ParallelLayout.infer(16, tp=2, pp=2, vpp=3, cp=2, ep=4, etp=1)
+    assert (lay.dp_shard, lay.dp, lay.edp, lay.mp, lay.vpp) == (2, 2, 2, 8, 3)
+    assert ParallelLayout.infer(8, tp=2, ep=2).etp == 2  # etp defaults to tp, Megatron-Core's default
+    with pytest.raises(ConfigError, match="vpp=2 needs pipeline parallelism"):
+        ParallelLayout.infer(4, vpp=2)
+    with pytest.raises(ConfigError, match=r"ep\*etp = 4\*2 = 8 must divide dp_shard\*cp\*tp = 2\*1\*2 = 4"):
+        ParallelLayout.infer(4, tp=2, ep=4, etp=2)
+    with pytest.raises(ConfigError, match="ParallelLayout.vpp=0"):
+        ParallelLayout(1, vpp=0)
+    with pytest.raises(ConfigError, match="pass a ProcessGroups"):
+        ParallelLayout(1, groups={"dp": None})  # type: ignore[arg-type]
+    from underlay.interfaces import ParallelConfig
+
+    with pytest.raises(ConfigError, match="ParallelConfig.vpp=2 needs pp > 1"):
+        ParallelConfig(vpp=2)
+    with pytest.raises(ConfigError, match=r"unknown keys \['sp'\].*'ulysses'"):
+        from_dict(ParallelConfig, {"sp": 2})
+    assert ParallelConfig(etp=None).etp is None
+
+
 def test_layout_is_frozen_and_groups_do_not_count() -> None:
-    a = ParallelLayout(2, dp_shard=2, groups={"dp": object()})
+    a = ParallelLayout(2, dp_shard=2, groups=ProcessGroups(dp=object()))  # type: ignore[arg-type]
     assert a == ParallelLayout(2, dp_shard=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.tp = 2  # type: ignore[misc]

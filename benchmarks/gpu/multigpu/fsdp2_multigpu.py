@@ -6,7 +6,7 @@ Modes (``--mode``):
   against a float64 torch reference on the host (padded HF eager forward, token-mean loss, clip,
   AdamW); saves the stepped weights to ``$OUT/step_w{world}_sp{sp}.pt`` and, with ``--compare``
   naming another run's file, also compares the weights of both runs directly (2 ranks vs 1).
-  ``--sp 2``: Ulysses sp=2 (both ranks consume the same data): forward outputs (``infer``) and
+  ``--sp 2``: Ulysses size 2 (``ParallelConfig.ulysses``) (both ranks consume the same data): forward outputs (``infer``) and
   gradients (grad norm and the update) against the same reference.
 - ``save``: one step, ``CheckpointManager.save`` to ``--ckpt``, then a second step whose loss and
   weights are written to ``--ckpt/expected.pt``.
@@ -49,9 +49,9 @@ def step_mode(args: Any, dev: Any, rank: int, world: int, out_dir: Path) -> dict
 
     res: dict[str, Any] = {}
     for arch, hf in (("llama", H.llama_config()), ("qwen3_moe", H.qwen3_moe_config())):
-        ec = H.engine_config(copy.deepcopy(hf), parallel=ParallelConfig(sp=args.sp))
+        ec = H.engine_config(copy.deepcopy(hf), parallel=ParallelConfig(ulysses=args.sp))
         engine = FSDP2Engine(ec, dev)
-        sp = engine.layout.sp
+        sp = engine.layout.ulysses
         gb = H.global_batch(11)
         local = H.shard(gb, rank // sp, world // sp)
         inf = engine.infer(local, with_entropy=True)

@@ -23,6 +23,7 @@ from underlay.interfaces.errors import (
     UnsupportedOperation,
 )
 from underlay.interfaces.kernels import IGNORE_INDEX, AttentionKernel, Fp8Quantizer, LogprobKernel
+from underlay.interfaces.options import OptionInfo, describe_options, option, resolve_options
 from underlay.interfaces.profiler import Profiler
 from underlay.interfaces.types import (
     AttentionSpec,
@@ -33,10 +34,13 @@ from underlay.interfaces.types import (
     PackedBatch,
     ParallelLayout,
     ProbeResult,
+    ProcessGroups,
+    RecomputePolicy,
     StepResult,
     TokenBatch,
     TokenOutputs,
 )
+from underlay.interfaces.weightmap import RuleBuilder, RulePattern, WeightMap, WeightRule
 
 __all__ = [
     "IGNORE_INDEX",
@@ -61,14 +65,19 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "OptimizerStepResult",
+    "OptionInfo",
     "PackedBatch",
     "ParallelConfig",
     "ParallelEngine",
     "ParallelLayout",
     "PluginError",
     "ProbeResult",
+    "ProcessGroups",
     "Profiler",
     "ProfilerConfig",
+    "RecomputePolicy",
+    "RuleBuilder",
+    "RulePattern",
     "StepResult",
     "Stream",
     "TokenBatch",
@@ -77,5 +86,10 @@ __all__ = [
     "UnknownBackend",
     "UnsupportedOperation",
     "WeightLoader",
+    "WeightMap",
+    "WeightRule",
+    "describe_options",
     "from_dict",
+    "option",
+    "resolve_options",
 ]

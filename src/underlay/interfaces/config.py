@@ -7,11 +7,13 @@ from plain dicts through ``from_dict`` (OmegaConf containers: pass ``OmegaConf.t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from underlay.interfaces.errors import ConfigError
+from underlay.interfaces.types import RecomputePolicy
 
 __all__ = [
     "EngineConfig",
@@ -104,20 +106,32 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Requested sizes of each parallel dimension; ``dp_shard`` is what remains of the world size."""
+    """Requested sizes of each parallel dimension; ``dp_shard`` is what remains of the world size.
+
+    Names and rules are those of ``ParallelLayout``: ``vpp`` virtual pipeline chunks per pipeline
+    rank, ``etp`` expert tensor parallel (``None``: equal to ``tp``, Megatron-Core's default),
+    ``ulysses`` the Ulysses sequence-parallel size (called ``sp`` before contract v2). Each engine
+    refuses the dimensions it does not implement (``ConfigError`` naming them).
+    """
 
     dp_replicate: int = 1
     tp: int = 1
     pp: int = 1
+    vpp: int = 1
     cp: int = 1
     ep: int = 1
-    sp: int = 1
+    etp: int | None = None
+    ulysses: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
+            if f.name == "etp" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"ParallelConfig.{f.name}={v!r}: must be an int >= 1")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"ParallelConfig.vpp={self.vpp} needs pp > 1 (got pp={self.pp}); set vpp=1")
 
 
 @dataclass(frozen=True)
@@ -163,9 +177,13 @@ class EngineConfig:
     ``micro_batch_max_tokens`` bounds the real tokens of one packed micro-batch
     (``ops.plan_micro_batches``). ``param_dtype``/``reduce_dtype`` are the mixed-precision policy
     (compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; master weights and optimizer
-    state stay fp32). ``activation_checkpointing``: ``False``/``"none"`` keeps every activation,
-    ``True``/``"full"`` recomputes each decoder layer in backward. ``options`` holds
-    backend-specific settings (documented by each backend) so that new engines need no new fields here.
+    state stay fp32). ``recompute`` is the activation recomputation policy (``RecomputePolicy``:
+    ``"none"``, ``"full"``: each decoder layer in backward, ``"selective"`` where the engine supports
+    it; an engine refuses a policy it does not support with ``ConfigError`` and its reason).
+    ``activation_checkpointing`` is the deprecated spelling of ``recompute`` (``True`` -> ``"full"``,
+    ``False`` -> ``"none"``; a ``DeprecationWarning``; ``ConfigError`` when it contradicts
+    ``recompute``). ``options`` holds engine-specific settings: a mapping validated against the
+    engine's options dataclass (``underlay.registry.engine_options(name)``) or that dataclass itself.
     """
 
     model: ModelConfig
@@ -174,11 +192,12 @@ class EngineConfig:
     micro_batch_max_tokens: int = 16384
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
-    activation_checkpointing: bool | Literal["none", "full"] = False
+    recompute: RecomputePolicy = "none"
+    activation_checkpointing: bool | Literal["none", "full"] | None = None
     cpu_offload: bool = False
     temperature: float = 1.0
     with_entropy: bool = True
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] | Any = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -191,17 +210,41 @@ class EngineConfig:
             )
         if not self.temperature > 0:
             raise ConfigError(f"EngineConfig.temperature={self.temperature}: must be > 0")
+        if self.recompute not in _RECOMPUTE:
+            raise ConfigError(f"EngineConfig.recompute={self.recompute!r}: use one of {_RECOMPUTE}")
         ac = self.activation_checkpointing
-        if not isinstance(ac, (bool, str)) or ac not in _AC_MODES:
+        if ac is not None:
+            if not isinstance(ac, (bool, str)) or ac not in _AC_MODES:
+                raise ConfigError(
+                    f"EngineConfig.activation_checkpointing={ac!r}: use one of False, True, 'none' or "
+                    "'full' (deprecated: use recompute='none'|'full'|'selective')"
+                )
+            warnings.warn(
+                "EngineConfig.activation_checkpointing is deprecated; use recompute='full' or 'none'",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            mode = _AC_MODES[ac]
+            if self.recompute not in ("none", mode):
+                raise ConfigError(
+                    f"EngineConfig: activation_checkpointing={ac!r} contradicts recompute="
+                    f"{self.recompute!r}; give recompute alone"
+                )
+            object.__setattr__(self, "recompute", mode)
+        is_dataclass_options = dataclasses.is_dataclass(self.options) and not isinstance(self.options, type)
+        if not isinstance(self.options, Mapping) and not is_dataclass_options:
             raise ConfigError(
-                f"EngineConfig.activation_checkpointing={ac!r}: use one of False, True, 'none' or 'full'"
+                f"EngineConfig.options is a {type(self.options).__name__}; give a mapping or the engine's "
+                "options dataclass"
             )
 
     @property
-    def activation_checkpointing_mode(self) -> Literal["none", "full"]:
-        """``activation_checkpointing`` as a name: ``False`` -> ``"none"``, ``True`` -> ``"full"``."""
-        return _AC_MODES[self.activation_checkpointing]
+    def activation_checkpointing_mode(self) -> Literal["none", "full", "selective"]:
+        """Deprecated alias of ``recompute``."""
+        return self.recompute
 
+
+_RECOMPUTE: tuple[RecomputePolicy, ...] = ("none", "full", "selective")
 
 _AC_MODES: dict[object, Literal["none", "full"]] = {
     False: "none",

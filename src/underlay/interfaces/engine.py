@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -14,10 +14,13 @@ from underlay.interfaces.device import Device
 from underlay.interfaces.types import (
     OptimizerStepResult,
     ParallelLayout,
+    ProbeResult,
+    RecomputePolicy,
     StepResult,
     TokenBatch,
     TokenOutputs,
 )
+from underlay.interfaces.weightmap import WeightMap
 
 __all__ = ["LoadReport", "LossFn", "ParallelEngine", "WeightLoader"]
 
@@ -56,6 +59,17 @@ class ParallelEngine(Protocol):
     All methods are collective over the engine's world: every rank calls them in the same order.
     The engine is built by ``underlay.get_engine(config)``; its parameters are materialised (random
     init from ``config.model.seed``, or loaded from ``config.model.path``) before it is returned.
+
+    Where outputs live (the same for every engine, whatever its pipeline/context/tensor split):
+
+    - ``forward_backward``: every rank passes its data-parallel shard (ranks of one ``groups.mp``
+      group pass the same rows) and every rank of the engine returns identical ``StepResult`` metrics,
+      the token mean over the whole global batch.
+    - ``infer``: every rank returns the per-token outputs of the rows it passed, ``[B, S]`` in its
+      order. Ranks that do not compute the last pipeline stage (or hold a context slice) receive them
+      by a broadcast inside ``groups.mp``.
+    - ``iter_weights``: full tensors with HF names, on the ranks named by ``ranks`` (default: every
+      rank); the others take part in the collectives and receive empty buckets.
     """
 
     @property
@@ -78,16 +92,52 @@ class ParallelEngine(Protocol):
     def model(self) -> torch.nn.Module:
         """The sharded module (for mcore, a ``ModuleList`` of pipeline chunks)."""
 
+    @property
+    def hf_config(self) -> Any:
+        """The ``transformers.PretrainedConfig`` of the model (what ``export_hf`` writes)."""
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The compute dtype of the parameters (``config.param_dtype``); ``iter_weights`` yields it."""
+
+    @property
+    def weight_map(self) -> WeightMap:
+        """The conversion between this engine's parameters (``named_full_parameters`` names) and the
+        Hugging Face tensors of the model; drives loading, export and ``iter_weights``."""
+
+    def supports_recompute(self, policy: RecomputePolicy) -> ProbeResult:
+        """Whether this engine runs the recompute ``policy``, or the reason it does not (an engine
+        built with an unsupported ``config.recompute`` raised ``ConfigError`` with that reason)."""
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter that ``weight_map`` has a rule for, gathered to its full (``tp == 1``
+        layout) fp32 value, one at a time, by engine name, in ``weight_map.rules`` order. LoRA
+        adapters are merged into their base weights and not yielded. Collective: every rank iterates
+        and receives every tensor (on the compute device). A tensor may share storage with the live
+        parameter: clone it to keep it across optimizer steps."""
+
+    def copy_full_parameter(self, engine_name: str, full: torch.Tensor) -> int:
+        """Write this rank's shard of the full (``tp == 1`` layout) tensor ``full`` into parameter
+        ``engine_name``, converting dtype and device; no communication (every rank passes the same
+        ``full``). Returns the bytes written on this rank. ``CheckpointError`` on a shape mismatch,
+        ``InvalidInput`` for an unknown name, both before writing."""
+
+    def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full LoRA adapter tensors in peft's saved naming, one at a time; empty without adapters.
+        Collective."""
+
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
-        """Run ``batch`` (this rank's share) in packed micro-batches of at most
+        """Run ``batch`` (this rank's data-parallel shard) in packed micro-batches of at most
         ``config.micro_batch_max_tokens`` tokens, accumulate gradients of the global token-mean loss.
-        Does not step the optimizer. Raises ``InvalidInput`` on a malformed batch before any compute."""
+        Does not step the optimizer. Every rank returns the same metrics. Raises ``InvalidInput`` on a
+        malformed batch before any compute or state change."""
 
     def infer(
         self, batch: TokenBatch, *, temperature: float | None = None, with_entropy: bool = False
     ) -> TokenOutputs:
         """No-grad forward in micro-batches: per-token log-probs (causal LM) or values (value model),
-        ``[B, S]`` fp32 on the engine's device, in the order of ``batch``."""
+        ``[B, S]`` fp32 on the engine's device, in the order of ``batch``, on every rank (each rank
+        gets the outputs of the rows it passed)."""
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -110,10 +160,20 @@ class ParallelEngine(Protocol):
     def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Bring offloaded state back to the device; values are bit-identical to before ``offload``."""
 
-    def iter_weights(self, bucket_bytes: int = 1 << 29) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full (unsharded) parameters with Hugging Face names, in buckets of about ``bucket_bytes``,
-        for rollout weight sync. Collective: every rank iterates; every rank receives the full tensors
-        (in ``param_dtype``, on the device). LoRA models yield merged weights."""
+    def iter_weights(
+        self, bucket_bytes: int = 1 << 29, *, ranks: Collection[int] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) tensors with Hugging Face names (``weight_map``), in buckets of about
+        ``bucket_bytes`` (a tensor larger than that gets a bucket of its own), for rollout weight sync;
+        tensors in ``param_dtype`` on the device; LoRA models yield merged weights.
+
+        Collective: every rank iterates, and every rank sees the same number of buckets. ``ranks``
+        (global ranks of the engine's world; ``None``: all) are the receivers: on a receiver each bucket
+        holds ``(hf_name, tensor)`` pairs; on any other rank each bucket is an empty list (it took part
+        in the gathers and holds no tensor after each one). The concatenation of a receiver's buckets
+        equals ``WeightLoader.iter_hf_tensors`` in name, order and value (cast to ``param_dtype``).
+        ``InvalidInput`` before any collective for ``bucket_bytes < 1`` or a rank outside
+        ``[0, world_size)``."""
 
     def save_checkpoint(self, directory: Path) -> None:
         """Write model, optimizer and LR-scheduler state (sharded, resumable at another world size) into
@@ -139,12 +199,15 @@ class WeightLoader(Protocol):
 
     def load_hf(self, engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
         """Stream ``*.safetensors`` from the local directory ``path`` into the engine's sharded
-        parameters, one tensor at a time (memory bounded by one tensor per rank). Collective. With
+        parameters, driven by ``engine.weight_map``: one engine parameter at a time (memory bounded by
+        the HF tensors one engine parameter is built from, per rank). Collective. With
         ``strict``, missing or unexpected names raise ``CheckpointError`` naming them, before any
         parameter changes; shape mismatches always raise."""
 
     def iter_hf_tensors(self, engine: ParallelEngine) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors one at a time with Hugging Face names. Collective: every rank iterates."""
+        """Full fp32 tensors one at a time with Hugging Face names, in ``engine.weight_map`` order
+        (``weight_map.to_hf(engine.named_full_parameters())``). Collective: every rank iterates and
+        receives every tensor."""
 
     def export_hf(
         self,

@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from underlay.interfaces.errors import ConfigError, InvalidInput
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "AttentionSpec",
@@ -20,10 +24,17 @@ __all__ = [
     "PackedBatch",
     "ParallelLayout",
     "ProbeResult",
+    "ProcessGroups",
+    "RecomputePolicy",
     "StepResult",
     "TokenBatch",
     "TokenOutputs",
 ]
+
+RecomputePolicy = Literal["none", "full", "selective"]
+"""Activation recomputation: ``"none"`` keeps every activation, ``"full"`` recomputes each decoder layer
+in backward, ``"selective"`` recomputes the cheap-to-recompute parts (e.g. attention core) only; an
+engine says which it supports (``ParallelEngine.supports_recompute``)."""
 
 BackendKind = Literal["device", "engine", "attention", "logprob", "quant", "profiler", "weight_loader"]
 
@@ -69,16 +80,68 @@ class MemoryStats:
 
 
 @dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of an engine's parallel dimensions, by name.
+
+    Every field is a ``torch.distributed.ProcessGroup`` or ``None``. ``None`` means the dimension has
+    size 1 for this engine (or the engine runs without a process group), so a caller treats it as
+    "this rank alone" and skips the collective. Ranks are grouped as Megatron-Core does: a rank's
+    coordinates are ``(dp_replicate, dp_shard, pp, cp, tp)`` for dense layers and
+    ``(pp, edp, ep, etp)`` for expert layers.
+
+    - ``world``: every rank of the engine.
+    - ``dp``: ranks that hold different data and the same model shard (one per Ulysses group).
+    - ``dp_cp``: ``dp`` x ``cp``, the group a token-mean loss (and its token count) is reduced over.
+    - ``tp``: tensor parallel. ``pp``: pipeline stages. ``cp``: context parallel (sequence split
+      inside attention, ring/all-gather style).
+    - ``ep``: expert parallel. ``etp``: tensor parallel inside an expert. ``edp``: expert data
+      parallel (the ranks that hold the same experts; gradients of expert weights reduce over it).
+    - ``ulysses``: the Ulysses sequence-parallel group (all-to-all between sequence and heads around
+      attention); its ranks share one data shard.
+    - ``mp``: the model-parallel group, every rank that shares one data shard (tp x pp x cp x
+      ulysses); an engine broadcasts per-token outputs and metrics inside it so that every rank
+      returns the same thing as its data-parallel peers expect.
+    - ``device_mesh``: the ``DeviceMesh`` parameters are sharded over (fsdp2: 1-D ``("dp_shard",)`` or
+      2-D HSDP ``("dp_replicate", "dp_shard")``); ``None`` for engines without one.
+    """
+
+    world: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    dp_cp: ProcessGroup | None = None
+    tp: ProcessGroup | None = None
+    pp: ProcessGroup | None = None
+    cp: ProcessGroup | None = None
+    ep: ProcessGroup | None = None
+    etp: ProcessGroup | None = None
+    edp: ProcessGroup | None = None
+    ulysses: ProcessGroup | None = None
+    mp: ProcessGroup | None = None
+    device_mesh: DeviceMesh | None = None
+
+
+_LAYOUT_SIZES = ("world_size", "dp_replicate", "dp_shard", "tp", "pp", "vpp", "cp", "ep", "etp", "ulysses")
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
     """Sizes of each parallel dimension of an engine, and its process groups.
 
-    ``world_size == dp_replicate * dp_shard * tp * pp * cp`` where ``dp = dp_replicate * dp_shard``.
-    ``sp`` (Ulysses) divides ``dp_shard``: sequence-parallel ranks share a data shard. ``ep`` divides
-    ``dp_shard * cp * tp`` (experts are spread over the non-pipeline ranks). Groups are opaque
-    process-group handles (``None`` when the dimension is 1 or in a single process) and do not take
-    part in equality. Keys every engine provides: ``"world"``, ``"dp"`` (ranks that hold different data:
-    one per sp group), ``"sp"`` (the Ulysses group); engines add their own (fsdp2: ``"fsdp"``, the
-    DeviceMesh it shards over; mcore: ``"tp"``, ``"pp"``, ``"cp"``, ``"ep"``).
+    - ``world_size == dp_replicate * dp_shard * tp * pp * cp``.
+    - ``dp_replicate``/``dp_shard``: data-parallel replicas and shards (HSDP: parameters are sharded
+      over ``dp_shard`` and replicated over ``dp_replicate``; Megatron's data parallel is
+      ``dp_replicate * dp_shard``).
+    - ``tp`` tensor, ``pp`` pipeline, ``cp`` context parallel.
+    - ``vpp``: virtual pipeline chunks per pipeline rank (interleaved schedule); ``> 1`` needs
+      ``pp > 1``, and the micro-batch count must then be a multiple of ``pp``.
+    - ``ep``: expert parallel, ``etp``: expert tensor parallel; ``ep * etp`` divides
+      ``dp_shard * cp * tp`` (experts are spread over the ranks of one pipeline stage and replica).
+    - ``ulysses``: Ulysses sequence parallel; divides ``dp_shard`` (its ranks share one data shard).
+      This is not Megatron's ``sequence_parallel`` flag (activations split along the sequence inside
+      tensor parallelism), which has no size of its own.
+
+    Derived: ``dp`` (ranks with different data), ``edp`` (expert data parallel), ``mp`` (ranks
+    sharing one data shard). ``groups`` holds the process groups; it does not take part in equality
+    or hashing. Every size is validated on construction; ``ConfigError`` names the sizes and the fix.
     """
 
     world_size: int = 1
@@ -86,16 +149,22 @@ class ParallelLayout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    vpp: int = 1
     cp: int = 1
     ep: int = 1
-    sp: int = 1
-    groups: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    etp: int = 1
+    ulysses: int = 1
+    groups: ProcessGroups = field(default_factory=ProcessGroups, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "sp"):
+        for name in _LAYOUT_SIZES:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ParallelLayout.{name}={value!r}: every size must be an int >= 1")
+        if not isinstance(self.groups, ProcessGroups):
+            raise ConfigError(
+                f"ParallelLayout.groups is a {type(self.groups).__name__}; pass a ProcessGroups"
+            )
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if product != self.world_size:
             raise ConfigError(
@@ -103,20 +172,38 @@ class ParallelLayout:
                 f"{self.tp}*{self.pp}*{self.cp} = {product} != world_size {self.world_size}; "
                 "choose sizes whose product is the world size"
             )
-        if self.dp_shard % self.sp:
+        if self.vpp > 1 and self.pp == 1:
             raise ConfigError(
-                f"ParallelLayout: sp={self.sp} must divide dp_shard={self.dp_shard} "
-                "(Ulysses ranks share one data shard); lower sp or raise dp_shard"
+                f"ParallelLayout: vpp={self.vpp} needs pipeline parallelism (pp={self.pp}); set pp > 1 "
+                "or vpp=1"
             )
-        if (self.dp_shard * self.cp * self.tp) % self.ep:
+        if self.dp_shard % self.ulysses:
             raise ConfigError(
-                f"ParallelLayout: ep={self.ep} must divide dp_shard*cp*tp={self.dp_shard * self.cp * self.tp}"
+                f"ParallelLayout: ulysses={self.ulysses} must divide dp_shard={self.dp_shard} "
+                "(Ulysses ranks share one data shard); lower ulysses or raise dp_shard"
+            )
+        per_stage = self.dp_shard * self.cp * self.tp
+        if per_stage % (self.ep * self.etp):
+            raise ConfigError(
+                f"ParallelLayout: ep*etp = {self.ep}*{self.etp} = {self.ep * self.etp} must divide "
+                f"dp_shard*cp*tp = {self.dp_shard}*{self.cp}*{self.tp} = {per_stage} (experts are "
+                "spread over the ranks of one pipeline stage); lower ep or etp"
             )
 
     @property
     def dp(self) -> int:
-        """Data-parallel size seen by the batch: replicas times shards, divided by sp."""
-        return self.dp_replicate * self.dp_shard // self.sp
+        """Ranks with different data: ``dp_replicate * dp_shard // ulysses``."""
+        return self.dp_replicate * self.dp_shard // self.ulysses
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size, Megatron's rule: ``world_size // (pp * ep * etp)``."""
+        return self.world_size // (self.pp * self.ep * self.etp)
+
+    @property
+    def mp(self) -> int:
+        """Ranks that share one data shard: ``tp * pp * cp * ulysses`` (``world_size // dp``)."""
+        return self.tp * self.pp * self.cp * self.ulysses
 
     @classmethod
     def infer(
@@ -125,19 +212,43 @@ class ParallelLayout:
         *,
         tp: int = 1,
         pp: int = 1,
+        vpp: int = 1,
         cp: int = 1,
         ep: int = 1,
-        sp: int = 1,
+        etp: int | None = None,
+        ulysses: int = 1,
         dp_replicate: int = 1,
+        groups: ProcessGroups | None = None,
     ) -> ParallelLayout:
-        """Fill ``dp_shard`` from the world size; raise ``ConfigError`` when the sizes do not divide it."""
+        """The layout for ``world_size`` ranks with ``dp_shard`` filled in from what remains.
+
+        ``etp=None`` means ``etp = tp`` (Megatron-Core's default). Raises ``ConfigError`` when
+        ``tp * pp * cp * dp_replicate`` does not divide ``world_size``, and for every rule of the class.
+        """
+        for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ParallelLayout.{name}={value!r}: every size must be an int >= 1")
+        if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
+            raise ConfigError(f"ParallelLayout.dp_replicate={dp_replicate!r}: every size must be an int >= 1")
         denom = tp * pp * cp * dp_replicate
-        if denom < 1 or world_size % denom:
+        if world_size % denom:
             raise ConfigError(
                 f"world size {world_size} is not divisible by tp*pp*cp*dp_replicate = {tp}*{pp}*{cp}*"
                 f"{dp_replicate} = {denom}; pick sizes that divide the number of processes"
             )
-        return cls(world_size, dp_replicate, world_size // denom, tp, pp, cp, ep, sp)
+        return cls(
+            world_size=world_size,
+            dp_replicate=dp_replicate,
+            dp_shard=world_size // denom,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+            cp=cp,
+            ep=ep,
+            etp=tp if etp is None else etp,
+            ulysses=ulysses,
+            groups=groups if groups is not None else ProcessGroups(),
+        )
 
 
 @dataclass(frozen=True)

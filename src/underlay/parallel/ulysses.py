@@ -34,6 +34,7 @@ __all__ = [
     "sp_rank",
     "sp_world_size",
     "validate_sp",
+    "validate_ulysses_heads",
 ]
 
 
@@ -51,16 +52,17 @@ def sp_rank(group: Any | None) -> int:
     return int(dist.get_rank(group))
 
 
-def validate_sp(num_heads: int, num_kv_heads: int, sp: int) -> None:
-    """Check that attention with ``num_heads`` query and ``num_kv_heads`` key/value heads can be split
-    over ``sp`` Ulysses ranks.
+def validate_ulysses_heads(num_heads: int, num_kv_heads: int, ulysses: int) -> None:
+    """The Ulysses head rule: can attention with ``num_heads`` query and ``num_kv_heads`` key/value heads
+    be split over ``ulysses`` ranks? The one rule engines (at construction) and the attention route (per
+    call) both apply.
 
-    Requires ``num_heads % sp == 0`` and either ``num_kv_heads % sp == 0`` or ``sp % num_kv_heads == 0``
-    (then each kv head is repeated ``sp / num_kv_heads`` times, see :func:`repeat_kv_for_sp`).
-    Raises ``ConfigError`` naming the sizes and the valid sp values otherwise.
+    Requires ``num_heads % ulysses == 0`` and either ``num_kv_heads % ulysses == 0`` or
+    ``ulysses % num_kv_heads == 0`` (then each kv head is repeated ``ulysses / num_kv_heads`` times, see
+    :func:`repeat_kv_for_sp`). Raises ``ConfigError`` naming the sizes and the valid values otherwise.
     """
-    if not isinstance(sp, int) or sp < 1:
-        raise ConfigError(f"Ulysses sp={sp!r}: must be an int >= 1")
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1:
+        raise ConfigError(f"Ulysses ulysses={ulysses!r}: must be an int >= 1")
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ConfigError(
             f"Ulysses: num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
@@ -70,15 +72,20 @@ def validate_sp(num_heads: int, num_kv_heads: int, sp: int) -> None:
         for s in range(1, num_heads + 1)
         if num_heads % s == 0 and (num_kv_heads % s == 0 or s % num_kv_heads == 0)
     ]
-    if num_heads % sp:
+    if num_heads % ulysses:
         raise ConfigError(
-            f"Ulysses sp={sp} does not divide the number of attention heads {num_heads}; choose sp in {valid}"
+            f"Ulysses ulysses={ulysses} does not divide the number of attention heads {num_heads}; "
+            f"choose ulysses in {valid}"
         )
-    if num_kv_heads % sp and sp % num_kv_heads:
+    if num_kv_heads % ulysses and ulysses % num_kv_heads:
         raise ConfigError(
-            f"Ulysses sp={sp} and num_kv_heads={num_kv_heads}: kv heads must divide sp or sp must divide "
-            f"kv heads (so kv heads can be repeated); choose sp in {valid}"
+            f"Ulysses ulysses={ulysses} and num_kv_heads={num_kv_heads}: kv heads must divide ulysses or "
+            f"ulysses must divide kv heads (so kv heads can be repeated); choose ulysses in {valid}"
         )
+
+
+validate_sp = validate_ulysses_heads
+"""The name ``underlay.models`` calls the rule by (same function)."""
 
 
 def repeat_kv_for_sp(x: torch.Tensor, sp: int) -> torch.Tensor:

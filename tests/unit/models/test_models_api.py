@@ -86,12 +86,12 @@ def test_validate_sp() -> None:
     validate_sp(8, 2, 4)
     validate_sp(8, 8, 1)
     with pytest.raises(
-        ConfigError, match=r"sp=3 does not divide the number of attention heads 4.*\[1, 2, 4\]"
+        ConfigError, match=r"ulysses=3 does not divide the number of attention heads 4.*\[1, 2, 4\]"
     ):
         validate_sp(4, 2, 3)
-    with pytest.raises(ConfigError, match="kv heads must divide sp"):
+    with pytest.raises(ConfigError, match="kv heads must divide ulysses"):
         validate_sp(6, 3, 2)
-    with pytest.raises(ConfigError, match="sp=0"):
+    with pytest.raises(ConfigError, match="ulysses=0"):
         validate_sp(4, 2, 0)
 
 

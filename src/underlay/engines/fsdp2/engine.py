@@ -7,23 +7,20 @@ activation checkpointing, ``underlay.models.prepare_model`` (attention routing, 
 from the safetensors of ``config.model.path`` or copied from the seed-initialised cpu model (so the
 sharded model equals the single-process model built with the same seed), then AdamW and the LR schedule.
 
-Backend options (``EngineConfig.options``): ``reshard_after_forward`` (bool, default True),
-``fused_adamw`` (bool, default False; fused AdamW kernel on accelerators), ``compile`` (default False;
-``True`` or ``"layer_parts"``: ``torch.compile`` the norms, dense MLPs and attention modules of each
-decoder layer; ``"norm_mlp"``: the norms and MLPs only; ``"layer"``: each decoder layer's whole forward;
-see ``compile_layer_parts``; the
-``torch.compile`` backend is ``UNDERLAY_COMPILE_BACKEND``, default ``inductor``), ``compile_memory_budget``
-(default None: torch's choice; a number in (0, 1]: the fraction of activation memory compiled graphs save
-for backward, the partitioner recomputing the cheapest of the rest; it sets the process-wide
-``torch._functorch.config.activation_memory_budget``).
+Engine options: ``FSDP2Options`` (``underlay.engines.fsdp2.options``; ``EngineConfig.options`` is a
+mapping of its fields or an instance). Recompute policies: ``"none"`` and ``"full"`` (``"selective"`` is
+refused with the reason, see ``FSDP2Options.supports_recompute``). ``compile_memory_budget`` is applied
+only around this engine's own forward/backward calls (``torch._functorch.config.patch``), where its
+compiled graphs are partitioned, so two engines in one process keep their own budgets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +30,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from underlay.engines.fsdp2 import _build
+from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import (
-    COMPILE_SCOPES,
     apply_activation_checkpointing,
     apply_fsdp,
     build_layout,
@@ -43,8 +40,9 @@ from underlay.engines.fsdp2.parallelize import (
     mp_policy_for,
     offload_policy_for,
     torch_dtype,
-    validate_sp_heads,
+    validate_ulysses,
 )
+from underlay.engines.fsdp2.weightmap import fsdp2_weight_map
 from underlay.interfaces import (
     CheckpointError,
     ConfigError,
@@ -54,15 +52,19 @@ from underlay.interfaces import (
     LossFn,
     OptimizerStepResult,
     ParallelLayout,
+    ProbeResult,
+    ProcessGroups,
+    RecomputePolicy,
     StepResult,
     TokenBatch,
     TokenOutputs,
+    WeightMap,
+    resolve_options,
 )
 from underlay.parallel.rank import current_rank
 
 __all__ = ["FSDP2Engine"]
 
-_OPTIONS = frozenset({"reshard_after_forward", "fused_adamw", "compile", "compile_memory_budget"})
 _STATE_FILE = "engine_state.pt"
 _SIGNATURE_FILE = "engine_signature.json"
 
@@ -76,63 +78,55 @@ class FSDP2Engine:
     divisible by sp, or a model directory without ``config.json``.
     """
 
+    Options = FSDP2Options
+    """The options dataclass of this engine (``EngineConfig.options``)."""
+
     def __init__(self, config: EngineConfig, device: Device) -> None:
         from underlay.parallel.distributed import init_distributed
 
-        options = dict(config.options)
-        unknown = sorted(set(options) - _OPTIONS)
-        if unknown:
+        options: FSDP2Options = resolve_options(FSDP2Options, config.options, "fsdp2")
+        support = FSDP2Options.supports_recompute(config.recompute)
+        if not support.available:
             raise ConfigError(
-                f"EngineConfig.options: unknown fsdp2 option(s) {unknown}; fsdp2 accepts {sorted(_OPTIONS)}"
-            )
-        if options.get("compile", False) not in (False, True, *COMPILE_SCOPES):
-            raise ConfigError(
-                f"EngineConfig.options compile={options['compile']!r}: use False, True or one of {COMPILE_SCOPES}"
-            )
-        budget = options.get("compile_memory_budget")
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1
-        ):
-            raise ConfigError(
-                f"EngineConfig.options compile_memory_budget={budget!r}: use a number in (0, 1] (the fraction "
-                "of the activations a compiled layer saves for backward; the rest is recomputed)"
+                f"EngineConfig.recompute={config.recompute!r}: {support.reason}; {support.hint}"
             )
         if not dist.is_initialized():
             init_distributed(device)
         self._config = config
+        self._options = options
         self._device = device
         world = dist.get_world_size()
         layout = build_layout(config.parallel, world)
         self._hf_config = _build.hf_config_of(config.model)
-        validate_sp_heads(self._hf_config, layout.sp)
+        validate_ulysses(self._hf_config, layout.ulysses)
         self._torch_device = device.torch_device() if device.is_accelerator else torch.device("cpu")
         self._meshes = build_meshes(layout, device.device_type)
-        groups: dict[str, Any] = {
-            "world": dist.group.WORLD,
-            "dp": self._meshes.group("dp"),
-            "sp": self._meshes.group("sp") if layout.sp > 1 else None,
-            "fsdp": self._meshes.fsdp,
-        }
+        # the engine's own collectives use these handles (a size-1 group is still a real group here)
+        self._dp_group = self._meshes.group("dp")
+        self._ulysses_group = self._meshes.group("ulysses") if layout.ulysses > 1 else None
         self._layout = ParallelLayout(
-            layout.world_size,
-            layout.dp_replicate,
-            layout.dp_shard,
-            sp=layout.sp,
-            groups=groups,
+            world_size=layout.world_size,
+            dp_replicate=layout.dp_replicate,
+            dp_shard=layout.dp_shard,
+            ulysses=layout.ulysses,
+            groups=ProcessGroups(
+                world=dist.group.WORLD if world > 1 else None,
+                dp=self._dp_group if layout.dp > 1 else None,
+                dp_cp=self._dp_group if layout.dp > 1 else None,
+                edp=dist.group.WORLD if world > 1 else None,
+                ulysses=self._ulysses_group,
+                mp=self._ulysses_group,
+                device_mesh=self._meshes.fsdp,
+            ),
         )
         self._param_dtype = torch_dtype(config.param_dtype)
         # parameters stay unsharded from forward to backward: then also from one micro-batch to the next
-        self._keep_unsharded = not bool(options.get("reshard_after_forward", True))
+        self._keep_unsharded = not options.reshard_after_forward
         model = _build.build_model(config.model, self._hf_config, meta=True)
         buffers = {n: b for n, b in model.named_buffers()}
-        apply_activation_checkpointing(model, config.activation_checkpointing_mode)
+        apply_activation_checkpointing(model, config.recompute)
         self._prepare(model)
-        compile_opt = options.get("compile", False)
-        if compile_opt and budget is not None:
-            import torch._functorch.config as functorch_config
-
-            # read when each graph is partitioned for backward, at its first call (process-wide setting)
-            functorch_config.activation_memory_budget = float(budget)
+        compile_opt = options.compile
         if compile_opt:
             compile_layer_parts(
                 model,
@@ -146,12 +140,15 @@ class FSDP2Engine:
             offload_policy_for(config.cpu_offload, pin_memory=device.is_accelerator),
             reshard_after_forward=not self._keep_unsharded,
         )
+        self._weight_map = fsdp2_weight_map(
+            model.named_parameters(remove_duplicate=False), self._hf_config, config.model.kind
+        )
         model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
         self._restore_buffers(model, buffers)
         self._model = model
         self._materialise()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        fused = bool(options.get("fused_adamw", False)) and device.is_accelerator
+        fused = options.fused_adamw and device.is_accelerator
         optim = config.optim
         self._optimizer = torch.optim.AdamW(
             trainable,
@@ -177,7 +174,7 @@ class FSDP2Engine:
         prepare_model(
             model,
             attention=mc.attention,
-            sp_group=self._layout.groups.get("sp"),
+            sp_group=self._ulysses_group,
             tiled_mlp_tiles=mc.tiled_mlp_tiles,
         )
 
@@ -199,19 +196,33 @@ class FSDP2Engine:
     def _materialise(self) -> None:
         """Fill the shards: from the safetensors of ``model.path`` (a value head or LoRA adapters the
         files lack are initialised from the seed), or entirely from the seed."""
+        from underlay.engines.fsdp2.weights import load_hf_into
+
         mc = self._config.model
         fill: set[str] | None = None
         if mc.path is not None and mc.load_weights:
-            from underlay.engines.fsdp2.weights import FSDP2WeightLoader
-
-            report = FSDP2WeightLoader(self._device).load_hf(self, mc.path, strict=mc.kind == "causal_lm")
-            fill = set(report.missing)
+            report = load_hf_into(self, mc.path, strict=mc.kind == "causal_lm")
+            fill = set()
+            for hf in report.missing:
+                rule = self._weight_map.rule_for_hf(hf)
+                if rule is not None:
+                    fill.add(rule.engine_name)
             if not fill and mc.lora is None:
                 return
         full = _build.seeded_state(mc, self._hf_config)
         for name, param in self._model.named_parameters():
-            if fill is None or "lora_" in name or _build.hf_name(name) in fill:
+            if fill is None or "lora_" in name or name in fill:
                 _build.copy_into_param(param, full[name], name)
+
+    def _compile_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Where this engine's compiled graphs are traced and partitioned (their first calls, and
+        recompiles): ``compile_memory_budget`` is set for that span only, then restored."""
+        budget = self._options.compile_memory_budget
+        if not self._options.compile or budget is None:
+            return contextlib.nullcontext()
+        import torch._functorch.config as functorch_config
+
+        return functorch_config.patch(activation_memory_budget=float(budget))  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------------------- properties
 
@@ -232,9 +243,30 @@ class FSDP2Engine:
 
     @property
     def layout(self) -> ParallelLayout:
-        """dp_replicate x dp_shard (sp inside dp_shard); groups ``world``, ``dp`` (one rank per sp group:
-        distinct data), ``sp`` (``None`` when sp == 1) and ``fsdp`` (the parameter mesh)."""
+        """dp_replicate x dp_shard (Ulysses inside dp_shard); groups ``world``, ``dp`` = ``dp_cp`` (one
+        rank per Ulysses group: distinct data), ``ulysses`` = ``mp`` (ranks sharing a data shard),
+        ``edp`` (every rank: no expert parallelism) and ``device_mesh`` (the FSDP mesh); a group of
+        size 1 is ``None``. tp/pp/cp/ep/etp are 1 and their groups ``None``."""
         return self._layout
+
+    @property
+    def options(self) -> FSDP2Options:
+        """The validated engine options."""
+        return self._options
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Compute dtype of the parameters (``config.param_dtype``)."""
+        return self._param_dtype
+
+    @property
+    def weight_map(self) -> WeightMap:
+        """HF names of the parameters (``underlay.engines.fsdp2.weightmap``)."""
+        return self._weight_map
+
+    def supports_recompute(self, policy: RecomputePolicy) -> ProbeResult:
+        """``"none"`` and ``"full"``; ``"selective"`` is refused (``FSDP2Options.supports_recompute``)."""
+        return FSDP2Options.supports_recompute(policy)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -281,9 +313,7 @@ class FSDP2Engine:
         from underlay.ops import plan_micro_batches
 
         seqlens = batch.attention_mask.sum(dim=1).tolist()
-        return plan_micro_batches(
-            seqlens, self._config.micro_batch_max_tokens, group=self._layout.groups["dp"]
-        )
+        return plan_micro_batches(seqlens, self._config.micro_batch_max_tokens, group=self._dp_group)
 
     def _forward(self, batch: TokenBatch, temperature: float, with_entropy: bool) -> TokenOutputs:
         """Packed forward of one micro-batch; outputs padded back to ``[b, S]``."""
@@ -291,14 +321,15 @@ class FSDP2Engine:
         from underlay.ops import pad, unpad
 
         packed = unpad(batch.input_ids, batch.attention_mask)
-        out = packed_forward(
-            self._model,
-            packed,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            logprob_kernel=self._logprob_kernel,
-            sp_group=self._layout.groups.get("sp"),
-        )
+        with self._compile_scope():  # AOTAutograd partitions forward/backward when forward compiles
+            out = packed_forward(
+                self._model,
+                packed,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                logprob_kernel=self._logprob_kernel,
+                sp_group=self._ulysses_group,
+            )
 
         def back(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else pad(t, packed)
@@ -311,12 +342,12 @@ class FSDP2Engine:
         Micro-batches come from ``ops.plan_micro_batches`` (same count on every dp rank); each is
         packed, run through ``models.packed_forward``, padded back and handed to ``loss_fn``. Every
         ``loss_sum`` is scaled by ``world_size / N`` (``N``: loss tokens of the whole global batch,
-        counted once per sp group) before backward, which with FSDP's mean over ranks gives the
+        counted once per Ulysses group) before backward, which with FSDP's mean over ranks gives the
         gradient of ``sum(loss) / N``. Metrics are summed over micro-batches and dp ranks and divided
         by ``N``; ``"loss"`` is always reported."""
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
-        dp_group = self._layout.groups["dp"]
+        dp_group = self._dp_group
         count = batch.loss_mask.sum().to(torch.float64)
         dist.all_reduce(count, group=dp_group)
         n_tokens = int(count.item())
@@ -498,20 +529,19 @@ class FSDP2Engine:
 
     # ----------------------------------------------------------------------------------- weights
 
-    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) fp32 parameters with Hugging Face names, one at a time; LoRA adapters are
-        merged into their base weights (``W + scaling * B @ A``) and not yielded themselves.
-        Collective: every rank iterates and receives every tensor, on the compute device. On a
-        world of 1 a tensor may share storage with the live parameter: clone it to keep it across
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) fp32 parameters by engine name, in ``weight_map.rules`` order, one at a time;
+        LoRA adapters are merged into their base weights (``W + scaling * B @ A``) and not yielded.
+        Collective: every rank iterates and receives every tensor, on the compute device. On a world
+        of 1 a tensor may share storage with the live parameter: clone it to keep it across
         optimizer steps."""
         self._ensure_onloaded("weights")
         self._reshard()
         lora = _lora_modules(self._model)
         params = dict(self._model.named_parameters())
-        for name, param in params.items():
-            if ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name:
-                continue
-            full = self._full(param)
+        for rule in self._weight_map.rules:
+            name = rule.engine_name
+            full = self._full(params[name])
             prefix = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
             if prefix is not None and prefix in lora and name.endswith(".base_layer.weight"):
                 module = lora[prefix]
@@ -519,7 +549,24 @@ class FSDP2Engine:
                     a = self._full(params[f"{prefix}.lora_A.{adapter}.weight"])
                     b = self._full(params[f"{prefix}.lora_B.{adapter}.weight"])
                     full = full + module.scaling[adapter] * (b @ a)
-            yield _build.hf_name(name), full
+            yield name, full
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named_full_parameters`` converted to Hugging Face tensors by ``weight_map`` (fp32, one
+        engine parameter at a time). Collective."""
+        yield from self._weight_map.to_hf(self.named_full_parameters())
+
+    def copy_full_parameter(self, engine_name: str, full: torch.Tensor) -> int:
+        """Copy this rank's FSDP shard of ``full`` into parameter ``engine_name`` (no communication;
+        every rank passes the same tensor). ``InvalidInput`` for an unknown name, ``CheckpointError``
+        for a shape mismatch, before writing. Returns the bytes written on this rank."""
+        param = self._params_by_name().get(engine_name)
+        if param is None:
+            raise InvalidInput(f"copy_full_parameter: the model has no parameter {engine_name!r}")
+        return _build.copy_into_param(param, full, engine_name)
+
+    def _params_by_name(self) -> dict[str, torch.Tensor]:
+        return dict(self._model.named_parameters())
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full LoRA adapter tensors (peft names without the ``.default`` adapter segment, as
@@ -545,23 +592,41 @@ class FSDP2Engine:
         with torch.no_grad():
             return dt.full_tensor()
 
-    def iter_weights(self, bucket_bytes: int = 1 << 29) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_weights(
+        self, bucket_bytes: int = 1 << 29, *, ranks: Collection[int] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of ``(hf_name, full tensor)`` in ``param_dtype`` on the device, each about
-        ``bucket_bytes`` (a tensor larger than that gets a bucket of its own). LoRA: merged weights.
-        Collective. Raises ``InvalidInput`` for ``bucket_bytes < 1``."""
+        ``bucket_bytes`` (a tensor larger than that gets a bucket of its own); LoRA: merged weights.
+        Collective. ``ranks``: the global ranks that receive tensors (``None``: all); the others get
+        the same number of buckets, each empty. Every tensor is all-gathered by FSDP on every rank,
+        so a non-receiver holds one gathered tensor at a time (dropped at once), never a bucket.
+        ``InvalidInput`` for ``bucket_bytes < 1`` or a rank outside the world, before any collective."""
         if bucket_bytes < 1:
             raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes} must be >= 1")
+        world = self._layout.world_size
+        receivers = None if ranks is None else set(ranks)
+        if receivers is not None:
+            bad = sorted(
+                r for r in receivers if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world
+            )
+            if bad:
+                raise InvalidInput(f"iter_weights: ranks {bad} are not global ranks in [0, {world})")
+        receive = receivers is None or current_rank() in receivers
         bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
+        size, count = 0, 0  # of the open bucket, counted alike on every rank
         for name, full in self.named_full_tensors():
             t = full.to(self._param_dtype)
             nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
+            # every rank decides bucket boundaries from the same sizes, so bucket counts agree
+            if count and size + nbytes > bucket_bytes:
                 yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
+                bucket, size, count = [], 0, 0
+            if receive:
+                bucket.append((name, t))
+            del t, full
             size += nbytes
-        if bucket:
+            count += 1
+        if count:
             yield bucket
 
     # ------------------------------------------------------------------------------ checkpoints

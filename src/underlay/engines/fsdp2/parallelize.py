@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from underlay.engines.fsdp2.options import COMPILE_SCOPES
 from underlay.interfaces import ConfigError, ParallelConfig, ParallelLayout
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
     "mp_policy_for",
     "offload_policy_for",
     "torch_dtype",
-    "validate_sp_heads",
+    "validate_ulysses",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,17 +47,20 @@ def torch_dtype(name: str) -> torch.dtype:
 def build_layout(parallel: ParallelConfig, world_size: int) -> ParallelLayout:
     """Sizes of every dimension for ``world_size`` ranks; ``dp_shard`` takes what remains.
 
-    Raises ``ConfigError`` when tp/pp/cp/ep > 1 (fsdp2 supports dp and sp only), when
-    ``dp_replicate`` does not divide the world size, or when sp does not divide ``dp_shard``.
+    Raises ``ConfigError`` when tp/pp/vpp/cp/ep/etp > 1 (fsdp2 implements dp_replicate x dp_shard and
+    Ulysses only), when ``dp_replicate`` does not divide the world size, or when ``ulysses`` does not
+    divide ``dp_shard``.
     """
-    others = {k: getattr(parallel, k) for k in ("tp", "pp", "cp", "ep")}
-    bad = {k: v for k, v in others.items() if v != 1}
+    others = {k: getattr(parallel, k) for k in ("tp", "pp", "vpp", "cp", "ep", "etp")}
+    bad = {k: v for k, v in others.items() if v not in (1, None)}
     if bad:
         raise ConfigError(
-            f"fsdp2 supports dp and sp only; use mcore for tp/pp/cp/ep (got {bad}); "
-            "set them to 1 or select UNDERLAY_ENGINE=mcore"
+            f"fsdp2 implements dp_replicate, dp_shard and ulysses only; it cannot run {bad}; set them "
+            "to 1 or select UNDERLAY_ENGINE=mcore"
         )
-    return ParallelLayout.infer(world_size, sp=parallel.sp, dp_replicate=parallel.dp_replicate)
+    return ParallelLayout.infer(
+        world_size, ulysses=parallel.ulysses, dp_replicate=parallel.dp_replicate, etp=1
+    )
 
 
 @dataclass(frozen=True)
@@ -64,16 +68,16 @@ class Meshes:
     """Device meshes of one engine.
 
     ``fsdp``: the mesh parameters are sharded over (1-D ``("dp_shard",)`` or 2-D HSDP
-    ``("dp_replicate", "dp_shard")``); ``data``: 2-D ``("dp", "sp")`` mesh whose ``dp`` dimension
-    indexes distinct data shards and whose ``sp`` dimension is one Ulysses group (ranks of one sp group
-    are consecutive and consume the same data). ``None`` meshes only occur without a process group.
+    ``("dp_replicate", "dp_shard")``); ``data``: 2-D ``("dp", "ulysses")`` mesh whose ``dp``
+    dimension indexes distinct data shards and whose ``ulysses`` dimension is one Ulysses group (ranks
+    of one group are consecutive and consume the same data). ``None`` meshes only occur without a process group.
     """
 
     fsdp: DeviceMesh
     data: DeviceMesh
 
     def group(self, name: str) -> Any:
-        """Process group of the data mesh dimension ``"dp"`` or ``"sp"``."""
+        """Process group of the data mesh dimension ``"dp"`` or ``"ulysses"``."""
         return self.data.get_group(name)
 
 
@@ -95,23 +99,24 @@ def build_meshes(layout: ParallelLayout, device_type: str) -> Meshes:
         )
     else:
         fsdp = init_device_mesh(device_type, (layout.dp_shard,), mesh_dim_names=("dp_shard",))
-    data = init_device_mesh(device_type, (world // layout.sp, layout.sp), mesh_dim_names=("dp", "sp"))
+    data = init_device_mesh(
+        device_type, (world // layout.ulysses, layout.ulysses), mesh_dim_names=("dp", "ulysses")
+    )
     return Meshes(fsdp=fsdp, data=data)
 
 
-def validate_sp_heads(hf_config: Any, sp: int) -> None:
-    """Ulysses splits attention heads over the sp ranks: q and kv head counts must be divisible by
-    ``sp`` (``ConfigError`` naming both counts otherwise)."""
-    if sp == 1:
+def validate_ulysses(hf_config: Any, ulysses: int) -> None:
+    """Apply the Ulysses head rule (``underlay.parallel.ulysses.validate_ulysses_heads``) to the head
+    counts of ``hf_config`` (its ``text_config`` for multimodal configs): ``ConfigError`` naming the
+    counts and the valid sizes when attention cannot be split over ``ulysses`` ranks."""
+    if ulysses == 1:
         return
+    from underlay.parallel.ulysses import validate_ulysses_heads
+
     cfg = getattr(hf_config, "text_config", None) or hf_config
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    if heads % sp or kv % sp:
-        raise ConfigError(
-            f"Ulysses sp={sp} must divide the attention heads (num_attention_heads={heads}, "
-            f"num_key_value_heads={kv}); choose sp from the common divisors of both"
-        )
+    validate_ulysses_heads(heads, kv, ulysses)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -155,13 +160,6 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
     cfg: Any = getattr(target, "config", None)
     if cfg is not None and getattr(cfg, "use_cache", False):
         cfg.use_cache = False
-
-
-COMPILE_SCOPES = ("norm_mlp", "layer_parts", "layer")
-"""What ``compile_layer_parts`` compiles: the norms and dense MLPs (``"norm_mlp"``), or those and the
-attention modules (``"layer_parts"``: projections, rotary and the attention call, which graph-breaks
-where the kernel needs host values), or the whole ``forward`` of each decoder layer (``"layer"``:
-residual adds included; the FSDP hooks around it stay eager)."""
 
 
 def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope: str = "layer_parts") -> int:

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from underlay.engines.fsdp2 import _build
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
 from underlay.parallel.rank import current_rank
 
-__all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader"]
+__all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into", "read_hf_index"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -31,22 +30,100 @@ TOKENIZER_FILES = (
 )
 
 
-def _engine(engine: ParallelEngine) -> Any:
-    from underlay.engines.fsdp2.engine import FSDP2Engine
+def read_hf_index(path: Path) -> tuple[list[Path], dict[str, tuple[Path, tuple[int, ...]]]]:
+    """The safetensors files of the local HF directory ``path`` and, for every tensor name in them, the
+    file holding it and its shape (headers only, no tensor data). ``CheckpointError`` when ``path`` is
+    not a directory or has no ``*.safetensors``."""
+    from safetensors import safe_open
 
-    if not isinstance(engine, FSDP2Engine):
-        raise InvalidInput(
-            f"FSDP2WeightLoader serves fsdp2 engines, got {type(engine).__name__}; use "
-            "underlay.get_weight_loader(engine.name)"
+    if not path.is_dir():
+        raise CheckpointError(f"load_hf: {path} is not a directory; give a local HF model directory")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"load_hf: no *.safetensors in {path}; convert the weights to safetensors first"
         )
-    return engine
+    where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                shape = tuple(handle.get_slice(key).get_shape())
+                where[key] = (f, shape)
+    return files, where
+
+
+def load_hf_into(engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
+    """``FSDP2WeightLoader.load_hf`` as a function (the engine calls it while it materialises; it only
+    uses the ``ParallelEngine`` protocol: ``weight_map`` and ``copy_full_parameter``).
+
+    Every HF name the map expects is looked up in the file headers (a tied alias stands in for its
+    canonical name), names and shapes are all checked before any parameter changes: a shape mismatch
+    always raises ``CheckpointError``; with ``strict``, missing names (except those of ``optional``
+    rules) and unexpected names (neither expected, tied nor ``ignored``) raise it too. Then each engine
+    parameter is built from its HF tensors (``rule.from_hf``) and copied into the shards, one at a time.
+    ``LoadReport.loaded`` counts HF tensors read; ``missing`` lists the expected HF names not found.
+    Collective (each rank reads the files itself)."""
+    from safetensors import safe_open
+
+    wmap = engine.weight_map
+    files, where = read_hf_index(Path(path))
+    expected: dict[str, tuple[int, ...]] = {}
+    for rule in wmap.rules:
+        expected.update(rule.hf_shapes())
+    aliases: dict[str, list[str]] = {}
+    for alias, canonical in wmap.tied.items():
+        aliases.setdefault(canonical, []).append(alias)
+    source: dict[str, str] = {}
+    for hf in expected:
+        for candidate in (hf, *aliases.get(hf, ())):
+            if candidate in where:
+                source[hf] = candidate
+                break
+    missing = tuple(hf for hf in expected if hf not in source)
+    required_missing = [hf for hf in missing if not (r := wmap.rule_for_hf(hf)) or not r.optional]
+    unexpected = tuple(
+        sorted(n for n in where if n not in expected and n not in wmap.tied and not wmap.is_ignored(n))
+    )
+    bad = [
+        f"{hf}: file {where[src][1]} != model {expected[hf]}"
+        for hf, src in source.items()
+        if where[src][1] != expected[hf]
+    ]
+    if bad:
+        raise CheckpointError(
+            f"load_hf({path}): shape mismatch for {len(bad)} tensors, e.g. {bad[:3]}; the weights "
+            "belong to another model configuration"
+        )
+    if strict and (required_missing or unexpected):
+        raise CheckpointError(
+            f"load_hf({path}): missing {required_missing[:5]} ({len(required_missing)} in all), unexpected "
+            f"{list(unexpected[:5])} ({len(unexpected)} in all); fix the model config or pass strict=False"
+        )
+    loaded, nbytes = 0, 0
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files}
+        for rule in wmap.rules:
+            if any(hf not in source for hf in rule.hf_names):
+                continue
+            tensors = {hf: handles[where[source[hf]][0]].get_tensor(source[hf]) for hf in rule.hf_names}
+            nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            full = rule.from_hf(tensors)
+            del tensors
+            engine.copy_full_parameter(rule.engine_name, full)
+            del full
+            loaded += len(rule.hf_names)
+    if dist.is_initialized():
+        dist.barrier()
+    return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
 
 
 class FSDP2WeightLoader:
-    """Streams safetensors into FSDP2 shards and exports full HF checkpoints from rank 0.
+    """Streams safetensors into FSDP2 shards and exports full HF checkpoints from rank 0, driven by the
+    engine's ``weight_map`` through the ``ParallelEngine`` protocol.
 
-    Memory: loading holds one full tensor per rank at a time; export holds one tensor on every rank
-    and at most one output shard (``max_shard_bytes``) on rank 0.
+    Memory: loading holds, per rank, the HF tensors of one engine parameter and that parameter's full
+    value; export holds one full engine parameter on every rank and at most one output shard
+    (``max_shard_bytes``) on rank 0.
     """
 
     def __init__(self, device: Device | None = None) -> None:
@@ -57,77 +134,15 @@ class FSDP2WeightLoader:
         """``"fsdp2"``."""
         return "fsdp2"
 
-    def _index(self, path: Path) -> tuple[list[Path], dict[str, tuple[Path, tuple[int, ...]]]]:
-        from safetensors import safe_open
-
-        if not path.is_dir():
-            raise CheckpointError(f"load_hf: {path} is not a directory; give a local HF model directory")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(
-                f"load_hf: no *.safetensors in {path}; convert the weights to safetensors first"
-            )
-        where: dict[str, tuple[Path, tuple[int, ...]]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                    shape = tuple(handle.get_slice(key).get_shape())
-                    where[key] = (f, shape)
-        return files, where
-
     def load_hf(self, engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
-        """Load every base-model tensor of ``path`` into ``engine``'s shards (LoRA adapters are not
-        part of HF files and are left alone). Names and shapes are all checked from the file headers
-        before any parameter changes: a shape mismatch always raises ``CheckpointError``; missing or
-        unexpected names raise it with ``strict``. Collective (each rank reads the files itself)."""
-        from safetensors import safe_open
-
-        eng = _engine(engine)
-        files, where = self._index(Path(path))
-        targets: dict[str, torch.Tensor] = {}
-        for name, param in eng.model.named_parameters(remove_duplicate=False):
-            if "lora_" not in name:
-                targets[_build.hf_name(name)] = param
-        present = {id(targets[n]) for n in where if n in targets}
-        uniq = _unique(targets)
-        missing = tuple(n for n, p in targets.items() if id(p) not in present and n in uniq)
-        unexpected = tuple(sorted(n for n in where if n not in targets))
-        bad = [
-            f"{n}: file {where[n][1]} != model {tuple(targets[n].shape)}"
-            for n in where
-            if n in targets and where[n][1] != tuple(targets[n].shape)
-        ]
-        if bad:
-            raise CheckpointError(
-                f"load_hf({path}): shape mismatch for {len(bad)} tensors, e.g. {bad[:3]}; the weights "
-                "belong to another model configuration"
-            )
-        if strict and (missing or unexpected):
-            raise CheckpointError(
-                f"load_hf({path}): missing {list(missing[:5])} ({len(missing)} in all), unexpected "
-                f"{list(unexpected[:5])} ({len(unexpected)} in all); fix the model config or pass strict=False"
-            )
-        loaded, nbytes = 0, 0
-        done: set[int] = set()
-        for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                    param = targets.get(key)
-                    if param is None or id(param) in done:
-                        continue
-                    tensor = handle.get_tensor(key)
-                    nbytes += tensor.numel() * tensor.element_size()
-                    _build.copy_into_param(param, tensor, key)
-                    del tensor
-                    done.add(id(param))
-                    loaded += 1
-        if dist.is_initialized():
-            dist.barrier()
-        return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
+        """Load every HF tensor of ``path`` that ``engine.weight_map`` names into ``engine``'s shards
+        (LoRA adapters are not part of HF files and are left alone); see ``load_hf_into``."""
+        return load_hf_into(engine, path, strict=strict)
 
     def iter_hf_tensors(self, engine: ParallelEngine) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full fp32 tensors with HF names (LoRA merged), one at a time. Collective."""
-        yield from _engine(engine).named_full_tensors()
+        """Full fp32 tensors with HF names (LoRA merged), one engine parameter at a time, in
+        ``weight_map`` order. Collective."""
+        yield from engine.weight_map.to_hf(engine.named_full_parameters())
 
     def export_hf(
         self,
@@ -142,13 +157,13 @@ class FSDP2WeightLoader:
         and the tokenizer files of the source directory when it had them. Tensors are gathered one
         at a time in ``dtype`` (default: the engine's ``param_dtype``); LoRA models export merged
         weights. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere."""
-        eng = _engine(engine)
+        eng = engine
         if max_shard_bytes < 1:
             raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes} must be >= 1")
         out = Path(out_dir)
-        dtype = dtype or eng._param_dtype
+        dtype = dtype or eng.param_dtype
         writer = _ShardWriter(out, max_shard_bytes) if current_rank() == 0 else None
-        for name, full in eng.named_full_tensors():
+        for name, full in self.iter_hf_tensors(eng):
             if writer is not None:
                 writer.add(name, full.to(dtype).cpu())
             del full
@@ -165,7 +180,7 @@ class FSDP2WeightLoader:
         ``InvalidInput`` when the engine has no LoRA. Collective; ``out_dir`` on rank 0, else ``None``."""
         from safetensors.torch import save_file
 
-        eng = _engine(engine)
+        eng = engine
         peft_config = getattr(eng.model, "peft_config", None)
         if not peft_config:
             raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
@@ -180,7 +195,7 @@ class FSDP2WeightLoader:
         return out if current_rank() == 0 else None
 
     @staticmethod
-    def _write_config(eng: Any, out: Path) -> None:
+    def _write_config(eng: ParallelEngine, out: Path) -> None:
         cfg = eng.hf_config
         base = eng.model
         get_base = getattr(base, "get_base_model", None)
@@ -193,17 +208,6 @@ class FSDP2WeightLoader:
             for fname in TOKENIZER_FILES:
                 if (Path(src) / fname).is_file():
                     shutil.copyfile(Path(src) / fname, out / fname)
-
-
-def _unique(targets: dict[str, torch.Tensor]) -> set[str]:
-    """The first name of every distinct parameter (tied aliases count once)."""
-    seen: set[int] = set()
-    names: set[str] = set()
-    for n, p in targets.items():
-        if id(p) not in seen:
-            seen.add(id(p))
-            names.add(n)
-    return names
 
 
 class _ShardWriter:
