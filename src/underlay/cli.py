@@ -40,6 +40,10 @@ def _print_info(data: dict[str, Any]) -> None:
             )
             origin = "" if r["origin"] == "builtin" else f" [plugin {r['origin']}]"
             print(f"  {mark} {r['name']:<12} prio {r['priority']:>3}  {state}{origin}  - {r['description']}")
+            if r.get("recompute"):
+                print("      recompute: " + "; ".join(f"{k}: {v}" for k, v in r["recompute"].items()))
+            for o in r.get("options", []):
+                print(f"      option {o['name']} ({o['type']}, default {o['default']!r}): {o['doc']}")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from underlay.interfaces import (
     ConfigError,
     Device,
     EngineConfig,
+    EngineOptions,
     Fp8Quantizer,
     IncompatibleBackends,
     LogprobKernel,
@@ -47,6 +48,7 @@ from underlay.interfaces import (
     ProfilerConfig,
     UnknownBackend,
     WeightLoader,
+    describe_options,
 )
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "BackendSpec",
     "Selection",
     "backends",
+    "engine_options",
     "get_attention",
     "get_device",
     "get_engine",
@@ -109,7 +112,10 @@ class BackendSpec:
     ``factory()`` for devices, ``factory(device)`` for attention, logprob and weight-loader backends,
     ``factory(config, device)`` for profilers (a ``ProfilerConfig``) and engines (an
     ``EngineConfig``). ``devices`` names the device backends it works with (empty: any). ``priority``
-    orders ``auto`` (highest first). ``probe`` must be cheap and free of side effects.
+    orders ``auto`` (highest first). ``probe`` must be cheap and free of side effects. ``options``
+    (engines only) is ``"package.module:attr"`` of the engine's options dataclass (``EngineOptions``:
+    the fields of ``EngineConfig.options`` plus ``supports_recompute``), in a module light enough to
+    import for ``underlay info``.
     """
 
     kind: BackendKind
@@ -120,6 +126,7 @@ class BackendSpec:
     probe: Callable[[], ProbeResult] = _always_available
     devices: tuple[str, ...] = ()
     origin: str = "builtin"
+    options: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -322,6 +329,7 @@ def _builtin_specs() -> list[BackendSpec]:
             "underlay.engines.fsdp2.engine:FSDP2Engine",
             10,
             "PyTorch FSDP2 (fully_shard), HSDP, Ulysses SP",
+            options="underlay.engines.fsdp2.options:FSDP2Options",
         ),
         BackendSpec(
             "weight_loader",
@@ -673,6 +681,37 @@ def get_engine(config: EngineConfig, name: str | None = None) -> ParallelEngine:
     return cast(ParallelEngine, _build("engine", sel.name, config, device))
 
 
+def engine_options(name: str) -> type[EngineOptions] | None:
+    """The options dataclass of engine ``name`` (``None`` when it declares none). Imports only the
+    module named by its ``BackendSpec.options``. ``UnknownBackend`` for an unregistered engine,
+    ``BackendUnavailable`` when that module does not import."""
+    spec = _spec("engine", name)
+    if not spec.options:
+        return None
+    module_name, _, attr = spec.options.partition(":")
+    try:
+        return cast("type[EngineOptions]", getattr(importlib.import_module(module_name), attr))
+    except Exception as exc:
+        raise BackendUnavailable(
+            "engine", name, f"importing its options {spec.options} failed: {type(exc).__name__}: {exc}", []
+        ) from exc
+
+
+def _options_info(name: str) -> dict[str, Any]:
+    """``underlay info``'s view of an engine's options and recompute policies."""
+    try:
+        cls = engine_options(name)
+    except BackendUnavailable as exc:
+        return {"options": [], "recompute": {}, "options_error": str(exc)}
+    if cls is None:
+        return {"options": [], "recompute": {}}
+    policies: dict[str, str] = {}
+    for policy in ("none", "full", "selective"):
+        probe_result = cls.supports_recompute(policy)
+        policies[policy] = "yes" if probe_result.available else f"no: {probe_result.reason}"
+    return {"options": [o.__dict__ for o in describe_options(cls)], "recompute": policies}
+
+
 def get_weight_loader(name: str | None = None) -> WeightLoader:
     """The weight loader of the selected engine (or ``name``)."""
     with _lock:
@@ -731,6 +770,7 @@ def info() -> dict[str, Any]:
                     "description": s.description,
                     "origin": s.origin,
                     "devices": list(s.devices),
+                    **(_options_info(s.name) if kind == "engine" else {}),
                 }
             )
         out["backends"][kind] = rows

@@ -23,7 +23,7 @@ from underlay.interfaces.errors import (
     UnsupportedOperation,
 )
 from underlay.interfaces.kernels import IGNORE_INDEX, AttentionKernel, Fp8Quantizer, LogprobKernel
-from underlay.interfaces.options import OptionInfo, describe_options, option, resolve_options
+from underlay.interfaces.options import EngineOptions, OptionInfo, describe_options, option, resolve_options
 from underlay.interfaces.profiler import Profiler
 from underlay.interfaces.types import (
     AttentionSpec,
@@ -52,6 +52,7 @@ __all__ = [
     "ConfigError",
     "Device",
     "EngineConfig",
+    "EngineOptions",
     "Event",
     "Fp8Quantizer",
     "IncompatibleBackends",

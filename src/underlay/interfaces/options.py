@@ -13,13 +13,25 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from underlay.interfaces.errors import ConfigError
+from underlay.interfaces.types import ProbeResult, RecomputePolicy
 
-__all__ = ["OptionInfo", "describe_options", "option", "resolve_options"]
+__all__ = ["EngineOptions", "OptionInfo", "describe_options", "option", "resolve_options"]
 
 T = TypeVar("T")
+
+
+class EngineOptions(Protocol):
+    """An engine's options dataclass: its fields are the keys of ``EngineConfig.options`` (documented
+    with ``option``), and it says which recompute policies the engine runs, before any engine exists
+    (``underlay info`` lists both; the registry finds the class through ``BackendSpec.options``)."""
+
+    @staticmethod
+    def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
+        """``ProbeResult.ok()`` or the reason (and a hint) the engine does not run ``policy``."""
+        ...
 
 
 def option(default: Any, doc: str) -> Any:
