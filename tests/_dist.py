@@ -1,7 +1,7 @@
 """Helpers for tests that run real multi-process gloo groups.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with
-``torch.multiprocessing`` (spawn start method), initialises a gloo process group on a free localhost
+``torch.multiprocessing`` (spawn start method), initialises a gloo (or ``backend``) process group on a free localhost
 port in each, calls ``fn(rank, world_size, *args)``, destroys the group and returns the per-rank return
 values (in rank order). ``fn`` and ``args`` must be picklable: define ``fn`` at module level of a test
 module. An exception in any child is re-raised in the parent (same type when it pickles) with the
@@ -48,6 +48,7 @@ def _worker(
     queue: Any,
     args: tuple[Any, ...],
     timeout_s: float,
+    backend: str = "gloo",
 ) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -55,8 +56,10 @@ def _worker(
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
+    if backend != "gloo" and torch.cuda.is_available():
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -90,12 +93,14 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo"
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return their results.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return their results.
 
     Raises the first child's exception (with its traceback as ``__cause__``) when any child fails, and
-    ``ValueError`` when ``world_size < 1``. ``timeout_s`` bounds collectives (gloo group timeout).
+    ``ValueError`` when ``world_size < 1``. ``timeout_s`` bounds collectives (group timeout).
+    ``backend`` is the process-group backend (``"gloo"``; ``"nccl"`` on a GPU host, one GPU per rank:
+    rank ``r`` uses cuda device ``r``).
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size={world_size} must be >= 1")
@@ -105,7 +110,7 @@ def run_distributed(
     try:
         mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _worker,
-            args=(fn, world_size, port, queue, args, timeout_s),
+            args=(fn, world_size, port, queue, args, timeout_s, backend),
             nprocs=world_size,
             join=True,
             start_method="spawn",
