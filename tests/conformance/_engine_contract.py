@@ -168,7 +168,7 @@ def job_engine(rank: int, world: int, name: str, root: str, dev_name: str) -> di
         WeightLoader,
     )
 
-    dev, build, loader = _ctx(name, dev_name)
+    _dev, build, loader = _ctx(name, dev_name)
     base = Path(root) / f"engine_w{world}"
     out: dict[str, Any] = {"rank": rank}
     hf = qwen3_config()
@@ -325,7 +325,7 @@ def job_loader(rank: int, world: int, name: str, root: str, dev_name: str, model
 
     from underlay.interfaces import CheckpointError, ModelConfig
 
-    dev, build, loader = _ctx(name, dev_name)
+    _dev, build, loader = _ctx(name, dev_name)
     base = Path(root) / f"loader_{model}_w{world}"
     src, extra, missing, wrong = (base / n for n in ("src", "extra", "missing", "wrong"))
     hf = MODELS[model]()
@@ -388,7 +388,9 @@ def check_loader(results: list[dict[str, Any]], world: int) -> None:
         assert r["iter_names"] and r["iter_values"] == 0.0, r
         loaded, missing, unexpected, read = r["report"]
         assert loaded == r["files"] and missing == () and unexpected == () and read, r
-        assert r["extra_strict"].startswith("CheckpointError") and "model.unused.weight" in r["extra_strict"], r
+        assert (
+            r["extra_strict"].startswith("CheckpointError") and "model.unused.weight" in r["extra_strict"]
+        ), r
         assert r["missing_strict"].startswith("CheckpointError") and "missing" in r["missing_strict"], r
         assert r["wrong_shape"].startswith("CheckpointError") and "shape mismatch" in r["wrong_shape"], r
         assert r["unchanged"] == 0.0, r
