@@ -17,6 +17,8 @@ import pytest
 
 from tests.conformance import _engine_contract as C
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(400)]
+
 
 @pytest.fixture
 def contract_launcher() -> C.Launcher:

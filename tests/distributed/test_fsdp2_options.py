@@ -50,6 +50,7 @@ def job_two_budgets(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.distributed
 def test_compile_memory_budget_is_scoped_to_its_engine() -> None:
     (r,) = run_distributed(job_two_budgets, 1, timeout_s=300)
     assert r["actor"] == [0.3] and r["critic"] == [0.7], r
