@@ -176,3 +176,115 @@ def test_weight_map_resolves_patterns_ties_and_ignores() -> None:
         WeightMap((rename("a", "x"), rename("b", "x")))
     with pytest.raises(InvalidInput, match="no rule for engine parameter 'nope'"):
         wmap.rule("nope")
+
+
+def _megatron_patterns(cfg: object) -> list[RulePattern]:
+    """A Megatron-Core (local spec) naming of a Qwen3 decoder, written with the shared constructors."""
+    nh, ng, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim  # type: ignore[attr-defined]
+    layer = r"decoder\.layers\.(?P<i>\d+)\."
+
+    def hf(m: object, rest: str) -> str:
+        return f"model.layers.{m['i']}.{rest}"  # type: ignore[index]
+
+    return [
+        RulePattern(
+            r"embedding\.word_embeddings\.weight",
+            lambda m, s: rename(m.string, "model.embed_tokens.weight", tp_dim=0),
+        ),
+        RulePattern(r"output_layer\.weight", lambda m, s: rename(m.string, "lm_head.weight", tp_dim=0)),
+        RulePattern(r"decoder\.final_layernorm\.weight", lambda m, s: rename(m.string, "model.norm.weight")),
+        RulePattern(
+            layer + r"self_attention\.linear_qkv\.weight",
+            lambda m, s: fuse_qkv(
+                m.string,
+                hf(m, "self_attn.q_proj.weight"),
+                hf(m, "self_attn.k_proj.weight"),
+                hf(m, "self_attn.v_proj.weight"),
+                num_heads=nh,
+                num_kv_heads=ng,
+                head_dim=d,
+            ),
+        ),
+        RulePattern(
+            layer + r"self_attention\.linear_proj\.weight",
+            lambda m, s: rename(m.string, hf(m, "self_attn.o_proj.weight"), tp_dim=1),
+        ),
+        RulePattern(
+            layer + r"self_attention\.q_layernorm\.weight",
+            lambda m, s: rename(m.string, hf(m, "self_attn.q_norm.weight")),
+        ),
+        RulePattern(
+            layer + r"self_attention\.k_layernorm\.weight",
+            lambda m, s: rename(m.string, hf(m, "self_attn.k_norm.weight")),
+        ),
+        RulePattern(
+            layer + r"input_layernorm\.weight", lambda m, s: rename(m.string, hf(m, "input_layernorm.weight"))
+        ),
+        RulePattern(
+            layer + r"pre_mlp_layernorm\.weight",
+            lambda m, s: rename(m.string, hf(m, "post_attention_layernorm.weight")),
+        ),
+        RulePattern(
+            layer + r"mlp\.linear_fc1\.weight",
+            lambda m, s: fuse_gate_up(m.string, hf(m, "mlp.gate_proj.weight"), hf(m, "mlp.up_proj.weight")),
+        ),
+        RulePattern(
+            layer + r"mlp\.linear_fc2\.weight",
+            lambda m, s: rename(m.string, hf(m, "mlp.down_proj.weight"), tp_dim=1),
+        ),
+    ]
+
+
+def test_a_megatron_core_map_round_trips_a_transformers_model_and_splits_it_for_tp() -> None:
+    """The map is expressive enough for Megatron-Core: every HF tensor of a Qwen3 goes into Megatron's
+    fused layouts and back exactly, and the TP pieces are what rank r of tp=2 holds."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf_sd = {k: v.double() for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    per, d = 2, 4
+    shapes = {
+        "embedding.word_embeddings.weight": (32, 16),
+        "output_layer.weight": (32, 16),
+        "decoder.final_layernorm.weight": (16,),
+    }
+    for i in range(2):
+        p = f"decoder.layers.{i}."
+        shapes |= {
+            p + "self_attention.linear_qkv.weight": (2 * (per + 2) * d, 16),
+            p + "self_attention.linear_proj.weight": (16, 16),
+            p + "self_attention.q_layernorm.weight": (d,),
+            p + "self_attention.k_layernorm.weight": (d,),
+            p + "input_layernorm.weight": (16,),
+            p + "pre_mlp_layernorm.weight": (16,),
+            p + "mlp.linear_fc1.weight": (48, 16),
+            p + "mlp.linear_fc2.weight": (16, 24),
+        }
+    wmap = WeightMap.resolve(shapes.items(), _megatron_patterns(cfg))
+    assert sorted(wmap.hf_names()) == sorted(hf_sd)
+    for rule in wmap.rules:
+        assert rule.hf_shapes() == {n: tuple(hf_sd[n].shape) for n in rule.hf_names}
+    full = {r.engine_name: r.from_hf(hf_sd) for r in wmap.rules}
+    assert dict(wmap.to_hf(full.items())).keys() == hf_sd.keys()
+    assert all(torch.equal(t, hf_sd[n]) for n, t in wmap.to_hf(full.items()))
+    # tp=2: rank 1's linear_qkv holds query group 1 whole, fc1 holds [gate_1; up_1], fc2 the second column half
+    qkv = wmap.rule("decoder.layers.0.self_attention.linear_qkv.weight")
+    q, k = hf_sd["model.layers.0.self_attn.q_proj.weight"], hf_sd["model.layers.0.self_attn.k_proj.weight"]
+    piece = qkv.tp_shard(full[qkv.engine_name], 1, 2)
+    assert torch.equal(piece[: per * d], q[per * d :]) and torch.equal(piece[per * d : (per + 1) * d], k[d:])
+    fc1 = wmap.rule("decoder.layers.0.mlp.linear_fc1.weight")
+    gate, up = hf_sd["model.layers.0.mlp.gate_proj.weight"], hf_sd["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(fc1.tp_shard(full[fc1.engine_name], 1, 2), torch.cat([gate[12:], up[12:]]))
+    fc2 = wmap.rule("decoder.layers.0.mlp.linear_fc2.weight")
+    down = hf_sd["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(fc2.tp_shard(full[fc2.engine_name], 1, 2), down[:, 12:])
