@@ -85,9 +85,8 @@ class ProcessGroups:
 
     Every field is a ``torch.distributed.ProcessGroup`` or ``None``. ``None`` means the dimension has
     size 1 for this engine (or the engine runs without a process group), so a caller treats it as
-    "this rank alone" and skips the collective. Ranks are grouped as Megatron-Core does: a rank's
-    coordinates are ``(dp_replicate, dp_shard, pp, cp, tp)`` for dense layers and
-    ``(pp, edp, ep, etp)`` for expert layers.
+    "this rank alone" and skips the collective. How ranks are ordered into groups is the engine's
+    choice (fsdp2: consecutive ranks form a Ulysses group; mcore: Megatron-Core's rank generator).
 
     - ``world``: every rank of the engine.
     - ``dp``: ranks that hold different data and the same model shard (one per Ulysses group).
