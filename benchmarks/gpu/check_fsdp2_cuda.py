@@ -86,7 +86,10 @@ def engine_cfg(hf: Any, dtype: str, **over: Any) -> EngineConfig:
 
 
 def fp32_weights(engine: Any) -> dict[str, torch.Tensor]:
-    return {n: t.float().cpu().clone() for n, t in engine.named_full_tensors()}
+    """Full weights under the transformers module's names (fused experts stay fused, as in the reference)."""
+    from underlay.engines.fsdp2._build import hf_name
+
+    return {hf_name(n): t.float().cpu().clone() for n, t in engine.named_full_parameters()}
 
 
 def snapshot(engine: Any) -> list[torch.Tensor]:
