@@ -1,7 +1,7 @@
 """``FSDP2Engine``: the ``ParallelEngine`` protocol on PyTorch FSDP2 (``fully_shard``).
 
-Build order: validate the layout (dp_replicate x dp_shard, Ulysses sp inside dp_shard; tp/pp/cp/ep are
-refused), build the model with parameters on the meta device (peft LoRA adapters when configured),
+Build order: validate the layout (dp_replicate x dp_shard, Ulysses inside dp_shard; tp/pp/vpp/cp/ep/etp
+are refused), build the model with parameters on the meta device (peft LoRA adapters when configured),
 activation checkpointing, ``underlay.models.prepare_model`` (attention routing, Ulysses), ``apply_fsdp``
 (per decoder layer, then the root), ``to_empty`` on the device and materialise the shards: streamed
 from the safetensors of ``config.model.path`` or copied from the seed-initialised cpu model (so the
@@ -74,8 +74,9 @@ class FSDP2Engine:
 
     Collective: every rank of the default process group constructs it (a single process without a
     group starts a 1-rank group through ``underlay.parallel.init_distributed``). Raises ``ConfigError``
-    for tp/pp/cp/ep > 1, a world size that ``dp_replicate`` or ``sp`` does not divide, heads not
-    divisible by sp, or a model directory without ``config.json``.
+    for unknown or invalid options, an unsupported recompute policy (both before any work), tp/pp/vpp/
+    cp/ep/etp > 1, a world size that ``dp_replicate`` or ``ulysses`` does not divide, attention heads
+    the Ulysses head rule refuses, or a model directory without ``config.json``.
     """
 
     Options = FSDP2Options
