@@ -44,7 +44,7 @@ def _optional(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
 
 
 def _gate_up(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    prefix = hf_name(match["prefix"] + ".x")[:-2]
+    prefix = hf_name(match.string).rsplit(".", 1)[0]  # "...mlp.experts"
     return stack_experts(
         match.string,
         (prefix + ".{e}.gate_proj.weight", prefix + ".{e}.up_proj.weight"),
@@ -54,7 +54,7 @@ def _gate_up(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
 
 
 def _down(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    prefix = hf_name(match["prefix"] + ".x")[:-2]
+    prefix = hf_name(match.string).rsplit(".", 1)[0]
     return stack_experts(match.string, (prefix + ".{e}.down_proj.weight",), shape[0])
 
 
@@ -79,8 +79,8 @@ def fsdp2_weight_map(
     model_type = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
     if model_type in PER_EXPERT_CHECKPOINTS:
         patterns += [
-            RulePattern(r"(?P<prefix>.*\.experts)\.gate_up_proj", _gate_up),
-            RulePattern(r"(?P<prefix>.*\.experts)\.down_proj", _down),
+            RulePattern(r".*\.experts\.gate_up_proj", _gate_up),
+            RulePattern(r".*\.experts\.down_proj", _down),
         ]
     ignored: tuple[str, ...] = ()
     if kind == "value":
