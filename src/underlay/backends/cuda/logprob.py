@@ -12,6 +12,17 @@ from underlay.ops.logprob import check_logprob_args
 __all__ = ["TritonLogprobKernel"]
 
 
+def _dtype_reasons(dtype: torch.dtype) -> tuple[str, ...]:
+    if dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return ()
+    if dtype == torch.float64:
+        return (
+            "the triton logprob kernel computes in fp32 and does not take float64; use the torch kernel "
+            "(UNDERLAY_LOGPROB_KERNEL=torch), which computes float64 input in float64",
+        )
+    return (f"dtype {dtype} is not one of float32, bfloat16, float16",)
+
+
 class TritonLogprobKernel:
     """``LogprobKernel`` backed by Triton kernels (see ``_logprob_triton``).
 
@@ -33,6 +44,11 @@ class TritonLogprobKernel:
     def name(self) -> str:
         """Registry name ``"triton"``."""
         return "triton"
+
+    def supports(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """Empty for fp32, bf16 and fp16. fp64 is refused: the kernels compute in fp32 (``tl.dot`` has no
+        fp64 path worth having); ``UNDERLAY_LOGPROB_KERNEL=torch`` computes fp64 input in fp64."""
+        return _dtype_reasons(dtype)
 
     def __call__(
         self,
@@ -77,6 +93,8 @@ class TritonLogprobKernel:
         rank, _ = check_logprob_args(
             hidden, weight, labels, temperature, vocab_group, "triton logprob kernel"
         )
+        if reasons := _dtype_reasons(hidden.dtype):
+            raise InvalidInput(f"triton logprob kernel: {'; '.join(reasons)}")
         if labels.dtype != torch.int64:
             raise InvalidInput(
                 f"triton logprob kernel: labels must be int64, got {labels.dtype}; use labels.long()"
