@@ -1,8 +1,9 @@
 """Blockwise FP8 (e4m3) quantisation on one GPU, for every Triton kernel variant: bit-identity with the torch
 quantiser and throughput as a fraction of the measured copy bandwidth (issue 9, item 6; goal >= 70 %).
 
-For each variant of ``underlay.backends.cuda.fp8`` (``VARIANTS``, or ``--variants a,b`` /
-``FP8_VARIANTS=a,b``):
+For each kernel variant of ``fp8_variants.py`` beside this script (``VARIANTS``, or ``--variants a,b`` /
+``FP8_VARIANTS=a,b``; the library's ``underlay.backends.cuda.fp8`` kernel is the variant
+``DEFAULT_VARIANT``, also timed through the registry as ``triton`` in the baseline):
 
 * exactness: the correctness cases below (partial edge tiles, bf16/fp16/fp32, blocks (128, 128) and
   (64, 96), tiles of widely different magnitude, an all-zero tile) plus adversarial tiles (exact e4m3
@@ -44,6 +45,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fp8_variants  # noqa: E402  (the kernel variants live beside this benchmark)
 
 _SMOKE = os.environ.get("FP8_BENCH_SMOKE") == "1"  # CPU dry run of this script (TRITON_INTERPRET=1, tiny)
 _DEV = "cpu" if _SMOKE else "cuda"
@@ -219,10 +223,10 @@ def check_variant(name: str, dequant: bool) -> dict[str, Any]:
     """Phase 1 (child): exactness of one variant on every case; then every launch configuration of the
     throughput shape is compiled (into Triton's disk cache) and checked too. ``dequant`` False: the
     dequantisation kernel is another variant's (``dequant_key``) and is checked there."""
-    from underlay.backends.cuda import fp8
     from underlay.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
-    tq = fp8.TritonFp8Quantizer(device(), variant=name)
+    fp8 = fp8_variants
+    tq = fp8.VariantFp8Quantizer(device(), variant=name)
     t0 = time.time()
     fp8.AUTOTUNE = False  # the result does not depend on the launch configuration
     cases = []
@@ -268,10 +272,10 @@ def throughput_weight() -> torch.Tensor:
 
 def time_variant(name: str, copy_gbs: float) -> dict[str, Any]:
     """Phase 2 (child): autotuned throughput of one variant."""
-    from underlay.backends.cuda import fp8
     from underlay.ops.quant import quantize_fp8_blockwise
 
-    tq = fp8.TritonFp8Quantizer(device(), variant=name)
+    fp8 = fp8_variants
+    tq = fp8.VariantFp8Quantizer(device(), variant=name)
     t0 = time.time()
     m, k = _THROUGHPUT
     w = throughput_weight()
@@ -450,8 +454,7 @@ def main() -> None:
         return
     start = time.time()
     deadline = start + float(os.environ.get("FP8_BENCH_BUDGET_S", "480"))
-    from underlay.backends.cuda import fp8
-
+    fp8 = fp8_variants
     if args.variants:
         names = [fp8.parse_variant(v).name for v in args.variants.split(",") if v.strip()]
     else:

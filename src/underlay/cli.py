@@ -25,6 +25,11 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"hardware: {hw['count']} x {hw['model']} ({hw['device']}; peak {peak})")
     if data["plugins_allowed"]:
         print(f"plugins allowed: {data['plugins_allowed']}")
+    print("\nenvironment (UNDERLAY_* variables underlay reads):")
+    for row in data["environment"]:
+        value = "<unset>" if row["value"] is None else repr(row["value"])
+        default = f"default {row['default']!r}" if row["default"] else "no default"
+        print(f"  {row['name']:<29} {value:<12} {default:<20} {row['means']} [{row['values']}]")
     for kind, rows in data["backends"].items():
         sel = data["selected"].get(kind, {})
         chosen = sel.get("name")

@@ -67,7 +67,9 @@ def _weight(shape: tuple[int, int], block: tuple[int, int], dtype: torch.dtype, 
     """Random weight whose columns span seven decades (down into e4m3's subnormal range after scaling),
     one all-zero tile and negative zeros."""
     gen = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
-    w = torch.randn(shape, generator=gen, dtype=torch.float64) * torch.logspace(-5, 2, shape[1], dtype=torch.float64)
+    w = torch.randn(shape, generator=gen, dtype=torch.float64) * torch.logspace(
+        -5, 2, shape[1], dtype=torch.float64
+    )
     w[: block[0], : block[1]] = 0
     w[-1, -3:] = -0.0
     return w.to(dtype)
@@ -190,7 +192,9 @@ def check_refuses_bad_input(quant: Fp8Quantizer, name: str, dev: torch.device) -
             quant.dequantize(qq, ss, block, dtype)
         except InvalidInput:
             continue
-        raise AssertionError(f"dequantize accepted q {qq.dtype} scales {tuple(ss.shape)} block {block} {dtype}")
+        raise AssertionError(
+            f"dequantize accepted q {qq.dtype} scales {tuple(ss.shape)} block {block} {dtype}"
+        )
 
 
 def check_empty_weight(quant: Fp8Quantizer, name: str, dev: torch.device) -> None:

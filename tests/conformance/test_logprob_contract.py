@@ -137,7 +137,9 @@ def check_matches_float64(kernel: LogprobKernel, name: str, dev: torch.device) -
         out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         assert lp.dtype == out_dtype and ent is not None and ent.dtype == out_dtype, (dtype, lp.dtype)
         assert lp.shape == (n,) and ent.shape == (n,)
-        assert gh.dtype == dtype and gw.dtype == dtype and gh.shape == hidden.shape and gw.shape == weight.shape
+        assert (
+            gh.dtype == dtype and gw.dtype == dtype and gh.shape == hidden.shape and gw.shape == weight.shape
+        )
         hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
         rlp, rent = _reference(hd, wd, labels, 0.7)
         ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
@@ -145,7 +147,9 @@ def check_matches_float64(kernel: LogprobKernel, name: str, dev: torch.device) -
         val_tol, grad_tol = TOL[dtype]
         err_lp = float((lp.double() - rlp.detach()).abs().max())
         err_ent = float((ent.double() - rent.detach()).abs().max())
-        assert err_lp <= val_tol and err_ent <= val_tol, f"{dtype}: lp err {err_lp:.3g}, ent err {err_ent:.3g}"
+        assert err_lp <= val_tol and err_ent <= val_tol, (
+            f"{dtype}: lp err {err_lp:.3g}, ent err {err_ent:.3g}"
+        )
         e_h, e_w = _rel(gh, hd.grad), _rel(gw, wd.grad)
         assert e_h <= grad_tol and e_w <= grad_tol, f"{dtype}: grad_hidden {e_h:.3g}, grad_weight {e_w:.3g}"
 

@@ -216,4 +216,3 @@ def test_step_filter_and_output_files(name: str, tmp_path: Path) -> None:
     assert [p.name.split(".")[0] for p in files] == stems, [p.name for p in files]
     recorded: list[set[str]] = [{n for n in _event_names(p) if n.startswith("conf_step")} for p in files]
     assert recorded == [{"conf_step1", "conf_step2"}, {"conf_step5"}]
-
