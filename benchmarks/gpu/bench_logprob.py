@@ -165,7 +165,7 @@ def main() -> None:
             impl.plan_backward(n, h, 2, "fused"),
             impl.plan_backward(n, h, 2, "hybrid"),
         ),
-        "mm_path": impl.MM_PATH,
+        "mm_path": impl.mm_path(hidden),
         "results": rows,
     }
     for ref in ("liger_flce", "chunked_torch", "naive_torch"):

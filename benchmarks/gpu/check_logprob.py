@@ -161,7 +161,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
         "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
-        "mm_path": impl.MM_PATH,
+        "mm_path": impl.mm_path(torch.empty(1, 1, device="cuda", dtype=torch.bfloat16)),
         "cases": cases,
     }
     out = os.environ.get("OUT", ".")

@@ -35,10 +35,10 @@ from underlay.interfaces import ConfigError
 __all__ = [
     "DEFAULT_MODE",
     "INTERPRET",
-    "MM_PATH",
     "MODES",
     "fused_linear_logprobs",
     "mm_fp32",
+    "mm_path",
     "plan_backward",
 ]
 
@@ -414,45 +414,52 @@ def _tiles(n: int, v: int, rows: int, chunk: int) -> list[tuple[int, int, int, i
     ]
 
 
-_MM_OUT_DTYPE: list[bool] = []
-MM_PATH: list[str] = []
-"""How bf16/fp16 matmuls reached fp32 output on this process: "out_dtype" (cuBLAS, fp32 output) or
-"upcast" (operands converted to fp32 first; CPU interpreter or a torch without ``out_dtype``)."""
+def _out_dtype_mm_works(a: torch.Tensor) -> bool:
+    """Whether this torch has ``mm``/``addmm`` with ``out_dtype`` (fp32 output from 16-bit operands) for
+    ``a``'s device; probed once per process and device type, cached (a property of the install, not a
+    setting)."""
+    key = a.device.type
+    if key not in _OUT_DTYPE_OK:
+        try:
+            x = torch.zeros((1, 1), device=a.device, dtype=a.dtype)
+            torch.mm(x, x, out_dtype=torch.float32)
+            _OUT_DTYPE_OK[key] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return _OUT_DTYPE_OK[key]
+
+
+_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def mm_path(a: torch.Tensor) -> str:
+    """How :func:`mm_fp32` reaches fp32 output for operands like ``a``: ``"fp32"`` (fp32 operands),
+    ``"out_dtype"`` (cuBLAS with fp32 output) or ``"upcast"`` (operands converted to fp32 first: the CPU
+    interpreter, or a torch without ``out_dtype``)."""
+    if a.dtype == torch.float32:
+        return "fp32"
+    return "out_dtype" if a.is_cuda and _out_dtype_mm_works(a) else "upcast"
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ b`` in fp32 (contiguous ``out``); bf16/fp16 operands keep their exact products."""
-    if a.dtype == torch.float32:
+    path = mm_path(a)
+    if path == "fp32":
         torch.mm(a, b, out=out)
-        return
-    if a.is_cuda:
-        try:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-            if not MM_PATH:
-                MM_PATH.append("out_dtype")
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-    if not MM_PATH:
-        MM_PATH.append("upcast")
-    torch.mm(a.float(), b.float(), out=out)
+    elif path == "out_dtype":
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with fp32 accumulation and output; ``a``/``b`` may be bf16/fp16/fp32."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-        return
-    if not _MM_OUT_DTYPE or _MM_OUT_DTYPE[0]:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            if not _MM_OUT_DTYPE:
-                _MM_OUT_DTYPE.append(True)
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            if not _MM_OUT_DTYPE:
-                _MM_OUT_DTYPE.append(False)
-    acc.add_(torch.mm(a, b).float())
+    elif _out_dtype_mm_works(a):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b).float())
 
 
 def _backward(
