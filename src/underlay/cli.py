@@ -77,6 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``underlay`` console script; returns the exit status (2 on an UnderlayError)."""
     args = _build_parser().parse_args(argv)
     try:
+        from underlay.parallel.logging import setup_logging
+
+        setup_logging(
+            level=None if args.command != "info" else "WARNING", rank_zero_only=args.command == "info"
+        )
         return int(args.func(args))
     except UnderlayError as exc:
         print(f"underlay: error: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the statistics are computed in: fp64 for fp64 input, fp32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
+
 _AUTO_CHUNK_ELEMENTS = 1 << 26  # 64 Mi fp32 elements (256 MiB) per logits chunk when chunk_size is None
 
 
@@ -247,7 +248,9 @@ def _check_logits(logits: torch.Tensor, what: str) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise InvalidInput(f"{what}: logits must be a tensor [..., V], got {type(logits).__name__}")
     if logits.dtype not in _FLOAT_DTYPES:
-        raise InvalidInput(f"{what}: logits dtype {logits.dtype} must be one of float32, bfloat16, float16, float64")
+        raise InvalidInput(
+            f"{what}: logits dtype {logits.dtype} must be one of float32, bfloat16, float16, float64"
+        )
 
 
 def logprobs_from_logits(
