@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fp8_variants  # noqa: E402  (the kernel variants live beside this benchmark)
+import fp8_variants
 
 _SMOKE = os.environ.get("FP8_BENCH_SMOKE") == "1"  # CPU dry run of this script (TRITON_INTERPRET=1, tiny)
 _DEV = "cpu" if _SMOKE else "cuda"

@@ -467,7 +467,7 @@ def _run_child(variants: list[str]) -> subprocess.Popen[str]:
 
 def test_triton_interpreted_is_bit_identical_to_torch() -> None:
     """Every benchmark variant, bit for bit against torch (the library kernel: the conformance suite)."""
-    VARIANTS = _variants().VARIANTS  # noqa: N806
+    VARIANTS = _variants().VARIANTS
 
     # Under the interpreter the cast/ptx conversions run as the exact arithmetic (no inline PTX), so
     # every variant is runnable; two child processes split them (CI has 2 cores).
