@@ -31,11 +31,13 @@ import triton
 import triton.language as tl
 
 from underlay.interfaces import ConfigError
+from underlay.utils import env
 
 __all__ = [
     "DEFAULT_MODE",
     "INTERPRET",
     "MODES",
+    "check_mode",
     "fused_linear_logprobs",
     "mm_fp32",
     "mm_path",
@@ -592,6 +594,16 @@ class _FusedLinearLogprob(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
+def check_mode(mode: str, source: str = "UNDERLAY_TRITON_LOGPROB_MODE") -> str:
+    """``mode`` if it is one of :data:`MODES`; else ``ConfigError`` naming ``source`` and the choices."""
+    if mode not in MODES:
+        raise ConfigError(
+            f"{source} must be one of {', '.join(MODES)}, got {mode!r}; leave it unset for the default "
+            f"({DEFAULT_MODE})"
+        )
+    return mode
+
+
 def fused_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -618,12 +630,7 @@ def fused_linear_logprobs(
     workspace bounded independently of ``V``, agree up to fp32 rounding and were checked against float64
     on the H200; which one is faster depends on ``H`` (see :data:`DEFAULT_MODE`).
     """
-    mode = mode or os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", DEFAULT_MODE)
-    if mode not in MODES:
-        raise ConfigError(
-            f"UNDERLAY_TRITON_LOGPROB_MODE must be one of {', '.join(MODES)}, got {mode!r}; unset it for "
-            f"the default ({DEFAULT_MODE})"
-        )
+    mode = check_mode(mode) if mode is not None else check_mode(env.get("UNDERLAY_TRITON_LOGPROB_MODE"))
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.contiguous(), float(temperature), bool(with_entropy), group, int(label_offset),
         row_split, v_chunk, mode,

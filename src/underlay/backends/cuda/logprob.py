@@ -29,16 +29,27 @@ class TritonLogprobKernel:
     Forward is one fused Triton pass (matmul tiles + online softmax statistics, workspace
     ``[N, ceil(V / 256)]`` fp32); backward recomputes logits tile-wise into a bounded dlogits chunk and
     uses cuBLAS for the two gradient matmuls. Workspace is bounded independently of ``V``.
-    ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` computes the logits blocks with cuBLAS (fp32 output) and reads
-    them with the same kernels; an unknown value raises ``ConfigError`` (see
-    ``_logprob_triton.fused_linear_logprobs``). Inputs must live on a CUDA device (or on CPU when Triton's
+    ``mode="hybrid"`` (or, when ``mode`` is ``None``, ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` read at each
+    call) computes the logits blocks with cuBLAS (fp32 output) and reads them with the same kernels; an
+    unknown value raises ``ConfigError`` (see ``_logprob_triton.fused_linear_logprobs``). Inputs must live on a CUDA device (or on CPU when Triton's
     interpreter is on, ``TRITON_INTERPRET=1``, for tests). ``vocab_group`` follows the protocol: ``weight``
     is rank ``r``'s shard ``[r * V_local, (r + 1) * V_local)``; statistics are all-reduced over the group
     and the hidden gradient is summed over it (each rank must call with the same hidden and labels).
     """
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, mode: str | None = None) -> None:
         self._device = device
+        self._mode = mode
+        if mode is not None:
+            from underlay.backends.cuda._logprob_triton import check_mode
+
+            check_mode(mode, "TritonLogprobKernel(mode=...)")
+
+    @property
+    def mode(self) -> str | None:
+        """The fixed tile mode (``"fused"``/``"hybrid"``), or ``None``: ``UNDERLAY_TRITON_LOGPROB_MODE`` at
+        each call."""
+        return self._mode
 
     @property
     def name(self) -> str:
@@ -76,6 +87,7 @@ class TritonLogprobKernel:
             with_entropy=with_entropy,
             group=vocab_group,
             label_offset=offset,
+            mode=self._mode,
         )
         return LogprobOutput(log_probs=lp, entropy=ent)
 
