@@ -47,13 +47,14 @@ __all__ = [
 MODES = ("hybrid", "fused")
 """Ways to produce the logits tiles: cuBLAS blocks read by Triton ("hybrid") or ``tl.dot`` in Triton."""
 DEFAULT_MODE = "fused"
-"""On the H200, at the issue-9 benchmark shape (H=4096), hybrid was 1-3% faster than fused in three runs
-(273.7 vs 281.2, 281.2 vs 284.7, 284.6 vs 291.3 ms); inside the FSDP2 training step of a Qwen2-1.5B shape
-(H=1536) it was slower (MFU 49.9% against 51.5-52%), because its fp32 logits blocks cost memory traffic
-per FLOP in proportion to 1/H. So fused is the default."""
+"""The default mode. Hybrid's fp32 logits blocks cost memory traffic per FLOP in proportion to 1/H, so it
+can only win at large hidden sizes; fused is the one that does not lose inside a training step at the
+hidden sizes RL actors use (figures: ``benchmarks/results/logprob_h200_2026-12-02.md`` and
+``h200_2026-12-02.md``, fourth session)."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether the kernels were built for Triton's CPU interpreter (read once, at import)."""
+"""Whether the kernels were built for Triton's CPU interpreter. Read at import on purpose: Triton decides
+this when the kernels below are defined, so a later change cannot take effect in this process."""
 
 _UPCAST = tl.constexpr(INTERPRET)
 """The interpreter's ``tl.dot`` mishandles 16-bit floats: upcast operands to fp32 there (exact products)."""
@@ -77,9 +78,9 @@ _SHAPES = (
 
 _READ_SHAPES = (
     # BLOCK_N, BLOCK_V, num_warps: tiles for reading an fp32 logits buffer (no K loop, so no stages).
-    # Few rows per tile keep the fp32 tile and its exponentials in registers. With the matmul tiles above
-    # the forward statistics pass read the 20 GB of logits of the benchmark shape in 26.8 ms on the H200
-    # (a fifth of memory bandwidth); with these, in 9.9 ms.
+    # Few rows per tile keep the fp32 tile and its exponentials in registers; the matmul tiles above hold
+    # too many rows for that and read the buffer at a fraction of memory bandwidth (figures:
+    # benchmarks/results/logprob_h200_2026-12-02.md, "read tiles").
     (8, 256, 4),
     (16, 256, 4),
     (32, 256, 8),
@@ -142,15 +143,13 @@ def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: An
 
 
 # The token count N changes with every micro-batch, and so does the backward's vocabulary chunk (its width
-# follows from N) and with it V of the chunk kernels. Two one-time costs followed a new value in the middle
-# of a training run, seen on the H200 as timed steps of 3-4 s instead of 1.8 s in which nothing was
-# compiled by torch.compile:
-# - autotuning, when V was part of the autotune key: every config was compiled and benchmarked again for a
-#   new chunk width. The key is now the hidden size, the flags and (implicitly) the dtypes, so a config is
-#   tuned once per model; the tiles do not depend on V;
-# - Triton's specialisation of integer arguments divisible by 16 (or equal to 1): one more compilation
-#   the first time such a value comes. N, V and the label offset only bound masks and shift ids here, so
-#   the kernels are compiled without that specialisation.
+# follows from N) and with it V of the chunk kernels. Neither may cost a one-time compilation or tuning in
+# the middle of a training run (a slow step each time a new value comes):
+# - the autotune key is the hidden size, the flags and (implicitly) the dtypes, never N or V, so a config
+#   is tuned once per model; the tiles do not depend on V;
+# - N, V and the label offset only bound masks and shift ids, so the kernels are compiled without Triton's
+#   specialisation of integer arguments divisible by 16 (or equal to 1), which would compile again the
+#   first time such a value comes.
 _NO_SPECIALISE = ("N", "V", "label_offset")
 _TUNE_KEY = ["H", "WITH_ENTROPY", "FROM_LOGITS"]
 
@@ -624,11 +623,11 @@ def fused_linear_logprobs(
     all-reduced over it and the hidden gradient is summed over it. ``row_split`` / ``v_chunk`` override the
     backward's planned buffer sizes (tests use them to exercise several chunks at small shapes).
 
-    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE``, else :data:`DEFAULT_MODE`): ``"fused"`` computes
+    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE`` read now, else :data:`DEFAULT_MODE`): ``"fused"`` computes
     the logits inside the Triton kernels (``tl.dot``); ``"hybrid"`` computes each ``[rows, v_chunk]`` logits
     block with cuBLAS (fp32 output) and runs the Triton statistics / dlogits kernels on it. Both keep
-    workspace bounded independently of ``V``, agree up to fp32 rounding and were checked against float64
-    on the H200; which one is faster depends on ``H`` (see :data:`DEFAULT_MODE`).
+    workspace bounded independently of ``V`` and agree up to fp32 rounding; which one is faster depends
+    on ``H`` (see :data:`DEFAULT_MODE`).
     """
     mode = check_mode(mode) if mode is not None else check_mode(env.get("UNDERLAY_TRITON_LOGPROB_MODE"))
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
