@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -79,9 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from underlay.parallel.logging import setup_logging
 
-        setup_logging(
-            level=None if args.command != "info" else "WARNING", rank_zero_only=args.command == "info"
-        )
+        # warnings and up unless UNDERLAY_LOG_LEVEL asks for more; the commands print their own output
+        setup_logging(level=None if os.environ.get("UNDERLAY_LOG_LEVEL", "").strip() else "WARNING")
         return int(args.func(args))
     except UnderlayError as exc:
         print(f"underlay: error: {exc}", file=sys.stderr)

@@ -22,7 +22,7 @@ _TAG = "_underlay_handler"
 
 class _RankFilter(logging.Filter):
     """Adds ``record.rank`` (asked at each record, so a rank known only after ``init_process_group`` is
-    right) and, with ``rank_zero_only``, drops records on every other rank."""
+    right) and, with ``rank_zero_only``, drops records on every other rank (console handler only)."""
 
     def __init__(self, rank_zero_only: bool) -> None:
         super().__init__()
@@ -57,7 +57,8 @@ def setup_logging(
     a file).
 
     ``level``: a name or number; ``None`` reads ``UNDERLAY_LOG_LEVEL`` (default ``INFO``).
-    ``rank_zero_only``: records of other ranks are dropped (the file handler too). Calling it again
+    ``rank_zero_only``: the console shows only rank 0's records; per-rank files keep every rank's (so a
+    failure on rank 5 is still on disk). Calling it again
     replaces the handlers it added before (idempotent), leaving other handlers alone. Returns the root
     logger. Raises ``ConfigError`` for an unknown level.
     """
@@ -77,9 +78,9 @@ def setup_logging(
             path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
         path.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(path))
-    for h in handlers:
+    for i, h in enumerate(handlers):
         h.setFormatter(logging.Formatter(_FORMAT))
-        h.addFilter(_RankFilter(rank_zero_only))
+        h.addFilter(_RankFilter(rank_zero_only and i == 0))
         h.setLevel(lvl)
         setattr(h, _TAG, True)
         root.addHandler(h)
