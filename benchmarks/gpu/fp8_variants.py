@@ -590,6 +590,8 @@ class VariantFp8Quantizer:
         """``q * scale`` per tile, in fp32 then rounded once to ``dtype``. Raises ``InvalidInput`` on
         mismatched shapes, dtypes or devices."""
         bm, bk = check_dequant_args(q, scales, block, dtype)
+        if dtype == torch.float64:
+            raise InvalidInput("the variant kernels dequantise to bf16, fp16 or fp32")
         big = self._tile((bm, bk), q)
         m, k = q.shape
         out = torch.empty((m, k), device=q.device, dtype=dtype)

@@ -146,6 +146,28 @@ def check_bit_identical_to_reference(quant: Fp8Quantizer, name: str, dev: torch.
             assert torch.equal(quant.dequantize(q_t, s_t, block, out_dtype), want), ("strided", shape)
 
 
+def check_float64(quant: Fp8Quantizer, name: str, dev: torch.device) -> None:
+    """An fp64 weight is refused; dequantising to fp64 either equals ``q * scale`` computed exactly in
+    fp64 or is refused with ``InvalidInput``."""
+    w = _weight((40, 72), (16, 32), torch.float32, "fp64").to(dev)
+    try:
+        quant.quantize(w.double(), (16, 32))
+    except InvalidInput:
+        pass
+    else:
+        raise AssertionError("quantize accepted a float64 weight")
+    q, s = quantize_fp8_blockwise(w, (16, 32))
+    try:
+        out = quant.dequantize(q, s, (16, 32), torch.float64)
+    except InvalidInput as exc:
+        message = str(exc)
+        if "float64" not in message and "fp64" not in message:
+            raise AssertionError(f"the refusal does not name the dtype: {message}") from exc
+        return
+    exact = q.cpu().double() * _expand(s.cpu(), (40, 72), (16, 32)).double()
+    assert out.dtype == torch.float64 and torch.equal(out.cpu(), exact)
+
+
 def check_strided_input(quant: Fp8Quantizer, name: str, dev: torch.device) -> None:
     """A non-contiguous weight (transposed view, every other column) quantises like its contiguous copy."""
     w = _weight((96, 160), (32, 32), torch.bfloat16, "strided").to(dev)
@@ -209,6 +231,7 @@ CHECKS: dict[str, Callable[[Fp8Quantizer, str, torch.device], None]] = {
     "round_trip_bound": check_round_trip_bound,
     "bit_identical_to_reference": check_bit_identical_to_reference,
     "strided_input": check_strided_input,
+    "float64": check_float64,
     "refuses_bad_input": check_refuses_bad_input,
     "empty_weight": check_empty_weight,
 }

@@ -127,4 +127,5 @@ class Fp8Quantizer(Protocol):
         block: tuple[int, int] = (128, 128),
         dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
-        """``q * scale`` per tile, in ``dtype``."""
+        """``q * scale`` per tile, in ``dtype`` (bf16/fp16/fp32; a backend may also offer fp64, computed
+        exactly, and otherwise refuses it with ``InvalidInput``)."""

@@ -388,9 +388,15 @@ class TritonFp8Quantizer:
         block: tuple[int, int] = (128, 128),
         dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
-        """``q * scale`` per tile, in fp32 then rounded once to ``dtype``. Raises ``InvalidInput`` on
-        mismatched shapes, dtypes or devices."""
+        """``q * scale`` per tile, in fp32 then rounded once to ``dtype`` (bf16/fp16/fp32). Raises
+        ``InvalidInput`` on mismatched shapes, dtypes or devices, and for ``float64`` (the torch quantiser
+        computes that in float64)."""
         bm, bk = check_dequant_args(q, scales, block, dtype)
+        if dtype == torch.float64:
+            raise InvalidInput(
+                "the triton quantiser dequantises to bf16, fp16 or fp32; for float64 (computed exactly in "
+                "float64) use the torch quantiser (UNDERLAY_QUANT=torch)"
+            )
         big = self._tile((bm, bk), q)
         m, k = q.shape
         out = torch.empty((m, k), device=q.device, dtype=dtype)
