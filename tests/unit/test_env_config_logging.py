@@ -33,6 +33,12 @@ def test_every_underlay_variable_in_src_is_in_the_table() -> None:
     assert set(env.ENV_VARS) <= used_elsewhere, set(env.ENV_VARS) - used_elsewhere
 
 
+def test_registry_kind_variables_are_in_the_table() -> None:
+    from underlay import registry
+
+    assert set(registry.ENV_VARS.values()) | {registry.PLUGIN_ENV} <= set(env.ENV_VARS)
+
+
 def test_env_get_and_describe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("UNDERLAY_TRITON_LOGPROB_MODE", raising=False)
     assert env.get("UNDERLAY_TRITON_LOGPROB_MODE") == "fused"
