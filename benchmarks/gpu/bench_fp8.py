@@ -11,6 +11,7 @@ For each kernel variant of ``fp8_variants.py`` beside this script (``VARIANTS``,
   scales outside the reciprocal range, all-ones significands), and the 16384 x 8192 throughput weight:
   quantise must give the torch quantiser's q bytes and scales, dequantise (bf16/fp16/fp32, from the
   torch q and scales) its values, bit for bit;
+* the library kernel (the registry's ``triton`` quantiser) is checked on the same cases and timed first;
 * throughput on a 16384 x 8192 bf16 weight (256 MiB): bytes moved = read + write (quantise: 2 + 1 bytes
   per element + scales; dequantise: 1 + 2 + scales), against a 1 GiB device-to-device ``copy_``
   (2 x size bytes). Times are CUDA-event medians of 10 back-to-back calls (so host launch overhead is
@@ -485,6 +486,26 @@ def main() -> None:
     }
     print(f"torch quantiser: quantise {t_q:.3f} ms ({100 * nbytes / t_q / 1e6 / copy_gbs:.0f}% of copy); "
           f"dequantise {t_d:.3f} ms ({100 * nbytes / t_d / 1e6 / copy_gbs:.0f}%)", flush=True)  # fmt: skip
+    # the library's kernel (underlay.backends.cuda.fp8, through the registry): exact on every case, timed
+    lq = quantizer("triton")
+    lib_cases = [
+        compare(lq, sample(mm, kk, dt, block, seed=i), block) for i, (mm, kk, dt, block) in enumerate(_SHAPES)
+    ]
+    lib_cases.append(compare(lq, w, (128, 128)))
+    lq.quantize(w)  # autotunes
+    lq.dequantize(q, s)
+    t_lq = median_ms(lambda: lq.quantize(w))
+    t_ld = median_ms(lambda: lq.dequantize(q, s))
+    library_row = {
+        "exact": all(c["quant"] and c["dequant"] for c in lib_cases),
+        "quant_ms": t_lq,
+        "quant_frac_of_copy": nbytes / t_lq / 1e6 / copy_gbs,
+        "dequant_ms": t_ld,
+        "dequant_frac_of_copy": nbytes / t_ld / 1e6 / copy_gbs,
+    }
+    print(f"library triton quantiser ({type(lq).__module__}): exact {library_row['exact']} quantise "
+          f"{t_lq:.3f} ms ({100 * library_row['quant_frac_of_copy']:.0f}% of copy); dequantise {t_ld:.3f} ms "
+          f"({100 * library_row['dequant_frac_of_copy']:.0f}%)", flush=True)  # fmt: skip
     del w, q, s
     reference = []  # properties of the torch reference itself (same for every variant)
     for i, (mm, kk, dt, block) in enumerate(_SHAPES[:5]):
@@ -508,6 +529,7 @@ def main() -> None:
         "throughput_shape": [m, k],
         "timing": "CUDA-event median of 10 back-to-back calls, per call, after autotuning",
         "torch_quantiser": torch_row,
+        "library_quantiser": library_row,
         "reference": reference,
         "default_variant": fp8.DEFAULT_VARIANT,
         "variants": {},
