@@ -1,8 +1,9 @@
 """Blockwise FP8 (e4m3) quantisation on one GPU, for every Triton kernel variant: bit-identity with the torch
 quantiser and throughput as a fraction of the measured copy bandwidth (issue 9, item 6; goal >= 70 %).
 
-For each variant of ``underlay.backends.cuda.fp8`` (``VARIANTS``, or ``--variants a,b`` /
-``FP8_VARIANTS=a,b``):
+For each kernel variant of ``fp8_variants.py`` beside this script (``VARIANTS``, or ``--variants a,b`` /
+``FP8_VARIANTS=a,b``; the library's ``underlay.backends.cuda.fp8`` kernel is the variant
+``DEFAULT_VARIANT``, also timed through the registry as ``triton`` in the baseline):
 
 * exactness: the correctness cases below (partial edge tiles, bf16/fp16/fp32, blocks (128, 128) and
   (64, 96), tiles of widely different magnitude, an all-zero tile) plus adversarial tiles (exact e4m3
@@ -10,6 +11,7 @@ For each variant of ``underlay.backends.cuda.fp8`` (``VARIANTS``, or ``--variant
   scales outside the reciprocal range, all-ones significands), and the 16384 x 8192 throughput weight:
   quantise must give the torch quantiser's q bytes and scales, dequantise (bf16/fp16/fp32, from the
   torch q and scales) its values, bit for bit;
+* the library kernel (the registry's ``triton`` quantiser) is checked on the same cases and timed first;
 * throughput on a 16384 x 8192 bf16 weight (256 MiB): bytes moved = read + write (quantise: 2 + 1 bytes
   per element + scales; dequantise: 1 + 2 + scales), against a 1 GiB device-to-device ``copy_``
   (2 x size bytes). Times are CUDA-event medians of 10 back-to-back calls (so host launch overhead is
@@ -44,6 +46,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fp8_variants
 
 _SMOKE = os.environ.get("FP8_BENCH_SMOKE") == "1"  # CPU dry run of this script (TRITON_INTERPRET=1, tiny)
 _DEV = "cpu" if _SMOKE else "cuda"
@@ -219,10 +224,10 @@ def check_variant(name: str, dequant: bool) -> dict[str, Any]:
     """Phase 1 (child): exactness of one variant on every case; then every launch configuration of the
     throughput shape is compiled (into Triton's disk cache) and checked too. ``dequant`` False: the
     dequantisation kernel is another variant's (``dequant_key``) and is checked there."""
-    from underlay.backends.cuda import fp8
     from underlay.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
-    tq = fp8.TritonFp8Quantizer(device(), variant=name)
+    fp8 = fp8_variants
+    tq = fp8.VariantFp8Quantizer(device(), variant=name)
     t0 = time.time()
     fp8.AUTOTUNE = False  # the result does not depend on the launch configuration
     cases = []
@@ -268,10 +273,10 @@ def throughput_weight() -> torch.Tensor:
 
 def time_variant(name: str, copy_gbs: float) -> dict[str, Any]:
     """Phase 2 (child): autotuned throughput of one variant."""
-    from underlay.backends.cuda import fp8
     from underlay.ops.quant import quantize_fp8_blockwise
 
-    tq = fp8.TritonFp8Quantizer(device(), variant=name)
+    fp8 = fp8_variants
+    tq = fp8.VariantFp8Quantizer(device(), variant=name)
     t0 = time.time()
     m, k = _THROUGHPUT
     w = throughput_weight()
@@ -450,8 +455,7 @@ def main() -> None:
         return
     start = time.time()
     deadline = start + float(os.environ.get("FP8_BENCH_BUDGET_S", "480"))
-    from underlay.backends.cuda import fp8
-
+    fp8 = fp8_variants
     if args.variants:
         names = [fp8.parse_variant(v).name for v in args.variants.split(",") if v.strip()]
     else:
@@ -482,6 +486,26 @@ def main() -> None:
     }
     print(f"torch quantiser: quantise {t_q:.3f} ms ({100 * nbytes / t_q / 1e6 / copy_gbs:.0f}% of copy); "
           f"dequantise {t_d:.3f} ms ({100 * nbytes / t_d / 1e6 / copy_gbs:.0f}%)", flush=True)  # fmt: skip
+    # the library's kernel (underlay.backends.cuda.fp8, through the registry): exact on every case, timed
+    lq = quantizer("triton")
+    lib_cases = [
+        compare(lq, sample(mm, kk, dt, block, seed=i), block) for i, (mm, kk, dt, block) in enumerate(_SHAPES)
+    ]
+    lib_cases.append(compare(lq, w, (128, 128)))
+    lq.quantize(w)  # autotunes
+    lq.dequantize(q, s)
+    t_lq = median_ms(lambda: lq.quantize(w))
+    t_ld = median_ms(lambda: lq.dequantize(q, s))
+    library_row = {
+        "exact": all(c["quant"] and c["dequant"] for c in lib_cases),
+        "quant_ms": t_lq,
+        "quant_frac_of_copy": nbytes / t_lq / 1e6 / copy_gbs,
+        "dequant_ms": t_ld,
+        "dequant_frac_of_copy": nbytes / t_ld / 1e6 / copy_gbs,
+    }
+    print(f"library triton quantiser ({type(lq).__module__}): exact {library_row['exact']} quantise "
+          f"{t_lq:.3f} ms ({100 * library_row['quant_frac_of_copy']:.0f}% of copy); dequantise {t_ld:.3f} ms "
+          f"({100 * library_row['dequant_frac_of_copy']:.0f}%)", flush=True)  # fmt: skip
     del w, q, s
     reference = []  # properties of the torch reference itself (same for every variant)
     for i, (mm, kk, dt, block) in enumerate(_SHAPES[:5]):
@@ -505,6 +529,7 @@ def main() -> None:
         "throughput_shape": [m, k],
         "timing": "CUDA-event median of 10 back-to-back calls, per call, after autotuning",
         "torch_quantiser": torch_row,
+        "library_quantiser": library_row,
         "reference": reference,
         "default_variant": fp8.DEFAULT_VARIANT,
         "variants": {},

@@ -32,6 +32,7 @@ import torch
 
 from underlay import registry
 from underlay.backends.cuda import _logprob_triton as impl
+from underlay.backends.cuda.logprob import TritonLogprobKernel
 from underlay.ops import linear_logprobs
 
 
@@ -76,7 +77,8 @@ def main() -> None:
     labels[::17] = -100
     g_lp, g_ent = torch.randn(n, device=dev), torch.randn(n, device=dev)
     hh, ww = hidden.requires_grad_(), weight.requires_grad_()
-    kernel = registry.get_logprob_kernel("triton")
+    registry.get_logprob_kernel("triton")  # the registry's choice must be available here
+    kernels = {m: TritonLogprobKernel(registry.get_device(), mode=m) for m in impl.MODES}
 
     def clear() -> None:
         hh.grad = None
@@ -85,8 +87,7 @@ def main() -> None:
     def ours(with_entropy: bool = True, mode: str = impl.DEFAULT_MODE) -> Callable[[], None]:
         def fn() -> None:
             clear()
-            os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = mode
-            out = kernel(hh, ww, labels, with_entropy=with_entropy)
+            out = kernels[mode](hh, ww, labels, with_entropy=with_entropy)
             loss = (out.log_probs * g_lp).sum()
             if out.entropy is not None:
                 loss = loss + (out.entropy * g_ent).sum()
@@ -96,9 +97,8 @@ def main() -> None:
 
     def ours_fwd(mode: str) -> Callable[[], None]:
         def fn() -> None:
-            os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = mode
             with torch.no_grad():
-                kernel(hidden.detach(), weight.detach(), labels)
+                kernels[mode](hidden.detach(), weight.detach(), labels)
 
         return fn
 
@@ -165,7 +165,7 @@ def main() -> None:
             impl.plan_backward(n, h, 2, "fused"),
             impl.plan_backward(n, h, 2, "hybrid"),
         ),
-        "mm_path": impl.MM_PATH,
+        "mm_path": impl.mm_path(hidden),
         "results": rows,
     }
     for ref in ("liger_flce", "chunked_torch", "naive_torch"):

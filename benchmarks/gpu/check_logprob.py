@@ -24,6 +24,7 @@ import torch
 
 from underlay import registry
 from underlay.backends.cuda import _logprob_triton as impl
+from underlay.backends.cuda.logprob import TritonLogprobKernel
 from underlay.interfaces import IGNORE_INDEX
 
 SHAPES = [
@@ -69,11 +70,20 @@ def reference(
 
 
 def check(
-    n: int, hdim: int, v: int, dtype: torch.dtype, *, temperature: float = 1.0, strided: bool = False
+    n: int,
+    hdim: int,
+    v: int,
+    dtype: torch.dtype,
+    *,
+    temperature: float = 1.0,
+    strided: bool = False,
+    mode: str | None = None,
 ) -> dict[str, Any]:
-    """One case: error figures and pass flags (mode from ``UNDERLAY_TRITON_LOGPROB_MODE``)."""
+    """One case: error figures and pass flags (``mode``: the kernel's tile mode, default its default)."""
     dev = torch.device("cuda")
-    kernel = registry.get_logprob_kernel("triton")
+    registry.get_logprob_kernel("triton")  # the registry's choice must be available here
+    mode = mode or impl.DEFAULT_MODE
+    kernel = TritonLogprobKernel(registry.get_device(), mode=mode)
     if strided:
         h = torch.randn(hdim, n, device=dev).to(dtype).T
         w = (torch.randn(v, 2 * hdim, device=dev) * (2.5 / hdim**0.5)).to(dtype)[:, ::2]
@@ -106,7 +116,7 @@ def check(
         "dtype": str(dtype).replace("torch.", ""),
         "temperature": temperature,
         "strided": strided,
-        "mode": os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", impl.DEFAULT_MODE),
+        "mode": mode,
         "first_call_s": round(first_s, 2),
         "lp_max_err": float(lp_err.max().detach()),
         "ent_max_err": float(ent_err.max()),
@@ -132,8 +142,6 @@ def check(
 def main() -> int:
     """Run every case, print a table, write the JSON report; exit status 1 if any case fails."""
     torch.manual_seed(0)
-    from underlay.backends.cuda import _logprob_triton as impl
-
     print(f"torch {torch.__version__}  triton {impl.triton.__version__}  gpu {torch.cuda.get_device_name()}")
     cases = [
         check(n, h, v, torch.bfloat16, temperature=1.0 if i % 2 else 0.8)
@@ -144,9 +152,8 @@ def main() -> int:
     cases.append(check(777, 1024, 50000, torch.bfloat16, strided=True))
     cases.append(check(20000, 4096, 32256, torch.bfloat16))  # several backward row splits
     if len(sys.argv) > 1 and sys.argv[1] == "--both-modes":
-        os.environ["UNDERLAY_TRITON_LOGPROB_MODE"] = next(m for m in impl.MODES if m != impl.DEFAULT_MODE)
-        cases += [check(n, h, v, torch.bfloat16, temperature=0.8) for n, h, v in SHAPES]
-        os.environ.pop("UNDERLAY_TRITON_LOGPROB_MODE")
+        other = next(m for m in impl.MODES if m != impl.DEFAULT_MODE)
+        cases += [check(n, h, v, torch.bfloat16, temperature=0.8, mode=other) for n, h, v in SHAPES]
     print(f"{'N,H,V':>22} {'dtype':>8} {'T':>4} {'lp err':>9} {'ent err':>9} {'gh rel':>9} {'gw rel':>9} "
           f"{'(bf16 ref)':>10} ok")  # fmt: skip
     for c in cases:
@@ -161,7 +168,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
         "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
-        "mm_path": impl.MM_PATH,
+        "mm_path": impl.mm_path(torch.empty(1, 1, device="cuda", dtype=torch.bfloat16)),
         "cases": cases,
     }
     out = os.environ.get("OUT", ".")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,11 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"hardware: {hw['count']} x {hw['model']} ({hw['device']}; peak {peak})")
     if data["plugins_allowed"]:
         print(f"plugins allowed: {data['plugins_allowed']}")
+    print("\nenvironment (UNDERLAY_* variables underlay reads):")
+    for row in data["environment"]:
+        value = "<unset>" if row["value"] is None else repr(row["value"])
+        default = f"default {row['default']!r}" if row["default"] else "no default"
+        print(f"  {row['name']:<29} {value:<12} {default:<20} {row['means']} [{row['values']}]")
     for kind, rows in data["backends"].items():
         sel = data["selected"].get(kind, {})
         chosen = sel.get("name")
@@ -76,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``underlay`` console script; returns the exit status (2 on an UnderlayError)."""
     args = _build_parser().parse_args(argv)
     try:
+        from underlay.parallel.logging import setup_logging
+
+        # warnings and up unless UNDERLAY_LOG_LEVEL asks for more; the commands print their own output
+        setup_logging(level=None if os.environ.get("UNDERLAY_LOG_LEVEL", "").strip() else "WARNING")
         return int(args.func(args))
     except UnderlayError as exc:
         print(f"underlay: error: {exc}", file=sys.stderr)

@@ -50,6 +50,7 @@ from underlay.interfaces import (
     WeightLoader,
     describe_options,
 )
+from underlay.utils import env as _env
 
 __all__ = [
     "ENV_VARS",
@@ -404,7 +405,7 @@ def _specs() -> dict[str, dict[str, BackendSpec]]:
 
 
 def _allowed_plugins() -> set[str] | None:
-    raw = os.environ.get(PLUGIN_ENV, "").strip()
+    raw = _env.get(PLUGIN_ENV)
     if not raw:
         return set()
     if raw in ("*", "all"):
@@ -719,8 +720,9 @@ def get_weight_loader(name: str | None = None) -> WeightLoader:
 
 
 def info() -> dict[str, Any]:
-    """Everything ``underlay info`` prints: versions, hardware, each backend with its probe and what
-    ``auto`` picks. Selection errors are reported in the entries, not raised, except an invalid
+    """Everything ``underlay info`` prints: versions, hardware, every ``UNDERLAY_*`` variable with its
+    current value and meaning (``environment``, from :mod:`underlay.utils.env`), each backend with its
+    probe and what ``auto`` picks. Selection errors are reported in the entries, not raised, except an invalid
     environment value, which raises (``UnknownBackend``/``BackendUnavailable``)."""
     import platform
     import sys
@@ -742,7 +744,8 @@ def info() -> dict[str, Any]:
         "versions": versions,
         "platform": platform.platform(),
         "accelerator": _current_accelerator(),
-        "plugins_allowed": os.environ.get(PLUGIN_ENV, ""),
+        "plugins_allowed": _env.get(PLUGIN_ENV),
+        "environment": _env.describe(),
         "backends": {},
         "selected": {},
     }

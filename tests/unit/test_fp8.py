@@ -1,12 +1,14 @@
-"""Blockwise FP8 quantisation: the torch reference/quantiser and the Triton quantiser (interpreted on CPU).
+"""Blockwise FP8 quantisation: the torch reference/quantiser, the library's Triton quantiser and the
+benchmark's kernel variants (``benchmarks/gpu/fp8_variants.py``), interpreted on CPU.
 
 The Triton checks run in a child process (this file as a script) with ``TRITON_INTERPRET=1`` so the
-interpreter never reaches the pytest process. The reciprocal ("rcp") division of the Triton kernels is
+interpreter never reaches the pytest process. The reciprocal ("rcp") division of the variant kernels is
 also checked in plain torch against IEEE division, with an exact emulation of fp32 fused multiply-add.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +24,21 @@ from underlay.interfaces import Fp8Quantizer, InvalidInput
 from underlay.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
 _SRC = str(Path(__file__).resolve().parents[2] / "src")
+_VARIANTS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "fp8_variants.py"
+
+
+def _variants() -> Any:
+    """The benchmark's variant module, loaded from its file (benchmarks/ is not a package)."""
+    if "fp8_variants" in sys.modules:
+        return sys.modules["fp8_variants"]
+    spec = importlib.util.spec_from_file_location("fp8_variants", _VARIANTS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fp8_variants"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 _CASES = [
     ((200, 300), (128, 128), torch.bfloat16),
     ((37, 50), (16, 24), torch.float16),
@@ -267,8 +284,7 @@ def test_rcp_division_fp32_significands_random() -> None:
 
 
 def test_variant_names_and_errors() -> None:
-    from underlay.backends.cuda import fp8
-
+    fp8 = _variants()
     assert fp8.DEFAULT_VARIANT in fp8.VARIANTS
     for name in fp8.VARIANTS:
         assert fp8.parse_variant(name).name == name
@@ -278,43 +294,57 @@ def test_variant_names_and_errors() -> None:
         with pytest.raises(InvalidInput, match="FP8 kernel variant"):
             fp8.parse_variant(bad)
     with pytest.raises(InvalidInput, match="FP8 kernel variant"):
-        fp8.TritonFp8Quantizer(None, variant="nope")  # type: ignore[arg-type]
+        fp8.VariantFp8Quantizer(None, variant="nope")
+    assert fp8.VariantFp8Quantizer(None, variant="div-sw-t4").variant == "div-sw-t4"
+    assert fp8.VariantFp8Quantizer(None).variant == "div-cast-t1"
 
 
-def test_variant_is_read_from_the_environment_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    from underlay.backends.cuda import fp8
-
-    monkeypatch.delenv("UNDERLAY_FP8_VARIANT", raising=False)
-    quant = fp8.TritonFp8Quantizer(None)  # type: ignore[arg-type]
-    assert quant.variant == fp8.DEFAULT_VARIANT == "div-cast-t1"
-    monkeypatch.setenv("UNDERLAY_FP8_VARIANT", "rcp-ptx-t2")
-    assert quant.variant == "rcp-ptx-t2"
-    assert fp8.TritonFp8Quantizer(None, variant="div-sw-t4").variant == "div-sw-t4"  # type: ignore[arg-type]
-    monkeypatch.setenv("UNDERLAY_FP8_VARIANT", "bogus")
-    with pytest.raises(InvalidInput, match="FP8 kernel variant"):
-        _ = quant.variant
-
-
-def test_tiles_per_program_and_launch_configurations() -> None:
-    from underlay.backends.cuda import fp8
-
+def test_variant_tiles_per_program_and_launch_configurations() -> None:
+    fp8 = _variants()
     assert [fp8._tiles_per_program(4, kb) for kb in (1, 2, 3, 4, 6, 7, 8, 64)] == [1, 2, 1, 4, 2, 1, 4, 4]
     assert fp8._tiles_per_program(2, 6) == 2 and fp8._tiles_per_program(1, 8) == 1
-    configs = fp8._CONFIGS
-    warps = lambda cs: sorted({c.num_warps for c in cs})  # noqa: E731
-    assert warps(fp8._prune(configs, {}, BM=128, BK=128)) in ([8], [4, 8, 16])
     old = fp8.AUTOTUNE
     try:
         fp8.AUTOTUNE = False
-        assert [(c.num_warps, c.maxnreg) for c in fp8._prune(configs, {}, BM=128, BK=128)] == [(8, None)]
-        assert [c.num_warps for c in fp8._prune(configs, {}, BM=16, BK=16)] == [2]  # 256 elements: 4 each
-        assert [c.num_warps for c in fp8._prune(configs, {}, BM=4, BK=8)] == [1]
+        assert [(c.num_warps, c.maxnreg) for c in fp8._prune(fp8._CONFIGS, {}, BM=128, BK=128)] == [(8, None)]
         fp8.AUTOTUNE = True
-        for bm, bk in ((128, 128), (64, 128), (16, 32), (8, 8)):
-            for c in fp8._prune(configs, {}, BM=bm, BK=bk):
-                assert c.num_warps * 32 * 4 <= max(bm * bk, 128)
+        fp8.FORCE_CONFIG = (4, None)
+        assert [(c.num_warps, c.maxnreg) for c in fp8._prune(fp8._CONFIGS, {}, BM=128, BK=128)] == [(4, None)]
     finally:
-        fp8.AUTOTUNE = old
+        fp8.AUTOTUNE, fp8.FORCE_CONFIG = old, None
+
+
+def test_library_kernel_has_no_variant_switches() -> None:
+    """The library keeps the one default kernel; the variant zoo and its switches live in benchmarks/."""
+    from underlay.backends.cuda import fp8
+
+    for gone in ("VARIANTS", "FORCE_CONFIG", "AUTOTUNE", "parse_variant", "Fp8Variant"):
+        assert not hasattr(fp8, gone), gone
+    with pytest.raises(TypeError):
+        fp8.TritonFp8Quantizer(None, variant="div-cast-t1")  # type: ignore[arg-type, call-arg]
+
+
+def test_autotune_switch_is_read_at_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from underlay.backends.cuda import fp8
+
+    configs = fp8._CONFIGS
+    warps = lambda cs: sorted({c.num_warps for c in cs})  # noqa: E731
+    monkeypatch.delenv("UNDERLAY_FP8_AUTOTUNE", raising=False)
+    assert fp8.autotune_enabled()
+    assert warps(fp8._prune(configs, {}, BM=128, BK=128)) in ([8], [4, 8, 16])
+    monkeypatch.setenv("UNDERLAY_FP8_AUTOTUNE", "0")
+    assert not fp8.autotune_enabled()
+    assert [(c.num_warps, c.maxnreg) for c in fp8._prune(configs, {}, BM=128, BK=128)] == [(8, None)]
+    assert [c.num_warps for c in fp8._prune(configs, {}, BM=16, BK=16)] == [2]  # 256 elements: 4 each
+    assert [c.num_warps for c in fp8._prune(configs, {}, BM=4, BK=8)] == [1]
+    monkeypatch.setenv("UNDERLAY_FP8_AUTOTUNE", "1")
+    assert fp8.autotune_enabled()
+    for bm, bk in ((128, 128), (64, 128), (16, 32), (8, 8)):
+        for c in fp8._prune(configs, {}, BM=bm, BK=bk):
+            assert c.num_warps * 32 * 4 <= max(bm * bk, 128)
+    monkeypatch.setenv("UNDERLAY_FP8_AUTOTUNE", "yes")
+    with pytest.raises(InvalidInput, match="UNDERLAY_FP8_AUTOTUNE='yes'"):
+        fp8.autotune_enabled()
 
 
 # ---- the Triton kernels under the interpreter (child process) ------------------------------------------
@@ -404,9 +434,13 @@ def _child(variants: list[str]) -> None:
 
     res = []
     for name in variants:
-        tq = TritonFp8Quantizer(CpuDevice(), variant=name)
+        tq = (
+            TritonFp8Quantizer(CpuDevice())
+            if name == "library"
+            else _variants().VariantFp8Quantizer(CpuDevice(), variant=name)
+        )
         # cast/ptx run as sw under the interpreter: those variants get one case, the others all
-        full = "-sw-" in name or name.endswith("-mfast")
+        full = "-sw-" in name or name.endswith("-mfast") or name == "library"
         for i, (shape, block, dtype) in enumerate(_CASES if full else _CASES[1:2]):
             w = _weight(shape, block, dtype, seed=100 + i)
             if i == 1:
@@ -432,7 +466,8 @@ def _run_child(variants: list[str]) -> subprocess.Popen[str]:
 
 
 def test_triton_interpreted_is_bit_identical_to_torch() -> None:
-    from underlay.backends.cuda.fp8 import VARIANTS
+    """Every benchmark variant, bit for bit against torch (the library kernel: the conformance suite)."""
+    VARIANTS = _variants().VARIANTS
 
     # Under the interpreter the cast/ptx conversions run as the exact arithmetic (no inline PTX), so
     # every variant is runnable; two child processes split them (CI has 2 cores).

@@ -278,6 +278,13 @@ def test_unknown_mode_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("UNDERLAY_TRITON_LOGPROB_MODE", "bogus")
     with pytest.raises(ConfigError, match="bogus"):
         fused_linear_logprobs(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]))
+    from underlay.backends.cpu.device import CpuDevice
+    from underlay.backends.cuda.logprob import TritonLogprobKernel
+
+    with pytest.raises(ConfigError, match=r"TritonLogprobKernel\(mode=...\).*'tiled'"):
+        TritonLogprobKernel(CpuDevice(), mode="tiled")
+    assert TritonLogprobKernel(CpuDevice(), mode="hybrid").mode == "hybrid"
+    assert TritonLogprobKernel(CpuDevice()).mode is None  # the environment decides at each call
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")

@@ -52,6 +52,12 @@ def _worker(rank: int, cfg: DemoConfig, world: int, port: int, out_dir: str) -> 
     )
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (resume check)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from underlay.parallel.logging import setup_logging
+
+    # the console shows rank 0 only; every rank's records go to its own file. Warnings and up unless
+    # UNDERLAY_LOG_LEVEL asks for more (the demo's own progress lines are printed, not logged).
+    quiet = None if os.environ.get("UNDERLAY_LOG_LEVEL", "").strip() else "WARNING"
+    setup_logging(level=quiet, rank_zero_only=True, file=Path(out_dir) / "logs" / "demo.log")
     try:
         import transformers
 

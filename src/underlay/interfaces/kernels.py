@@ -73,8 +73,9 @@ class LogprobKernel(Protocol):
     """Fused ``hidden @ weight.T / temperature -> log_softmax -> gather(labels)`` (+ entropy) that never
     materialises the ``[N, V]`` logits.
 
-    ``hidden [N, H]`` (bf16, fp16 or fp32, any strides), ``weight [V_local, H]`` of the same dtype,
-    ``labels [N]`` int64 in ``[0, V)`` or ``IGNORE_INDEX``. Math is fp32. With ``vocab_group`` the
+    ``hidden [N, H]`` (bf16, fp16 or fp32, any strides; fp64 where ``supports(torch.float64)`` is empty),
+    ``weight [V_local, H]`` of the same dtype, ``labels [N]`` int64 in ``[0, V)`` or ``IGNORE_INDEX``.
+    Math is fp32 (fp64 for fp64 input, whose outputs are then fp64). With ``vocab_group`` the
     weight is this rank's contiguous vocabulary shard (rank ``r`` holds rows
     ``[r * V_local, (r + 1) * V_local)``), labels are global ids, and the result equals the unsharded
     one on every rank of the group. Backward gives gradients of ``hidden`` and ``weight``.
@@ -83,6 +84,9 @@ class LogprobKernel(Protocol):
     @property
     def name(self) -> str:
         """Registry name, e.g. ``"triton"``."""
+
+    def supports(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """Reasons this kernel cannot run inputs of ``dtype``; empty when it can."""
 
     def __call__(
         self,
@@ -123,4 +127,5 @@ class Fp8Quantizer(Protocol):
         block: tuple[int, int] = (128, 128),
         dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
-        """``q * scale`` per tile, in ``dtype``."""
+        """``q * scale`` per tile, in ``dtype`` (bf16/fp16/fp32; a backend may also offer fp64, computed
+        exactly, and otherwise refuses it with ``InvalidInput``)."""

@@ -17,7 +17,10 @@ class Profiler(Protocol):
 
     ``start()`` begins a profiling session, ``step()`` marks the end of one training step, ``stop()``
     ends the session and flushes output. Only configured ranks and steps record; elsewhere every call
-    is a cheap no-op (under 1 microsecond for ``range``/``annotate`` when off).
+    is a cheap no-op (under 1 microsecond for ``range`` when off; on a rank that never records,
+    ``annotate`` returns the function itself). Backends that write files put one per run of consecutive
+    recorded steps in ``ProfilerConfig.output_dir``, named ``rank{r}_step{s}.*``; the contract is
+    ``tests/conformance/test_profiler_contract.py``.
     """
 
     @property

@@ -40,6 +40,11 @@ def _keep(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """Result dtype of the summaries: fp64 for fp64 input (no silent downcast), fp32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _reduce(t: torch.Tensor, op: Any, group: Any | None) -> torch.Tensor:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return t
@@ -50,7 +55,8 @@ def _reduce(t: torch.Tensor, op: Any, group: Any | None) -> torch.Tensor:
 
 
 def distributed_masked_mean(x: torch.Tensor, mask: torch.Tensor, group: Any | None = None) -> torch.Tensor:
-    """Mean of the kept elements of ``x`` over all ranks of ``group`` (a 0-d fp32 tensor on x's device).
+    """Mean of the kept elements of ``x`` over all ranks of ``group`` (a 0-d fp32 tensor on x's device,
+    fp64 when ``x`` is fp64).
 
     Each rank contributes its masked sum and count (one all-reduce of two fp64 numbers); masked-out
     NaNs do not leak. ``group=None`` uses the default group when torch.distributed is initialised and
@@ -61,7 +67,7 @@ def distributed_masked_mean(x: torch.Tensor, mask: torch.Tensor, group: Any | No
     local = torch.stack([torch.where(keep, xf, torch.zeros_like(xf)).sum(), keep.sum().to(torch.float64)])
     total = _reduce(local, dist.ReduceOp.SUM, group)
     mean = torch.where(total[1] > 0, total[0] / total[1].clamp_min(1), torch.zeros_like(total[0]))
-    return mean.to(torch.float32)
+    return mean.to(_out_dtype(x))
 
 
 def distributed_mean_max_min_std(
@@ -69,7 +75,7 @@ def distributed_mean_max_min_std(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(mean, max, min, std)`` of all (kept) elements of ``x`` on every rank of ``group``.
 
-    0-d fp32 tensors on x's device; ``std`` is unbiased (``n - 1``; 0 when ``n < 2``). Three
+    0-d fp32 tensors on x's device (fp64 when ``x`` is fp64); ``std`` is unbiased (``n - 1``; 0 when ``n < 2``). Three
     all-reduces (sums, extremes, squared deviations from the global mean) in fp64. A rank may hold no
     elements. Raises ``InvalidInput`` (on every rank) when no rank holds an element.
     """
@@ -96,5 +102,5 @@ def distributed_mean_max_min_std(
     dev = torch.where(keep, xf - mean, zero)
     ss = _reduce((dev * dev).sum().reshape(1), dist.ReduceOp.SUM, group)[0]
     std = torch.where(n > 1, torch.sqrt(ss / (n - 1).clamp_min(1)), zero)
-    f = torch.float32
+    f = _out_dtype(x)
     return mean.to(f), ext[0].to(f), (-ext[1]).to(f), std.to(f)

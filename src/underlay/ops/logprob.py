@@ -1,8 +1,9 @@
 """Memory-frugal log-probs and entropy, from logits or straight from hidden states.
 
-Every function here works in fp32 whatever the input dtype, and is chunked over tokens in forward *and*
+Every function here works in fp32 for fp32/bf16/fp16 input and in fp64 for fp64 input (a user checking
+gradients needs it), and is chunked over tokens in forward *and*
 backward (custom ``torch.autograd.Function``), so at most a couple of fp32 ``[chunk, V]`` buffers are alive
-at any time. Labels equal to ``IGNORE_INDEX`` (-100) give log-prob 0 and entropy 0 and receive no
+(fp64 for fp64 input) at any time. Labels equal to ``IGNORE_INDEX`` (-100) give log-prob 0 and entropy 0 and receive no
 gradient.
 """
 
@@ -18,7 +19,14 @@ from underlay.interfaces import IGNORE_INDEX, InvalidInput, LogprobOutput
 
 __all__ = ["check_logprob_args", "entropy_from_logits", "linear_logprobs", "logprobs_from_logits"]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the statistics are computed in: fp64 for fp64 input, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 _AUTO_CHUNK_ELEMENTS = 1 << 26  # 64 Mi fp32 elements (256 MiB) per logits chunk when chunk_size is None
 
 
@@ -147,17 +155,18 @@ def _chunk_grad(
 
 
 def _masked_grads(
-    labels: torch.Tensor | None, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
+    labels: torch.Tensor | None,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    acc: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Incoming grads as fp32 with ignored rows zeroed (those outputs are constants)."""
+    """Incoming grads in ``acc`` (fp32, or fp64) with ignored rows zeroed (those outputs are constants)."""
     if labels is None:
-        return (None, None if g_ent is None else g_ent.float())
+        return (None, None if g_ent is None else g_ent.to(acc))
     keep = labels != IGNORE_INDEX
     out = []
     for g in (g_lp, g_ent):
-        out.append(
-            None if g is None else torch.where(keep, g.float(), torch.zeros_like(g, dtype=torch.float32))
-        )
+        out.append(None if g is None else torch.where(keep, g.to(acc), torch.zeros_like(g, dtype=acc)))
     return out[0], out[1]
 
 
@@ -177,13 +186,14 @@ class _LogitsStats(torch.autograd.Function):
         rows: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lp = torch.zeros(n if labels is not None else 0, dtype=torch.float32, device=logits.device)
-        ent = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        acc = _acc_dtype(logits.dtype)
+        lse = torch.empty(n, dtype=acc, device=logits.device)
+        lp = torch.zeros(n if labels is not None else 0, dtype=acc, device=logits.device)
+        ent = torch.zeros(n if with_entropy else 0, dtype=acc, device=logits.device)
         inv_t = 1.0 / temperature
         for start in range(0, n, rows):
             sl = slice(start, min(start + rows, n))
-            z = logits[sl].to(torch.float32, copy=True)
+            z = logits[sl].to(acc, copy=True)
             if inv_t != 1.0:
                 z.mul_(inv_t)
             lab = labels[sl] if labels is not None else None
@@ -209,14 +219,15 @@ class _LogitsStats(torch.autograd.Function):
         labels = rest[0] if ctx.has_labels else None
         if ent.numel() == 0:
             g_ent_in = None
-        g_lp, g_ent = _masked_grads(labels, g_lp_in if ctx.has_labels else None, g_ent_in)
+        acc = _acc_dtype(logits.dtype)
+        g_lp, g_ent = _masked_grads(labels, g_lp_in if ctx.has_labels else None, g_ent_in, acc)
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
         n, rows, inv_t = logits.shape[0], ctx.rows, 1.0 / ctx.temperature
         grad = torch.empty_like(logits)
         for start in range(0, n, rows):
             sl = slice(start, min(start + rows, n))
-            z = logits[sl].to(torch.float32, copy=True)
+            z = logits[sl].to(acc, copy=True)
             if inv_t != 1.0:
                 z.mul_(inv_t)
             g = _chunk_grad(
@@ -237,7 +248,9 @@ def _check_logits(logits: torch.Tensor, what: str) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise InvalidInput(f"{what}: logits must be a tensor [..., V], got {type(logits).__name__}")
     if logits.dtype not in _FLOAT_DTYPES:
-        raise InvalidInput(f"{what}: logits dtype {logits.dtype} must be one of float32, bfloat16, float16")
+        raise InvalidInput(
+            f"{what}: logits dtype {logits.dtype} must be one of float32, bfloat16, float16, float64"
+        )
 
 
 def logprobs_from_logits(
@@ -247,10 +260,10 @@ def logprobs_from_logits(
     *,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """``log_softmax(logits / temperature).gather(labels)`` in fp32, chunked over tokens.
+    """``log_softmax(logits / temperature).gather(labels)`` in fp32 (fp64 for fp64 logits), chunked.
 
-    ``logits [..., V]`` (fp32/bf16/fp16), ``labels [...]`` int64 in ``[0, V)`` or ``IGNORE_INDEX``.
-    Returns fp32 ``[...]``; ignored labels give 0 and no gradient. The gradient w.r.t. ``logits`` has the
+    ``logits [..., V]`` (fp32/bf16/fp16/fp64), ``labels [...]`` int64 in ``[0, V)`` or ``IGNORE_INDEX``.
+    Returns fp32 ``[...]`` (fp64 for fp64 logits); ignored labels give 0 and no gradient. The gradient w.r.t. ``logits`` has the
     dtype of ``logits``. ``chunk_size`` is the number of token rows per fp32 chunk (``None``: about
     64 Mi elements per chunk). Raises ``InvalidInput`` on shape/dtype/device mismatch, labels out of
     range or ``temperature <= 0``.
@@ -283,7 +296,7 @@ def entropy_from_logits(
 ) -> torch.Tensor:
     """Entropy ``-sum p log p`` of ``softmax(logits / temperature)`` over the last dim, in fp32, chunked.
 
-    ``logits [..., V]`` (fp32/bf16/fp16) -> fp32 ``[...]`` (nats). Differentiable (chunked backward,
+    ``logits [..., V]`` (fp32/bf16/fp16/fp64) -> fp32 ``[...]`` (nats; fp64 for fp64 logits). Differentiable (chunked backward,
     gradient in the dtype of ``logits``). Raises ``InvalidInput`` on a bad dtype or temperature.
     """
     _check_logits(logits, "entropy_from_logits")
@@ -302,9 +315,11 @@ def entropy_from_logits(
 
 
 def _logits_chunk(h: torch.Tensor, weight: torch.Tensor, inv_t: float) -> torch.Tensor:
-    """fp32 ``h @ weight.T * inv_t``; half inputs multiply in their dtype (fp32 accumulation)."""
+    """fp32 ``h @ weight.T * inv_t`` (fp64 for fp64 input); half inputs multiply in their dtype (fp32
+    accumulation)."""
     z = h @ weight.t()
-    z = z.float() if z.dtype != torch.float32 else z
+    acc = _acc_dtype(h.dtype)
+    z = z.to(acc) if z.dtype != acc else z
     if inv_t != 1.0:
         z.mul_(inv_t)
     return z
@@ -328,9 +343,10 @@ class _LinearLogprob(torch.autograd.Function):
         offset = rank * weight.shape[0]
         n = hidden.shape[0]
         dev = hidden.device
-        lse = torch.empty(n, dtype=torch.float32, device=dev)
-        lp = torch.zeros(n, dtype=torch.float32, device=dev)
-        ent = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=dev)
+        acc = _acc_dtype(hidden.dtype)
+        lse = torch.empty(n, dtype=acc, device=dev)
+        lp = torch.zeros(n, dtype=acc, device=dev)
+        ent = torch.zeros(n if with_entropy else 0, dtype=acc, device=dev)
         inv_t = 1.0 / temperature
         keep = labels != IGNORE_INDEX
         for start in range(0, n, rows):
@@ -354,14 +370,15 @@ class _LinearLogprob(torch.autograd.Function):
         hidden, weight, labels, lse, ent = ctx.saved_tensors
         if ent.numel() == 0:
             g_ent_in = None
-        g_lp, g_ent = _masked_grads(labels, g_lp_in, g_ent_in)
+        acc = _acc_dtype(hidden.dtype)
+        g_lp, g_ent = _masked_grads(labels, g_lp_in, g_ent_in, acc)
         nones = (None, None, None, None, None)
         if g_lp is None and g_ent is None:
             return None, None, *nones
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, rows, inv_t = hidden.shape[0], ctx.rows, 1.0 / ctx.temperature
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         for start in range(0, n, rows):
             sl = slice(start, min(start + rows, n))
             h = hidden[sl]
@@ -381,7 +398,7 @@ class _LinearLogprob(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[sl] = g @ weight
             if grad_w is not None:
-                grad_w += (g.t() @ h).float()
+                grad_w += (g.t() @ h).to(acc)
         if grad_h is not None:
             _all_reduce(grad_h, dist.ReduceOp.SUM, ctx.group)
         return (
@@ -401,7 +418,7 @@ def check_logprob_args(
 ) -> tuple[int, int]:
     """Validate the arguments of a ``LogprobKernel`` call (shared by every backend) before any launch.
 
-    ``hidden [N, H]`` and ``weight [V_local, H]`` of one float dtype (fp32/bf16/fp16) and one device with
+    ``hidden [N, H]`` and ``weight [V_local, H]`` of one float dtype (fp32/bf16/fp16/fp64) and one device with
     ``labels [N]`` (int64/int32, in ``[0, V_local * world)`` or ``IGNORE_INDEX``); ``temperature`` a
     finite number > 0. Returns ``(rank, world)`` of ``vocab_group`` (``(0, 1)`` without one). Raises
     ``InvalidInput`` naming the bad value; ``what`` prefixes the message.
@@ -415,7 +432,7 @@ def check_logprob_args(
     if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
         raise InvalidInput(
             f"{what}: hidden dtype {hidden.dtype} and weight dtype {weight.dtype} must be equal and one "
-            "of float32, bfloat16, float16; cast one of them"
+            "of float32, bfloat16, float16, float64; cast one of them"
         )
     if hidden.shape[1] != weight.shape[1] or weight.shape[0] == 0 or hidden.shape[1] == 0:
         raise InvalidInput(
@@ -448,11 +465,11 @@ def linear_logprobs(
 ) -> LogprobOutput:
     """Log-probs (and entropy) of ``labels`` under ``softmax(hidden @ weight.T / temperature)``.
 
-    ``hidden [N, H]``, ``weight [V_local, H]`` of the same dtype (fp32/bf16/fp16) and device, ``labels
+    ``hidden [N, H]``, ``weight [V_local, H]`` of the same dtype (fp32/bf16/fp16/fp64) and device, ``labels
     [N]`` int64 global ids in ``[0, V)`` or ``IGNORE_INDEX``. The work is chunked over ``chunk_size``
     tokens; neither forward nor backward ever holds the full ``[N, V]`` logits: backward recomputes the
     chunk's logits. The matmul runs in the input dtype (fp32 accumulation, like the model's lm_head);
-    softmax, gather, entropy and gradient accumulation are fp32. Ignored labels give 0 in both outputs
+    softmax, gather, entropy and gradient accumulation are fp32 (all of it fp64 for fp64 input). Ignored labels give 0 in both outputs
     and no gradient.
 
     ``vocab_group`` (a ``torch.distributed`` group): ``weight`` is this rank's vocabulary shard, rank
@@ -461,7 +478,7 @@ def linear_logprobs(
     gradient is the local shard's and the hidden gradient is all-reduced (complete on every rank).
     Every rank must call with the same ``hidden``, ``labels`` and upstream gradients.
 
-    Returns ``LogprobOutput(log_probs [N] fp32, entropy [N] fp32 or None)``. Raises ``InvalidInput`` on
+    Returns ``LogprobOutput(log_probs [N] fp32, entropy [N] fp32 or None)`` (fp64 for fp64 input). Raises ``InvalidInput`` on
     bad shapes, dtypes, devices, labels, ``chunk_size`` or ``temperature <= 0``.
     """
     check_logprob_args(hidden, weight, labels, temperature, vocab_group, "linear_logprobs")

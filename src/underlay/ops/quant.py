@@ -2,7 +2,9 @@
 
 Each ``block = (bm, bk)`` tile of a 2-D weight gets one fp32 scale ``amax / 448`` (``1`` for an all-zero
 tile); its values become ``weight / scale`` rounded to nearest-even ``float8_e4m3fn``. Edge tiles may be
-partial. Dequantisation multiplies back in fp32 and rounds once to the requested dtype.
+partial. Dequantisation multiplies back in fp32 and rounds once to the requested dtype (fp64 output is
+computed in fp64, where the product of an e4m3 value and an fp32 scale is exact). Weights are bf16, fp16
+or fp32: an fp64 weight is refused, since the scales and the e4m3 rounding are defined on fp32 values.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ def check_quant_args(weight: torch.Tensor, block: tuple[int, int]) -> tuple[int,
             f"weight must be 2-D [M, K], got shape {tuple(weight.shape)}; reshape it (e.g. .flatten(1))"
         )
     if weight.dtype not in _IN_DTYPES:
-        raise InvalidInput(f"weight dtype must be bf16, fp16 or fp32, got {weight.dtype}")
+        raise InvalidInput(
+            f"weight dtype must be bf16, fp16 or fp32, got {weight.dtype}; cast it (an fp64 weight: "
+            ".float(), the scales and e4m3 rounding are defined on fp32 values)"
+        )
     return bm, bk
 
 
@@ -62,8 +67,8 @@ def check_dequant_args(
         )
     if scales.device != q.device:
         raise InvalidInput(f"q and scales must be on one device, got {q.device} and {scales.device}")
-    if dtype not in _IN_DTYPES:
-        raise InvalidInput(f"dtype must be bf16, fp16 or fp32, got {dtype}")
+    if dtype not in (*_IN_DTYPES, torch.float64):
+        raise InvalidInput(f"dtype must be bf16, fp16, fp32 or fp64, got {dtype}")
     return bm, bk
 
 
@@ -101,10 +106,13 @@ def dequantize_fp8_blockwise(
     block: tuple[int, int] = (128, 128),
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``q * scale`` per tile, computed in fp32 and rounded once to ``dtype`` (bf16/fp16/fp32).
+    """``q * scale`` per tile, computed in fp32 and rounded once to ``dtype`` (bf16/fp16/fp32; fp64 is
+    computed in fp64, exactly).
 
     ``q [M, K]`` float8_e4m3fn and ``scales [ceil(M/bm), ceil(K/bk)]`` float32 as returned by
     :func:`quantize_fp8_blockwise`. Raises ``InvalidInput`` on mismatched shapes, dtypes or devices.
     """
     bm, bk = check_dequant_args(q, scales, block, dtype)
+    if dtype == torch.float64:
+        return q.double() * _expand(scales, q.shape, bm, bk).double()
     return (q.float() * _expand(scales, q.shape, bm, bk)).to(dtype)

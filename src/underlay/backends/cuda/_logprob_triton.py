@@ -31,27 +31,30 @@ import triton
 import triton.language as tl
 
 from underlay.interfaces import ConfigError
+from underlay.utils import env
 
 __all__ = [
     "DEFAULT_MODE",
     "INTERPRET",
-    "MM_PATH",
     "MODES",
+    "check_mode",
     "fused_linear_logprobs",
     "mm_fp32",
+    "mm_path",
     "plan_backward",
 ]
 
 MODES = ("hybrid", "fused")
 """Ways to produce the logits tiles: cuBLAS blocks read by Triton ("hybrid") or ``tl.dot`` in Triton."""
 DEFAULT_MODE = "fused"
-"""On the H200, at the issue-9 benchmark shape (H=4096), hybrid was 1-3% faster than fused in three runs
-(273.7 vs 281.2, 281.2 vs 284.7, 284.6 vs 291.3 ms); inside the FSDP2 training step of a Qwen2-1.5B shape
-(H=1536) it was slower (MFU 49.9% against 51.5-52%), because its fp32 logits blocks cost memory traffic
-per FLOP in proportion to 1/H. So fused is the default."""
+"""The default mode. Hybrid's fp32 logits blocks cost memory traffic per FLOP in proportion to 1/H, so it
+can only win at large hidden sizes; fused is the one that does not lose inside a training step at the
+hidden sizes RL actors use (figures: ``benchmarks/results/logprob_h200_2026-12-02.md`` and
+``h200_2026-12-02.md``, fourth session)."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether the kernels were built for Triton's CPU interpreter (read once, at import)."""
+"""Whether the kernels were built for Triton's CPU interpreter. Read at import on purpose: Triton decides
+this when the kernels below are defined, so a later change cannot take effect in this process."""
 
 _UPCAST = tl.constexpr(INTERPRET)
 """The interpreter's ``tl.dot`` mishandles 16-bit floats: upcast operands to fp32 there (exact products)."""
@@ -75,9 +78,9 @@ _SHAPES = (
 
 _READ_SHAPES = (
     # BLOCK_N, BLOCK_V, num_warps: tiles for reading an fp32 logits buffer (no K loop, so no stages).
-    # Few rows per tile keep the fp32 tile and its exponentials in registers. With the matmul tiles above
-    # the forward statistics pass read the 20 GB of logits of the benchmark shape in 26.8 ms on the H200
-    # (a fifth of memory bandwidth); with these, in 9.9 ms.
+    # Few rows per tile keep the fp32 tile and its exponentials in registers; the matmul tiles above hold
+    # too many rows for that and read the buffer at a fraction of memory bandwidth (figures:
+    # benchmarks/results/logprob_h200_2026-12-02.md, "read tiles").
     (8, 256, 4),
     (16, 256, 4),
     (32, 256, 8),
@@ -140,15 +143,13 @@ def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: An
 
 
 # The token count N changes with every micro-batch, and so does the backward's vocabulary chunk (its width
-# follows from N) and with it V of the chunk kernels. Two one-time costs followed a new value in the middle
-# of a training run, seen on the H200 as timed steps of 3-4 s instead of 1.8 s in which nothing was
-# compiled by torch.compile:
-# - autotuning, when V was part of the autotune key: every config was compiled and benchmarked again for a
-#   new chunk width. The key is now the hidden size, the flags and (implicitly) the dtypes, so a config is
-#   tuned once per model; the tiles do not depend on V;
-# - Triton's specialisation of integer arguments divisible by 16 (or equal to 1): one more compilation
-#   the first time such a value comes. N, V and the label offset only bound masks and shift ids here, so
-#   the kernels are compiled without that specialisation.
+# follows from N) and with it V of the chunk kernels. Neither may cost a one-time compilation or tuning in
+# the middle of a training run (a slow step each time a new value comes):
+# - the autotune key is the hidden size, the flags and (implicitly) the dtypes, never N or V, so a config
+#   is tuned once per model; the tiles do not depend on V;
+# - N, V and the label offset only bound masks and shift ids, so the kernels are compiled without Triton's
+#   specialisation of integer arguments divisible by 16 (or equal to 1), which would compile again the
+#   first time such a value comes.
 _NO_SPECIALISE = ("N", "V", "label_offset")
 _TUNE_KEY = ["H", "WITH_ENTROPY", "FROM_LOGITS"]
 
@@ -414,45 +415,52 @@ def _tiles(n: int, v: int, rows: int, chunk: int) -> list[tuple[int, int, int, i
     ]
 
 
-_MM_OUT_DTYPE: list[bool] = []
-MM_PATH: list[str] = []
-"""How bf16/fp16 matmuls reached fp32 output on this process: "out_dtype" (cuBLAS, fp32 output) or
-"upcast" (operands converted to fp32 first; CPU interpreter or a torch without ``out_dtype``)."""
+def _out_dtype_mm_works(a: torch.Tensor) -> bool:
+    """Whether this torch has ``mm``/``addmm`` with ``out_dtype`` (fp32 output from 16-bit operands) for
+    ``a``'s device; probed once per process and device type, cached (a property of the install, not a
+    setting)."""
+    key = a.device.type
+    if key not in _OUT_DTYPE_OK:
+        try:
+            x = torch.zeros((1, 1), device=a.device, dtype=a.dtype)
+            torch.mm(x, x, out_dtype=torch.float32)
+            _OUT_DTYPE_OK[key] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return _OUT_DTYPE_OK[key]
+
+
+_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def mm_path(a: torch.Tensor) -> str:
+    """How :func:`mm_fp32` reaches fp32 output for operands like ``a``: ``"fp32"`` (fp32 operands),
+    ``"out_dtype"`` (cuBLAS with fp32 output) or ``"upcast"`` (operands converted to fp32 first: the CPU
+    interpreter, or a torch without ``out_dtype``)."""
+    if a.dtype == torch.float32:
+        return "fp32"
+    return "out_dtype" if a.is_cuda and _out_dtype_mm_works(a) else "upcast"
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ b`` in fp32 (contiguous ``out``); bf16/fp16 operands keep their exact products."""
-    if a.dtype == torch.float32:
+    path = mm_path(a)
+    if path == "fp32":
         torch.mm(a, b, out=out)
-        return
-    if a.is_cuda:
-        try:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-            if not MM_PATH:
-                MM_PATH.append("out_dtype")
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-    if not MM_PATH:
-        MM_PATH.append("upcast")
-    torch.mm(a.float(), b.float(), out=out)
+    elif path == "out_dtype":
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with fp32 accumulation and output; ``a``/``b`` may be bf16/fp16/fp32."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-        return
-    if not _MM_OUT_DTYPE or _MM_OUT_DTYPE[0]:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            if not _MM_OUT_DTYPE:
-                _MM_OUT_DTYPE.append(True)
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            if not _MM_OUT_DTYPE:
-                _MM_OUT_DTYPE.append(False)
-    acc.add_(torch.mm(a, b).float())
+    elif _out_dtype_mm_works(a):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b).float())
 
 
 def _backward(
@@ -585,6 +593,16 @@ class _FusedLinearLogprob(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
+def check_mode(mode: str, source: str = "UNDERLAY_TRITON_LOGPROB_MODE") -> str:
+    """``mode`` if it is one of :data:`MODES`; else ``ConfigError`` naming ``source`` and the choices."""
+    if mode not in MODES:
+        raise ConfigError(
+            f"{source} must be one of {', '.join(MODES)}, got {mode!r}; leave it unset for the default "
+            f"({DEFAULT_MODE})"
+        )
+    return mode
+
+
 def fused_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -605,18 +623,13 @@ def fused_linear_logprobs(
     all-reduced over it and the hidden gradient is summed over it. ``row_split`` / ``v_chunk`` override the
     backward's planned buffer sizes (tests use them to exercise several chunks at small shapes).
 
-    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE``, else :data:`DEFAULT_MODE`): ``"fused"`` computes
+    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE`` read now, else :data:`DEFAULT_MODE`): ``"fused"`` computes
     the logits inside the Triton kernels (``tl.dot``); ``"hybrid"`` computes each ``[rows, v_chunk]`` logits
     block with cuBLAS (fp32 output) and runs the Triton statistics / dlogits kernels on it. Both keep
-    workspace bounded independently of ``V``, agree up to fp32 rounding and were checked against float64
-    on the H200; which one is faster depends on ``H`` (see :data:`DEFAULT_MODE`).
+    workspace bounded independently of ``V`` and agree up to fp32 rounding; which one is faster depends
+    on ``H`` (see :data:`DEFAULT_MODE`).
     """
-    mode = mode or os.environ.get("UNDERLAY_TRITON_LOGPROB_MODE", DEFAULT_MODE)
-    if mode not in MODES:
-        raise ConfigError(
-            f"UNDERLAY_TRITON_LOGPROB_MODE must be one of {', '.join(MODES)}, got {mode!r}; unset it for "
-            f"the default ({DEFAULT_MODE})"
-        )
+    mode = check_mode(mode) if mode is not None else check_mode(env.get("UNDERLAY_TRITON_LOGPROB_MODE"))
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.contiguous(), float(temperature), bool(with_entropy), group, int(label_offset),
         row_split, v_chunk, mode,

@@ -12,27 +12,54 @@ from underlay.ops.logprob import check_logprob_args
 __all__ = ["TritonLogprobKernel"]
 
 
+def _dtype_reasons(dtype: torch.dtype) -> tuple[str, ...]:
+    if dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return ()
+    if dtype == torch.float64:
+        return (
+            "the triton logprob kernel computes in fp32 and does not take float64; use the torch kernel "
+            "(UNDERLAY_LOGPROB_KERNEL=torch), which computes float64 input in float64",
+        )
+    return (f"dtype {dtype} is not one of float32, bfloat16, float16",)
+
+
 class TritonLogprobKernel:
     """``LogprobKernel`` backed by Triton kernels (see ``_logprob_triton``).
 
     Forward is one fused Triton pass (matmul tiles + online softmax statistics, workspace
     ``[N, ceil(V / 256)]`` fp32); backward recomputes logits tile-wise into a bounded dlogits chunk and
     uses cuBLAS for the two gradient matmuls. Workspace is bounded independently of ``V``.
-    ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` computes the logits blocks with cuBLAS (fp32 output) and reads
-    them with the same kernels; an unknown value raises ``ConfigError`` (see
-    ``_logprob_triton.fused_linear_logprobs``). Inputs must live on a CUDA device (or on CPU when Triton's
+    ``mode="hybrid"`` (or, when ``mode`` is ``None``, ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` read at each
+    call) computes the logits blocks with cuBLAS (fp32 output) and reads them with the same kernels; an
+    unknown value raises ``ConfigError`` (see ``_logprob_triton.fused_linear_logprobs``). Inputs must live on a CUDA device (or on CPU when Triton's
     interpreter is on, ``TRITON_INTERPRET=1``, for tests). ``vocab_group`` follows the protocol: ``weight``
     is rank ``r``'s shard ``[r * V_local, (r + 1) * V_local)``; statistics are all-reduced over the group
     and the hidden gradient is summed over it (each rank must call with the same hidden and labels).
     """
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, mode: str | None = None) -> None:
         self._device = device
+        self._mode = mode
+        if mode is not None:
+            from underlay.backends.cuda._logprob_triton import check_mode
+
+            check_mode(mode, "TritonLogprobKernel(mode=...)")
+
+    @property
+    def mode(self) -> str | None:
+        """The fixed tile mode (``"fused"``/``"hybrid"``), or ``None``: ``UNDERLAY_TRITON_LOGPROB_MODE`` at
+        each call."""
+        return self._mode
 
     @property
     def name(self) -> str:
         """Registry name ``"triton"``."""
         return "triton"
+
+    def supports(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """Empty for fp32, bf16 and fp16. fp64 is refused: the kernels compute in fp32 (``tl.dot`` has no
+        fp64 path worth having); ``UNDERLAY_LOGPROB_KERNEL=torch`` computes fp64 input in fp64."""
+        return _dtype_reasons(dtype)
 
     def __call__(
         self,
@@ -60,6 +87,7 @@ class TritonLogprobKernel:
             with_entropy=with_entropy,
             group=vocab_group,
             label_offset=offset,
+            mode=self._mode,
         )
         return LogprobOutput(log_probs=lp, entropy=ent)
 
@@ -77,6 +105,8 @@ class TritonLogprobKernel:
         rank, _ = check_logprob_args(
             hidden, weight, labels, temperature, vocab_group, "triton logprob kernel"
         )
+        if reasons := _dtype_reasons(hidden.dtype):
+            raise InvalidInput(f"triton logprob kernel: {'; '.join(reasons)}")
         if labels.dtype != torch.int64:
             raise InvalidInput(
                 f"triton logprob kernel: labels must be int64, got {labels.dtype}; use labels.long()"

@@ -37,6 +37,12 @@ class TorchLogprobKernel:
         """Registry name ``"torch"``."""
         return "torch"
 
+    def supports(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """Empty for fp32, bf16, fp16 and fp64 (computed in fp64); a reason for any other dtype."""
+        if dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            return ()
+        return (f"dtype {dtype} is not a floating dtype this kernel computes in (fp32, bf16, fp16, fp64)",)
+
     def __call__(
         self,
         hidden: torch.Tensor,
@@ -47,7 +53,8 @@ class TorchLogprobKernel:
         with_entropy: bool = True,
         vocab_group: Any | None = None,
     ) -> LogprobOutput:
-        """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``);
+        """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``; fp64
+        for fp64 input);
         contract of ``LogprobKernel.__call__`` (see ``underlay.ops.linear_logprobs``)."""
         return linear_logprobs(
             hidden,
