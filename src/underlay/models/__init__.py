@@ -14,7 +14,9 @@ Typical use by an RL trainer (the FSDP2 engine does this for you)::
 from underlay.models._compat import (
     SUPPORTED_ARCHITECTURES,
     TESTED_TRANSFORMERS,
+    ModelCapabilities,
     check_transformers_version,
+    inspect_model,
 )
 from underlay.models.attention import ATTN_IMPLEMENTATION, cu_seqlens_from_position_ids
 from underlay.models.forward import next_token_labels, packed_forward, shift_to_tokens
@@ -25,10 +27,12 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "SUPPORTED_ARCHITECTURES",
     "TESTED_TRANSFORMERS",
+    "ModelCapabilities",
     "TiledMLP",
     "apply_tiled_mlp",
     "check_transformers_version",
     "cu_seqlens_from_position_ids",
+    "inspect_model",
     "next_token_labels",
     "packed_forward",
     "prepare_model",

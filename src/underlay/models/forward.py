@@ -16,14 +16,44 @@ from underlay.interfaces import (
     PackedBatch,
     TokenOutputs,
 )
-from underlay.models._compat import check_architecture, unwrap_model
+from underlay.models._compat import capabilities, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
 from underlay.ops.attention import seqlens_from_cu
 from underlay.ops.packing import pad_to_multiple
 from underlay.parallel.ulysses import gather_seq, slice_for_rank, sp_world_size
 from underlay.registry import get_logprob_kernel
 
-__all__ = ["next_token_labels", "packed_forward", "shift_to_tokens"]
+__all__ = ["next_token_labels", "packed_forward", "shift_to_tokens", "softcapped_logprobs"]
+
+
+def softcapped_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    softcap: float,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``labels`` under ``softmax(c * tanh(hidden @ weight.T / c) / T)``.
+
+    The unfused head for models whose final logits are soft-capped (Gemma 2/3). ``hidden [N, H]``,
+    ``weight [V, H]`` (same dtype), ``labels [N]`` int64 in ``[0, V)`` or ``IGNORE_INDEX``. Math in fp32
+    (fp64 for fp64 input), materialising ``[N, V]`` logits. Returns fp32 ``[N]`` log-probs and entropy
+    (``None`` without ``with_entropy``), 0 where the label is ignored; differentiable.
+    """
+    compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = torch.matmul(hidden.to(compute), weight.to(compute).t())
+    logits = softcap * torch.tanh(logits / softcap) / temperature
+    lsm = logits.log_softmax(-1)
+    keep = labels != IGNORE_INDEX
+    picked = lsm.gather(-1, torch.where(keep, labels, 0)[:, None])[:, 0]
+    log_probs = torch.where(keep, picked, torch.zeros_like(picked)).float()
+    entropy = None
+    if with_entropy:
+        ent = -(lsm.exp() * lsm).sum(-1)
+        entropy = torch.where(keep, ent, torch.zeros_like(ent)).float()
+    return log_probs, entropy
 
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -103,7 +133,10 @@ def packed_forward(
     ``entropy[t]`` is the entropy of that same predicting distribution. The first token of every
     sequence has no prediction and gets 0 in both. They are computed from the final hidden states and
     the ``lm_head`` weight by the :class:`~underlay.interfaces.LogprobKernel` (``logprob_kernel``, or the
-    registry's selection), never materialising ``[T, vocab]`` logits. Token-classification (value)
+    registry's selection), never materialising ``[T, vocab]`` logits, except for models with a final
+    logit softcap (Gemma 2/3: ``logits = c * tanh(logits / c)`` before the temperature), which the fused
+    kernels do not apply: those take :func:`softcapped_logprobs` (``[T_local, vocab]`` fp32 logits, and
+    ``logprob_kernel`` is not used). Token-classification (value)
     models with ``num_labels == 1`` return ``values`` fp32 ``[T]``: ``values[t]`` is the score head at
     token ``t`` (no shift). ``ops.pad(x, packed)`` maps any ``[T]`` field back to ``[B, S]``.
 
@@ -120,7 +153,8 @@ def packed_forward(
         raise InvalidInput(f"packed_forward: temperature={temperature} must be > 0")
     _validate_packed(packed)
     inner = unwrap_model(model)
-    config = check_architecture(inner)
+    caps = capabilities(inner)
+    config = inner.config
     routes = _routes(inner)
     if not routes or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ConfigError(
@@ -137,11 +171,12 @@ def packed_forward(
         route.activate_traceable()
     head = _head_of(inner)
     kernel = None
-    if head == "lm":
+    cap = caps.final_logit_softcap
+    if head == "lm" and cap is None:
         kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
     outs = _run_inside(
         model,
-        lambda _ids: _packed_body(inner, head, kernel, packed, group, temperature, with_entropy),
+        lambda _ids: _packed_body(inner, head, kernel, cap, packed, group, temperature, with_entropy),
         packed.input_ids,
     )
     log_probs, entropy, values = outs
@@ -178,6 +213,7 @@ def _packed_body(
     inner: nn.Module,
     head: str,
     kernel: LogprobKernel | None,
+    final_softcap: float | None,
     packed: PackedBatch,
     group: Any | None,
     temperature: float,
@@ -215,7 +251,6 @@ def _packed_body(
         h = dropout(hidden) if isinstance(dropout, nn.Module) else hidden
         values = gather_seq(score(h).squeeze(-1).float(), group)[:total]
         return None, None, values
-    assert kernel is not None
     lm_head: nn.Linear = inner.get_output_embeddings()  # type: ignore[operator]
     labels = next_token_labels(ids, cu)
     if labels.numel() > total:  # the sp padding predicts nothing
@@ -224,6 +259,11 @@ def _packed_body(
 
     def fused_head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a tuple of tensors, so hooks on lm_head (FSDP2) see the outputs they must hook for backward
+        if final_softcap is not None:
+            return softcapped_logprobs(
+                h, lm_head.weight, labels, final_softcap, temperature=temperature, with_entropy=with_entropy
+            )
+        assert kernel is not None
         res = kernel(h, lm_head.weight, labels, temperature=temperature, with_entropy=with_entropy)
         return res.log_probs, res.entropy
 

@@ -7,14 +7,19 @@ from typing import Any, TypeVar
 from torch import nn
 
 from underlay.interfaces import ConfigError
-from underlay.models._compat import check_architecture, check_transformers_version, unwrap_model
+from underlay.models._compat import (
+    capabilities,
+    check_architecture,
+    check_transformers_version,
+    unwrap_model,
+)
 from underlay.models.attention import (
     ATTN_IMPLEMENTATION,
     ROUTE_ATTR,
     AttentionRoute,
     register_attention,
 )
-from underlay.models.tiled_mlp import apply_tiled_mlp
+from underlay.models.tiled_mlp import apply_tiled_mlp, check_tileable
 from underlay.parallel.ulysses import sp_world_size, validate_sp
 from underlay.registry import resolve
 
@@ -24,13 +29,12 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a supported transformers model (those with q/k/v projections)."""
-    return [
-        m
-        for m in model.modules()
-        if type(m).__name__.endswith("Attention")
-        and all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj"))
-    ]
+    """The attention modules of a transformers model that dispatch through its AttentionInterface
+    (those :func:`underlay.models.inspect_model` lists), in module order. Raises ``ConfigError`` when
+    the model is not supported."""
+    inner = unwrap_model(model)
+    names = set(capabilities(inner).attention_modules)
+    return [m for name, m in inner.named_modules() if name in names]
 
 
 def _set_implementation(inner: nn.Module, config: Any) -> None:
@@ -60,11 +64,16 @@ def prepare_model(
       :func:`underlay.parallel.ulysses.validate_sp` against the head counts).
     - ``tiled_mlp_tiles``: compute every decoder MLP (or MoE block) in that many token tiles with
       recomputation in backward (:class:`underlay.models.TiledMLP`); ``None`` leaves MLPs plain (and
-      removes tiling installed by an earlier call).
+      removes tiling installed by an earlier call). MLPs that return a tuple (gpt-oss) are refused.
+
+    What the model needs is inspected (:func:`underlay.models.inspect_model`: attention dispatch through
+    the AttentionInterface, position ids, layer types, logit scaling; sliding windows, softcaps, sinks,
+    latent attention and MoE blocks are recorded); the attention kernel is chosen per call from the
+    call's ``AttentionSpec``, so ``auto`` picks one that can run softcaps, sinks or ``Dv != D``.
 
     Idempotent: calling it again re-applies the given settings. Parameter names and the module tree do
     not change. Returns ``model``. Warns when transformers is outside ``TESTED_TRANSFORMERS``.
-    Raises ``ConfigError`` for an architecture not in ``SUPPORTED_ARCHITECTURES``, attention dropout
+    Raises ``ConfigError`` naming the missing capability for a model underlay cannot run, attention dropout
     > 0, bad ``tiled_mlp_tiles``, or head counts that sp does not split; ``UnknownBackend`` /
     ``BackendUnavailable`` for an attention name that does not exist or cannot run here.
     """
@@ -86,11 +95,9 @@ def prepare_model(
         isinstance(tiled_mlp_tiles, bool) or not isinstance(tiled_mlp_tiles, int) or tiled_mlp_tiles < 1
     ):
         raise ConfigError(f"tiled_mlp_tiles={tiled_mlp_tiles!r}: must be an int >= 1 or None")
+    if tiled_mlp_tiles is not None:
+        check_tileable(inner)
     modules = attention_modules(inner)
-    if not modules:
-        raise ConfigError(
-            f"{type(inner).__name__}: found no attention modules with q_proj/k_proj/v_proj to route"
-        )
     register_attention()
     _set_implementation(inner, config)
     for module in modules:

@@ -29,6 +29,7 @@ __all__ = [
     "check_options",
     "check_padded",
     "check_qkv",
+    "check_sinks",
     "check_varlen",
     "effective_window",
     "normalize_window",
@@ -100,6 +101,27 @@ def check_options(
     ):
         raise InvalidInput(f"attention: softcap={softcap!r} must be a finite number > 0, or None for no cap")
     return normalize_window(window)
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Validate attention-sink logits: ``None``, or a floating ``[Hq]`` tensor on q's device (``Hq``
+    = q's head count). Raises ``InvalidInput``."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise InvalidInput(
+            f"attention: sinks must be a floating torch.Tensor [Hq] or None, got {type(sinks).__name__}"
+            + (f" of dtype {sinks.dtype}" if isinstance(sinks, torch.Tensor) else "")
+        )
+    hq = int(q.shape[-2])
+    if tuple(sinks.shape) != (hq,):
+        raise InvalidInput(
+            f"attention: sinks has shape {tuple(sinks.shape)}; expected [Hq] = [{hq}] (one logit per query head)"
+        )
+    if sinks.device != q.device:
+        raise InvalidInput(
+            f"attention: sinks is on {sinks.device} but q is on {q.device}; move it to q's device"
+        )
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Literal["varlen", "padded"]) -> None:
@@ -324,16 +346,20 @@ def attention_spec(
     causal: bool = True,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionSpec:
-    """The ``AttentionSpec`` of a call on these tensors (validates them with :func:`check_qkv`).
+    """The ``AttentionSpec`` of a call on these tensors (validates them with :func:`check_qkv` and
+    :func:`check_sinks`).
 
-    ``requires_grad`` is true when any of q, k, v requires grad; ``window`` is normalised
+    ``requires_grad`` is true when any of q, k, v (or ``sinks``) requires grad; ``window`` is normalised
     (``(-1, -1)`` -> ``None``). Raises ``InvalidInput``.
     """
     if layout not in ("varlen", "padded"):
         raise InvalidInput(f"attention: layout={layout!r}; use 'varlen' or 'padded'")
     check_qkv(q, k, v, layout)
     window = check_options(causal, window, None, softcap)
+    check_sinks(sinks, q)
+    grad = q.requires_grad or k.requires_grad or v.requires_grad
     return AttentionSpec(
         dtype=q.dtype,
         head_dim=int(q.shape[-1]),
@@ -345,7 +371,8 @@ def attention_spec(
         window=window,
         softcap=softcap,
         head_dim_v=int(v.shape[-1]),
-        requires_grad=q.requires_grad or k.requires_grad or v.requires_grad,
+        requires_grad=grad or (sinks is not None and sinks.requires_grad),
+        sinks=sinks is not None,
     )
 
 

@@ -23,9 +23,19 @@ from underlay.interfaces import ConfigError, Device, InvalidInput
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "FlopsCounter"]
 
-_DENSE = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3", "mistral")
+_DENSE = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3", "mistral", "gemma2", "phi3", "glm4")
 _VL_TEXT = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl"}
-SUPPORTED_MODEL_TYPES = (*_DENSE, "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma3_text", "gpt_oss")
+SUPPORTED_MODEL_TYPES = (
+    *_DENSE,
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "gemma3_text",
+    "gpt_oss",
+)
+_EVERY_LAYER_WINDOW = ("mistral", "mixtral", "phi3")
+"""Model types whose ``sliding_window`` (when set) applies to every layer without ``layer_types``."""
 
 
 class _Cfg:
@@ -77,7 +87,7 @@ def _layer_windows(cfg: _Cfg, model_type: str, layers: int) -> list[int | None]:
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         elif model_type == "gpt_oss":
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-        elif model_type == "mistral" and window:
+        elif model_type in _EVERY_LAYER_WINDOW and window:
             types = ["sliding_attention"] * layers
         else:
             types = ["full_attention"] * layers
@@ -135,6 +145,10 @@ def _layers(cfg: _Cfg, model_type: str) -> list[_Layer]:
                     mlp += _mlp(h, shared_i) + h  # shared expert and its sigmoid gate
             else:
                 mlp = _mlp(h, int(cfg.need("intermediate_size")))
+        elif model_type == "mixtral":
+            experts = int(cfg.need("num_local_experts"))
+            top_k = int(cfg.need("num_experts_per_tok"))
+            mlp = h * experts + top_k * _mlp(h, int(cfg.need("intermediate_size")))
         elif model_type == "gpt_oss":
             experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 0)))
             if experts < 1:

@@ -18,6 +18,12 @@ from underlay.registry import get_logprob_kernel
 
 VOCAB = 160
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+NEW_ARCHS = ("gemma2", "gemma3_text", "mixtral", "phi3", "glm4", "deepseek_v3", "gpt_oss")
+"""Architectures added through capability inspection: softcaps and alternating sliding windows (Gemma),
+MoE (Mixtral, DeepSeek-V3, gpt-oss), fused q/k/v and gate/up projections (Phi-3, GLM-4), partial rotary
+(GLM-4), multi-head latent attention with a value head dim != the query/key one (DeepSeek-V3) and
+attention sinks (gpt-oss)."""
+ALL_ARCHS = ARCHS + NEW_ARCHS
 
 
 def tiny_config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any) -> Any:
@@ -43,6 +49,54 @@ def tiny_config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: An
         common.update(head_dim=16)
     elif arch == "qwen3_moe":
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    elif arch == "gemma2":
+        common.update(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    elif arch == "gemma3_text":
+        common.update(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    elif arch == "mixtral":
+        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, head_dim=16)
+    elif arch == "phi3":
+        common.update(sliding_window=5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "glm4":
+        common.update(head_dim=16, partial_rotary_factor=0.5, pad_token_id=0)
+    elif arch == "deepseek_v3":
+        common.update(
+            num_key_value_heads=heads,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+        )
+    elif arch == "gpt_oss":
+        common.update(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     common.update(overrides)
     cfg = AutoConfig.for_model(arch, **common)
     cfg._attn_implementation = "eager"

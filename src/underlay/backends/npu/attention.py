@@ -104,6 +104,8 @@ class NpuFusionAttention:
             )
         if spec.softcap is not None:
             reasons.append("npu_fusion_attention has no softcap")
+        if spec.sinks:
+            reasons.append("npu_fusion_attention has no attention sinks (use eager)")
         return tuple(reasons)
 
     def _require(self, spec: AttentionSpec) -> None:
@@ -140,12 +142,13 @@ class NpuFusionAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed attention with ``input_layout="TND"`` (see ``AttentionKernel.varlen``). Raises
         ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` when ``supports`` has reasons."""
         lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "varlen", causal, window, softcap))
+        self._require(attention_spec(q, k, v, "varlen", causal, window, softcap, sinks))
         fa = _fusion_attention()
         cum_q = torch.tensor(lens_q).cumsum(0).tolist()
         cum_k = torch.tensor(lens_k).cumsum(0).tolist()
@@ -174,13 +177,14 @@ class NpuFusionAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded attention with ``input_layout="BSND"`` (see ``AttentionKernel.padded``). With an
         ``attention_mask`` the full ``[B, 1, S_q, S_k]`` mask goes to ``atten_mask`` (sparse mode 0) and
         queries that see no key give 0. Raises ``InvalidInput``/``UnsupportedOperation``."""
         check_padded(q, k, v, attention_mask)
         window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "padded", causal, window, softcap))
+        self._require(attention_spec(q, k, v, "padded", causal, window, softcap, sinks))
         fa = _fusion_attention()
         sc = scale if scale is not None else q.shape[-1] ** -0.5
         if attention_mask is None:

@@ -22,6 +22,7 @@ from underlay.ops.attention import (
     attention_spec,
     check_options,
     check_padded,
+    check_sinks,
     check_varlen,
     effective_window,
     padded_key_mask,
@@ -63,12 +64,15 @@ def eager_attention(
     keep: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Matmul-softmax attention over ``[..., H, S, D]`` tensors in fp32 (fp64 for fp64 input).
 
     ``q [..., Hq, S_q, D]``, ``k [..., Hk, S_k, D]``, ``v [..., Hk, S_k, Dv]`` with ``Hq % Hk == 0``
-    (kv heads are repeated); ``keep`` a bool mask broadcastable to ``[..., Hq, S_q, S_k]`` or ``None``.
-    Rows with no visible key give 0. Returns ``[..., Hq, S_q, Dv]`` in q's dtype; differentiable.
+    (kv heads are repeated); ``keep`` a bool mask broadcastable to ``[..., Hq, S_q, S_k]`` or ``None``;
+    ``sinks [Hq]`` per-head sink logits (an extra softmax column with a zero value, after the softcap)
+    or ``None``. Rows with no visible key give 0. Returns ``[..., Hq, S_q, Dv]`` in q's dtype;
+    differentiable (also in ``sinks``).
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[-3] // k.shape[-3]
@@ -78,17 +82,22 @@ def eager_attention(
     scores = torch.matmul(q.to(compute), kc.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    if keep is None:
-        probs = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, torch.finfo(compute).min)
+    if sinks is not None:
+        sink = sinks.to(compute).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
-        probs = torch.softmax(scores.masked_fill(~keep, torch.finfo(compute).min), dim=-1) * keep
+        probs = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        probs = probs * keep
     return torch.matmul(probs, vc).to(q.dtype)
 
 
 class EagerAttention:
     """``eager``: the reference ``AttentionKernel``: fp32 (fp64 for fp64 input) matmul-softmax in plain
     torch on any device, one sequence at a time for packed input. Supports every feature of the
-    contract (causal, GQA/MQA, window, softcap, scale, ``Dv != D``) and autograd; memory is
+    contract (causal, GQA/MQA, window, softcap, sinks, scale, ``Dv != D``) and autograd; memory is
     ``O(H * S_q * S_k)`` per sequence, so it is meant for tests and small inputs."""
 
     def __init__(self, device: Device) -> None:
@@ -119,16 +128,18 @@ class EagerAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed attention ``q [T_q, Hq, D]``, ``k``/``v`` ``[T_k, Hk, D|Dv]`` -> ``[T_q, Hq, Dv]``
         (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments."""
         lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         window = check_options(causal, window, scale, softcap)
+        check_sinks(sinks, q)
         sc = scale if scale is not None else q.shape[-1] ** -0.5
 
         def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
             keep = allowed_mask(qs.shape[1], ks.shape[1], causal, window, q.device)
-            return eager_attention(qs, ks, vs, keep, sc, softcap)
+            return eager_attention(qs, ks, vs, keep, sc, softcap, sinks)
 
         return _per_sequence(q, k, v, lens_q, lens_k, attend)
 
@@ -143,14 +154,17 @@ class EagerAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded attention ``[B, S, H, D]`` -> ``[B, S_q, Hq, Dv]`` (see ``AttentionKernel.padded``);
         queries that see no key give 0. Raises ``InvalidInput`` on bad arguments."""
         check_padded(q, k, v, attention_mask)
         window = check_options(causal, window, scale, softcap)
+        check_sinks(sinks, q)
         sc = scale if scale is not None else q.shape[-1] ** -0.5
         keep = padded_key_mask(attention_mask, q.shape[1], k.shape[1], causal, window, q.device)
-        out = eager_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, sc, softcap)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = eager_attention(qt, kt, vt, keep, sc, softcap, sinks)
         return out.transpose(1, 2).contiguous()
 
 
@@ -263,7 +277,7 @@ class TorchAttention:
     - varlen: ``torch.nn.attention.varlen.varlen_attn`` (flash) on CUDA for bf16/fp16 when the installed
       torch has it and the case fits (see :meth:`varlen_path`); otherwise one SDPA call per sequence.
 
-    ``softcap`` is not available in these kernels: ``supports`` reports it.
+    ``softcap`` and ``sinks`` are not available in these kernels: ``supports`` reports them.
     """
 
     def __init__(self, device: Device) -> None:
@@ -280,6 +294,8 @@ class TorchAttention:
         reasons = []
         if spec.softcap is not None:
             reasons.append(f"softcap={spec.softcap} is not supported by torch SDPA/varlen_attn (use eager)")
+        if spec.sinks:
+            reasons.append("attention sinks are not supported by torch SDPA/varlen_attn (use eager)")
         if spec.dtype not in FLOAT_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}")
         if spec.device_type not in ("cuda", "cpu"):
@@ -311,8 +327,8 @@ class TorchAttention:
             and "is_causal" not in params
         ):
             why.append("this torch's varlen_attn has neither is_causal nor window_size")
-        if spec.softcap is not None:
-            why.append("varlen_attn has no softcap")
+        if spec.softcap is not None or spec.sinks:
+            why.append("varlen_attn has no softcap or sinks")
         if spec.device_type == "cuda" and not why:
             cap = self._device.capability()
             if cap is not None and cap < (8, 0):
@@ -336,12 +352,13 @@ class TorchAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed attention (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments and
         ``UnsupportedOperation`` when ``supports`` has reasons (e.g. softcap)."""
         lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         window = check_options(causal, window, scale, softcap)
-        spec = attention_spec(q, k, v, "varlen", causal, window, softcap)
+        spec = attention_spec(q, k, v, "varlen", causal, window, softcap, sinks)
         self._require(spec)
         path, _ = self.varlen_path(spec)
         if path == "varlen_attn":
@@ -399,12 +416,13 @@ class TorchAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded attention through SDPA (see ``AttentionKernel.padded``); queries that see no key give 0.
         Raises ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` for a softcap."""
         check_padded(q, k, v, attention_mask)
         window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "padded", causal, window, softcap))
+        self._require(attention_spec(q, k, v, "padded", causal, window, softcap, sinks))
         sq, sk = int(q.shape[1]), int(k.shape[1])
         square_causal = causal and window is None and attention_mask is None and sq == sk
         keep = None if square_causal else padded_key_mask(attention_mask, sq, sk, causal, window, q.device)
