@@ -16,11 +16,9 @@ import torch
 
 from underlay.interfaces import AttentionSpec, BackendUnavailable, Device, InvalidInput
 from underlay.ops.attention import (
-    attention_spec,
-    check_options,
-    check_padded,
-    check_varlen,
+    padded_call,
     require_supported,
+    varlen_call,
 )
 
 __all__ = ["FlashAttnKernel"]
@@ -130,9 +128,22 @@ class FlashAttnKernel:
     ) -> torch.Tensor:
         """Packed attention through ``flash_attn_varlen_func`` (see ``AttentionKernel.varlen``). Raises
         ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` when ``supports`` has reasons."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "varlen", causal, window, softcap, sinks))
+        call = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        self._require(call.spec)
+        window = call.window
         cu_q = cu_seqlens_q.to(q.device, non_blocking=True)
         cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(q.device, non_blocking=True)
         out = self._varlen_fn(
@@ -164,9 +175,11 @@ class FlashAttnKernel:
         """Padded attention (see ``AttentionKernel.padded``): ``flash_attn_func`` without a mask, unpad +
         ``flash_attn_varlen_func`` with one (padded query rows are 0). Raises ``InvalidInput`` on bad
         arguments or a mask with ``S_q != S_k``, ``UnsupportedOperation`` when ``supports`` has reasons."""
-        check_padded(q, k, v, attention_mask)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "padded", causal, window, softcap, sinks))
+        call = padded_call(
+            q, k, v, attention_mask, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+        )
+        self._require(call.spec)
+        window = call.window
         if attention_mask is None:
             out = self._dense_fn(q, k, v, softmax_scale=scale, **self._options(causal, window, softcap))
             return _first(out)

@@ -8,7 +8,7 @@ Both follow the ``AttentionKernel`` contract of ``underlay.interfaces.kernels`` 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from typing import Any, cast
 
@@ -19,14 +19,11 @@ from underlay.interfaces import AttentionSpec, Device
 from underlay.ops.attention import (
     FLOAT_DTYPES,
     allowed_mask,
-    attention_spec,
-    check_options,
-    check_padded,
-    check_sinks,
-    check_varlen,
     effective_window,
+    padded_call,
     padded_key_mask,
     require_supported,
+    varlen_call,
 )
 
 __all__ = ["EagerAttention", "TorchAttention", "eager_attention"]
@@ -36,8 +33,8 @@ def _per_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lens_q: list[int],
-    lens_k: list[int],
+    lens_q: Sequence[int],
+    lens_k: Sequence[int],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Run ``attend(q_i, k_i, v_i)`` on each packed sequence, with ``[H, S, D]`` views, and concatenate
@@ -132,16 +129,26 @@ class EagerAttention:
     ) -> torch.Tensor:
         """Packed attention ``q [T_q, Hq, D]``, ``k``/``v`` ``[T_k, Hk, D|Dv]`` -> ``[T_q, Hq, Dv]``
         (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments."""
-        lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        window = check_options(causal, window, scale, softcap)
-        check_sinks(sinks, q)
-        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        call = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
 
         def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-            keep = allowed_mask(qs.shape[1], ks.shape[1], causal, window, q.device)
-            return eager_attention(qs, ks, vs, keep, sc, softcap, sinks)
+            keep = allowed_mask(qs.shape[1], ks.shape[1], call.causal, call.window, q.device)
+            return eager_attention(qs, ks, vs, keep, call.scale, call.softcap, call.sinks)
 
-        return _per_sequence(q, k, v, lens_q, lens_k, attend)
+        return _per_sequence(q, k, v, call.lens_q, call.lens_k, attend)
 
     def padded(
         self,
@@ -158,13 +165,12 @@ class EagerAttention:
     ) -> torch.Tensor:
         """Padded attention ``[B, S, H, D]`` -> ``[B, S_q, Hq, Dv]`` (see ``AttentionKernel.padded``);
         queries that see no key give 0. Raises ``InvalidInput`` on bad arguments."""
-        check_padded(q, k, v, attention_mask)
-        window = check_options(causal, window, scale, softcap)
-        check_sinks(sinks, q)
-        sc = scale if scale is not None else q.shape[-1] ** -0.5
-        keep = padded_key_mask(attention_mask, q.shape[1], k.shape[1], causal, window, q.device)
+        call = padded_call(
+            q, k, v, attention_mask, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+        )
+        keep = padded_key_mask(attention_mask, q.shape[1], k.shape[1], causal, call.window, q.device)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = eager_attention(qt, kt, vt, keep, sc, softcap, sinks)
+        out = eager_attention(qt, kt, vt, keep, call.scale, softcap, sinks)
         return out.transpose(1, 2).contiguous()
 
 
@@ -356,11 +362,23 @@ class TorchAttention:
     ) -> torch.Tensor:
         """Packed attention (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments and
         ``UnsupportedOperation`` when ``supports`` has reasons (e.g. softcap)."""
-        lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        window = check_options(causal, window, scale, softcap)
-        spec = attention_spec(q, k, v, "varlen", causal, window, softcap, sinks)
-        self._require(spec)
-        path, _ = self.varlen_path(spec)
+        call = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        self._require(call.spec)
+        window, lens_q, lens_k = call.window, call.lens_q, call.lens_k
+        path, _ = self.varlen_path(call.spec)
         if path == "varlen_attn":
             fn, params = _varlen_api()
             assert fn is not None  # varlen_path checked it
@@ -420,9 +438,11 @@ class TorchAttention:
     ) -> torch.Tensor:
         """Padded attention through SDPA (see ``AttentionKernel.padded``); queries that see no key give 0.
         Raises ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` for a softcap."""
-        check_padded(q, k, v, attention_mask)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "padded", causal, window, softcap, sinks))
+        call = padded_call(
+            q, k, v, attention_mask, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+        )
+        self._require(call.spec)
+        window = call.window
         sq, sk = int(q.shape[1]), int(k.shape[1])
         square_causal = causal and window is None and attention_mask is None and sq == sk
         keep = None if square_causal else padded_key_mask(attention_mask, sq, sk, causal, window, q.device)
