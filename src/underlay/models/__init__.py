@@ -19,7 +19,12 @@ from underlay.models._compat import (
     inspect_model,
 )
 from underlay.models.attention import ATTN_IMPLEMENTATION, cu_seqlens_from_position_ids
-from underlay.models.forward import next_token_labels, packed_forward, shift_to_tokens
+from underlay.models.forward import (
+    next_token_labels,
+    packed_forward,
+    shift_to_tokens,
+    softcapped_logprobs,
+)
 from underlay.models.prepare import prepare_model
 from underlay.models.tiled_mlp import TiledMLP, apply_tiled_mlp
 
@@ -37,4 +42,5 @@ __all__ = [
     "packed_forward",
     "prepare_model",
     "shift_to_tokens",
+    "softcapped_logprobs",
 ]

@@ -130,6 +130,36 @@ def test_inspection_records_what_each_architecture_needs() -> None:
     assert not inspect_model(tiny_model("glm4")).latent_attention
 
 
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_fsdp2_finds_one_decoder_layer_per_hidden_layer(arch: str) -> None:
+    """FSDP2 shards per decoder layer (the classes in ``_no_split_modules``)."""
+    from underlay.engines.fsdp2.parallelize import decoder_layers
+
+    model = tiny_model(arch)
+    layers = decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    assert all(type(layer).__name__.endswith("DecoderLayer") for layer in layers)
+
+
+def test_softcapped_head_matches_dense_math() -> None:
+    """The unfused head Gemma takes: log-softmax of ``c * tanh(h W^T / c) / T``, 0 at ignored labels."""
+    from underlay.interfaces import IGNORE_INDEX
+    from underlay.models import softcapped_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([1, 4, IGNORE_INDEX, 10, 0, 3])
+    lp, ent = softcapped_logprobs(h, w, labels, 2.5, temperature=0.7)
+    assert ent is not None and lp.dtype == torch.float32
+    lsm = (2.5 * torch.tanh(h @ w.t() / 2.5) / 0.7).log_softmax(-1)
+    keep = labels != IGNORE_INDEX
+    want = lsm.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * keep
+    torch.testing.assert_close(lp.double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent.double(), -(lsm.exp() * lsm).sum(-1) * keep, atol=1e-6, rtol=0)
+    assert lp[2] == 0 and ent[2] == 0
+
+
 def test_inspection_refuses_with_the_missing_capability() -> None:
     from transformers import CohereConfig, CohereForCausalLM
 
