@@ -229,7 +229,12 @@ def _call_varlen_attn(
     window: tuple[int, int] | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """``varlen_attn`` with this torch's keyword names; GQA through ``enable_gqa`` or repeated heads."""
+    """``varlen_attn`` with this torch's keyword names; GQA through ``enable_gqa`` or repeated heads; a
+    value head dim below the q/k one (latent attention) is zero-padded up to it and the output sliced
+    back (the padded value columns contribute zeros, and their gradient is dropped by the slice)."""
+    dv = int(v.shape[-1])
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, int(q.shape[-1]) - dv))
     kwargs: dict[str, Any] = {"scale": scale}
     if has_window:
         kwargs["window_size"] = effective_window(causal, window)
@@ -241,7 +246,8 @@ def _call_varlen_attn(
         else:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out = fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    return out[..., :dv] if dv < out.shape[-1] else out
 
 
 def _traced_varlen(
@@ -320,9 +326,10 @@ class TorchAttention:
         if spec.dtype not in (torch.float16, torch.bfloat16):
             why.append(f"varlen_attn needs bf16/fp16, not {spec.dtype}")
         dv = spec.head_dim_v if spec.head_dim_v is not None else spec.head_dim
-        if spec.head_dim % 8 or spec.head_dim > 256 or dv != spec.head_dim:
+        if spec.head_dim % 8 or spec.head_dim > 256 or dv > spec.head_dim:
             why.append(
-                f"varlen_attn needs head_dim % 8 == 0, <= 256 and Dv == D (got D={spec.head_dim}, Dv={dv})"
+                f"varlen_attn needs head_dim % 8 == 0, <= 256 and Dv <= D (Dv < D is zero-padded; got "
+                f"D={spec.head_dim}, Dv={dv})"
             )
         if spec.window is not None and "window_size" not in params:
             why.append("this torch's varlen_attn has no window_size")
