@@ -20,6 +20,8 @@ from underlay.models._compat import (
 )
 from underlay.models.attention import ATTN_IMPLEMENTATION, cu_seqlens_from_position_ids
 from underlay.models.forward import (
+    MULTIMODAL_KEYS,
+    multimodal_position_ids,
     next_token_labels,
     packed_forward,
     shift_to_tokens,
@@ -30,6 +32,7 @@ from underlay.models.tiled_mlp import TiledMLP, apply_tiled_mlp
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "MULTIMODAL_KEYS",
     "SUPPORTED_ARCHITECTURES",
     "TESTED_TRANSFORMERS",
     "ModelCapabilities",
@@ -38,6 +41,7 @@ __all__ = [
     "check_transformers_version",
     "cu_seqlens_from_position_ids",
     "inspect_model",
+    "multimodal_position_ids",
     "next_token_labels",
     "packed_forward",
     "prepare_model",

@@ -22,6 +22,7 @@ __all__ = [
     "check_architecture",
     "check_transformers_version",
     "inspect_model",
+    "text_config",
     "unwrap_model",
 ]
 
@@ -102,7 +103,9 @@ class ModelCapabilities:
     ``sliding_attention``) or empty; ``sliding_window``: tokens, or ``None``; ``attention_softcap`` /
     ``final_logit_softcap``: the score and final-logit tanh caps (``None`` = none); ``sinks``: the
     attention modules carry sink logits; ``moe_blocks``: class names of the mixture-of-experts blocks;
-    ``latent_attention``: multi-head latent attention (a value head dim other than the query/key one).
+    ``latent_attention``: multi-head latent attention (a value head dim other than the query/key one);
+    ``multimodal_rope``: a Qwen-VL style vision-language model (vision tower ``visual``, 3-D rotary
+    position ids from the backbone's ``get_rope_index``; see :func:`underlay.models.packed_forward`).
     """
 
     model_type: str
@@ -114,6 +117,7 @@ class ModelCapabilities:
     sinks: bool = False
     moe_blocks: tuple[str, ...] = ()
     latent_attention: bool = False
+    multimodal_rope: bool = False
 
 
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -146,6 +150,12 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def text_config(config: Any) -> Any:
+    """The language-model part of a config: ``config.text_config`` for vision-language configs, else
+    ``config`` itself."""
+    return getattr(config, "text_config", None) or config
+
+
 def _refuse(model: nn.Module, model_type: str, missing: str) -> ConfigError:
     return ConfigError(
         f"model_type {model_type!r} ({type(model).__name__}) is not supported by underlay.models: {missing}. "
@@ -157,8 +167,8 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
     """Check that underlay can run ``model`` (an unwrapped transformers causal-LM or token-classification
     model) and return what it needs.
 
-    Requires: a Hugging Face ``config.model_type``; a decoder-only text model (no ``vision_config``, not
-    encoder-decoder); attention modules that dispatch through ``transformers.AttentionInterface``; a
+    Requires: a Hugging Face ``config.model_type``; a decoder-only model (not encoder-decoder; a
+    vision-language model only with a Qwen-VL style backbone: ``.visual`` and ``get_rope_index``); attention modules that dispatch through ``transformers.AttentionInterface``; a
     backbone whose ``forward`` takes ``position_ids`` and passes attention keyword arguments on
     (``**kwargs``); layer types only ``full_attention`` / ``sliding_attention``; no extra logit scaling
     other than Gemma's final softcap. MoE blocks, sinks, softcaps and latent attention are recorded.
@@ -175,11 +185,18 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
         raise _refuse(
             model, model_type, "encoder-decoder models are not supported (decoder-only text models)"
         )
-    if getattr(config, "vision_config", None) is not None:
+    prefix = str(getattr(model, "base_model_prefix", "model"))
+    backbone = getattr(model, prefix, None)
+    multimodal = getattr(config, "vision_config", None) is not None
+    if multimodal and not (
+        callable(getattr(backbone, "get_rope_index", None))
+        and isinstance(getattr(backbone, "visual", None), nn.Module)
+    ):
         raise _refuse(
             model,
             model_type,
-            "vision-language models are not supported yet (no image inputs in the packed path)",
+            "a vision-language model without a Qwen-VL style backbone (a .visual tower and get_rope_index "
+            "for 3-D rotary position ids); only those are routed",
         )
     modules = _attention_modules(model)
     if not modules:
@@ -189,8 +206,6 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
             "no attention module dispatches through transformers' AttentionInterface "
             "(ALL_ATTENTION_FUNCTIONS), so attention cannot be routed to underlay's kernels",
         )
-    prefix = str(getattr(model, "base_model_prefix", "model"))
-    backbone = getattr(model, prefix, None)
     if not isinstance(backbone, nn.Module):
         raise _refuse(model, model_type, f"no backbone module at .{prefix} (base_model_prefix)")
     params = inspect.signature(backbone.forward).parameters
@@ -203,6 +218,7 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
             f"{type(backbone).__name__}.forward does not pass attention keyword arguments on (no **kwargs), "
             "so packed sequence boundaries cannot reach the attention kernel",
         )
+    config = text_config(config)
     layer_types = tuple(str(t) for t in (getattr(config, "layer_types", None) or ()))
     unknown = sorted(set(layer_types) - _LAYER_TYPES)
     if unknown:
@@ -242,6 +258,7 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
         sinks=any(isinstance(getattr(m, "sinks", None), torch.Tensor) for _, m in modules),
         moe_blocks=tuple(moe),
         latent_attention=v_dim is not None and qk_dim is not None and int(v_dim) != int(qk_dim),
+        multimodal_rope=multimodal,
     )
 
 

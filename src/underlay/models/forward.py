@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,14 +16,63 @@ from underlay.interfaces import (
     PackedBatch,
     TokenOutputs,
 )
-from underlay.models._compat import capabilities, unwrap_model
+from underlay.models._compat import ModelCapabilities, capabilities, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
 from underlay.ops.attention import seqlens_from_cu
-from underlay.ops.packing import pad_to_multiple
+from underlay.ops.packing import pad, pad_to_multiple
 from underlay.parallel.ulysses import gather_seq, slice_for_rank, sp_world_size
 from underlay.registry import get_logprob_kernel
 
-__all__ = ["next_token_labels", "packed_forward", "shift_to_tokens", "softcapped_logprobs"]
+__all__ = [
+    "MULTIMODAL_KEYS",
+    "multimodal_position_ids",
+    "next_token_labels",
+    "packed_forward",
+    "shift_to_tokens",
+    "softcapped_logprobs",
+]
+
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+"""Inputs :func:`packed_forward` passes to a Qwen-VL style backbone: images (``pixel_values``
+``[patches, C * T_patch * P * P]`` and ``image_grid_thw [images, 3]``), videos (the same with
+``_videos`` / ``video_grid_thw``) and ``second_per_grid_ts [videos]``, in the order their placeholder
+tokens appear in the packed ``input_ids``."""
+
+
+def multimodal_position_ids(
+    backbone: nn.Module, packed: PackedBatch, multimodal: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Rotary position ids of a packed Qwen-VL batch: ``[4, 1, T]`` int64, row 0 the text positions
+    (restarting per sequence, used for the sequence boundaries) and rows 1-3 the temporal/height/width
+    positions the backbone's ``get_rope_index`` gives each sequence (image and video tokens get 3-D
+    grid positions, text after them continues from the largest). Computed per sequence on the padded
+    layout, so every sequence restarts at 0 exactly as in an unpacked forward."""
+    config = getattr(backbone, "config", None)
+    ids = pad(packed.input_ids, packed)
+    keep = pad(torch.ones_like(packed.input_ids), packed)
+    kinds = torch.zeros_like(ids, dtype=torch.int32)
+    for value, attr in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, attr, None)
+        if token is not None:
+            kinds = kinds.masked_fill(ids == int(token), value)
+    get_rope_index: Callable[..., Any] = backbone.get_rope_index  # type: ignore[assignment]
+    pos3, _ = get_rope_index(
+        ids,
+        kinds,
+        image_grid_thw=multimodal.get("image_grid_thw"),
+        video_grid_thw=multimodal.get("video_grid_thw"),
+        second_per_grid_ts=multimodal.get("second_per_grid_ts"),
+        attention_mask=keep,
+    )
+    flat = pos3.reshape(3, -1)[:, packed.indices.to(pos3.device)]
+    text = packed.position_ids.to(flat.device, flat.dtype)[None]
+    return torch.cat([text, flat])[:, None]
 
 
 def softcapped_logprobs(
@@ -121,6 +170,7 @@ def packed_forward(
     with_entropy: bool = True,
     logprob_kernel: LogprobKernel | None = None,
     sp_group: Any | None = None,
+    multimodal: Mapping[str, torch.Tensor] | None = None,
 ) -> TokenOutputs:
     """Run a :func:`prepare_model`-ed model on a packed (padding-free) batch and return per-token outputs.
 
@@ -145,9 +195,15 @@ def packed_forward(
     sp) and gets the full ``[T]`` outputs. Gradients follow :mod:`underlay.parallel.ulysses`: each rank's
     parameter gradients are its share; their sum over the group equals the single-process gradient.
 
+    Vision-language models (Qwen-VL style, see :func:`underlay.models.inspect_model`) take their image
+    and video inputs in ``multimodal`` (keys :data:`MULTIMODAL_KEYS`); the vision tower runs inside the
+    backbone (its attention routed too) and the text attention gets 3-D rotary position ids from
+    :func:`multimodal_position_ids`. Text-only batches of such models need no ``multimodal``.
+
     Raises ``ConfigError`` when the model was not prepared, is not a supported architecture, has an
     unsupported head (lm_head bias, ``num_labels != 1``), or ``sp_group`` differs from the prepared one;
-    ``InvalidInput`` for an inconsistent batch or ``temperature <= 0``.
+    ``InvalidInput`` for an inconsistent batch, ``temperature <= 0``, or ``multimodal`` inputs given to a
+    text model or with keys outside :data:`MULTIMODAL_KEYS`.
     """
     if not temperature > 0:
         raise InvalidInput(f"packed_forward: temperature={temperature} must be > 0")
@@ -155,6 +211,7 @@ def packed_forward(
     inner = unwrap_model(model)
     caps = capabilities(inner)
     config = inner.config
+    mm = _validate_multimodal(caps, multimodal)
     routes = _routes(inner)
     if not routes or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ConfigError(
@@ -176,11 +233,29 @@ def packed_forward(
         kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
     outs = _run_inside(
         model,
-        lambda _ids: _packed_body(inner, head, kernel, cap, packed, group, temperature, with_entropy),
+        lambda _ids: _packed_body(inner, head, kernel, cap, packed, group, temperature, with_entropy, mm),
         packed.input_ids,
     )
     log_probs, entropy, values = outs
     return TokenOutputs(log_probs=log_probs, entropy=entropy, values=values)
+
+
+def _validate_multimodal(
+    caps: ModelCapabilities, multimodal: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    if not caps.multimodal_rope:
+        if multimodal:
+            raise InvalidInput(
+                f"packed_forward: multimodal inputs {sorted(multimodal)} given to {caps.model_type}, a text model"
+            )
+        return None
+    given = dict(multimodal or {})
+    unknown = sorted(set(given) - set(MULTIMODAL_KEYS))
+    if unknown:
+        raise InvalidInput(
+            f"packed_forward: unknown multimodal inputs {unknown}; expected keys {MULTIMODAL_KEYS}"
+        )
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _head_of(inner: nn.Module) -> str:
@@ -218,6 +293,7 @@ def _packed_body(
     group: Any | None,
     temperature: float,
     with_entropy: bool,
+    multimodal: dict[str, torch.Tensor] | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     ids, pos = packed.input_ids, packed.position_ids
     cu = packed.cu_seqlens.to(device=ids.device, dtype=torch.int32)
@@ -235,10 +311,16 @@ def _packed_body(
     # all boundaries checked on the host once per forward (compiled layers call the kernel unchecked)
     seqlens_from_cu(cu, int(ids.numel()), max_len, "cu_seqlens")
     backbone: nn.Module = getattr(inner, str(getattr(inner, "base_model_prefix", "model")))
+    media: dict[str, Any] = {}
+    position_ids = slice_for_rank(pos, group)[None]
+    if multimodal is not None:  # a Qwen-VL model (prepare_model refused sp > 1 for it)
+        position_ids = multimodal_position_ids(backbone, packed, multimodal)
+        media = dict(multimodal)
     out = backbone(
         input_ids=slice_for_rank(ids, group)[None],
-        position_ids=slice_for_rank(pos, group)[None],
+        position_ids=position_ids,
         use_cache=False,
+        **media,
         cu_seq_lens_q=cu,
         cu_seq_lens_k=cu,
         max_length_q=max_len,

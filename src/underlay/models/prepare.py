@@ -11,6 +11,7 @@ from underlay.models._compat import (
     capabilities,
     check_architecture,
     check_transformers_version,
+    text_config,
     unwrap_model,
 )
 from underlay.models.attention import (
@@ -82,10 +83,17 @@ def prepare_model(
     config = check_architecture(inner)
     if attention is not None:
         resolve("attention", attention)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    validate_sp(heads, kv_heads, sp_world_size(sp_group))
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    sp = sp_world_size(sp_group)
+    validate_sp(heads, kv_heads, sp)
+    if sp > 1 and capabilities(inner).multimodal_rope:
+        raise ConfigError(
+            f"{config.model_type}: Ulysses sequence parallelism (sp={sp}) is not supported for vision-language "
+            "models yet (the sequence would have to be split after the vision embedding); use sp=1"
+        )
+    dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
         raise ConfigError(
             f"{config.model_type}: config.attention_dropout={dropout}; the underlay attention route has no "

@@ -171,3 +171,75 @@ def reference_values(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     values = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].double()
     return values * mask
+
+
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 150, 151, 152, 153
+
+
+def tiny_vl_model(seed: int = 0) -> nn.Module:
+    """A random fp32 Qwen2.5-VL (2 text layers, 2 vision blocks with a window block and a full one;
+    2x2 patches merged 2x2, so a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the
+    image/video/vision-start/vision-end tokens."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = AutoConfig.for_model(
+        "qwen2_5_vl",
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_dropout=0.0,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            bos_token_id=0,
+            eos_token_id=1,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=1,
+            window_size=8,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).float()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return model.eval()
+
+
+def vl_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Three right-padded sequences: two with one 4x4-patch image each (one of them at the start),
+    one text-only; ``(input_ids [3, S], attention_mask, {pixel_values, image_grid_thw})``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, 140, (n,), generator=g).tolist()
+
+    image = [VISION_START] + [IMAGE_TOKEN] * 4 + [VISION_END]
+    seqs = [text(3) + image + text(4), image + text(5), text(7)]
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    mask = torch.zeros(len(seqs), s, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
+    pixels = torch.randn(32, 3 * 2 * 2, generator=g)
+    return ids, mask, {"pixel_values": pixels, "image_grid_thw": grid}

@@ -260,3 +260,51 @@ def test_flops_counter_counts_windows_mla_and_moe(arch: str) -> None:
     assert flops == pytest.approx(6.0 * counter.params_per_token * 10 + attn)
     if arch == "deepseek_v3":
         assert {(layer.qk_dim, layer.v_dim) for layer in counter._layers} == {(16, 12)}
+
+
+def test_qwen2_5_vl_packed_forward_with_images_matches_padded_reference() -> None:
+    """Qwen2.5-VL: the vision tower runs inside the packed forward (its attention routed too), the text
+    attention gets 3-D rotary positions computed per packed sequence; log-probs, entropy and the
+    gradients of every parameter (vision tower included) equal transformers' padded forward."""
+    from tests.unit.models._tiny import tiny_vl_model, vl_batch
+    from underlay.models import multimodal_position_ids
+
+    ref = tiny_vl_model()
+    caps = inspect_model(ref)
+    assert caps.multimodal_rope and len(caps.attention_modules) == 4  # 2 vision blocks + 2 text layers
+    model = prepare_model(clone(ref), attention="eager")
+    ids, mask, mm = vl_batch()
+    packed = unpad(ids, mask)
+    out = packed_forward(model, packed, temperature=0.9, logprob_kernel=logprob_kernel(), multimodal=mm)
+    assert out.log_probs is not None and out.entropy is not None
+    kinds = (ids == ref.config.image_token_id).int()
+    pos = ref.model.get_rope_index(ids, kinds, image_grid_thw=mm["image_grid_thw"], attention_mask=mask)[0]
+    got_pos = multimodal_position_ids(model.model, packed, mm)
+    assert got_pos.shape == (4, 1, packed.total_tokens)
+    assert torch.equal(got_pos[1:, 0], pos[:, mask.bool()]) and torch.equal(
+        got_pos[0, 0], packed.position_ids
+    )
+    logits = ref(input_ids=ids, attention_mask=mask, mm_token_type_ids=kinds, **mm).logits.double() / 0.9
+    lsm = logits.log_softmax(-1)
+    ref_lp = torch.zeros(ids.shape, dtype=torch.float64)
+    ref_ent = torch.zeros(ids.shape, dtype=torch.float64)
+    ref_lp[:, 1:] = lsm[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    ref_ent[:, 1:] = -(lsm.exp() * lsm).sum(-1)[:, :-1]
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    scored[:, 1:] = (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
+    ref_lp, ref_ent = ref_lp * scored, ref_ent * scored
+    lp, ent = pad(out.log_probs, packed), pad(out.entropy, packed)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=ATOL, rtol=0)
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (lp.double() * w).sum().backward()
+    (ref_lp * w).sum().backward()
+    grads, ref_grads = _grads(model), _grads(ref)
+    assert any(n.startswith("model.visual.") for n in grads)
+    _assert_grads_close(grads, ref_grads)
+    # the images matter, and text models refuse image inputs
+    other = dict(mm, pixel_values=mm["pixel_values"] * 2)
+    moved = packed_forward(model, packed, logprob_kernel=logprob_kernel(), multimodal=other).log_probs
+    assert moved is not None and not torch.allclose(moved, out.log_probs)
+    with pytest.raises(InvalidInput, match="a text model"):
+        packed_forward(prepare_model(tiny_model("llama")), packed, multimodal=mm)
