@@ -176,38 +176,47 @@ def reference_values(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 150, 151, 152, 153
 
 
-def tiny_vl_model(seed: int = 0) -> nn.Module:
-    """A random fp32 Qwen2.5-VL (2 text layers, 2 vision blocks with a window block and a full one;
-    2x2 patches merged 2x2, so a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the
-    image/video/vision-start/vision-end tokens."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
+
+def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
+    """A random fp32 Qwen2.5-VL or Qwen3-VL (2 text layers, 2 vision blocks; 2x2 patches merged 2x2, so
+    a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the image/video/vision-start/
+    vision-end tokens. Qwen2.5-VL has a window block and a full one; Qwen3-VL a deepstack merger."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    vision: dict[str, Any] = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+    )
+    if arch == "qwen2_5_vl":
+        vision.update(window_size=8, fullatt_block_indexes=[1])
+    else:
+        text.update(head_dim=16)
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
     cfg = AutoConfig.for_model(
-        "qwen2_5_vl",
-        text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attention_dropout=0.0,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-            bos_token_id=0,
-            eos_token_id=1,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=48,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=1,
-            window_size=8,
-            fullatt_block_indexes=[1],
-        ),
+        arch,
+        text_config=text,
+        vision_config=vision,
         image_token_id=IMAGE_TOKEN,
         video_token_id=VIDEO_TOKEN,
         vision_start_token_id=VISION_START,
@@ -215,7 +224,7 @@ def tiny_vl_model(seed: int = 0) -> nn.Module:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(cfg).float()
+    model = AutoModelForImageTextToText.from_config(cfg).float()
     model.set_attn_implementation("eager")
     with torch.no_grad():
         for p in model.parameters():

@@ -262,14 +262,15 @@ def test_flops_counter_counts_windows_mla_and_moe(arch: str) -> None:
         assert {(layer.qk_dim, layer.v_dim) for layer in counter._layers} == {(16, 12)}
 
 
-def test_qwen2_5_vl_packed_forward_with_images_matches_padded_reference() -> None:
-    """Qwen2.5-VL: the vision tower runs inside the packed forward (its attention routed too), the text
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> None:
+    """Qwen2.5-VL and Qwen3-VL: the vision tower runs inside the packed forward (its attention routed too), the text
     attention gets 3-D rotary positions computed per packed sequence; log-probs, entropy and the
     gradients of every parameter (vision tower included) equal transformers' padded forward."""
     from tests.unit.models._tiny import tiny_vl_model, vl_batch
     from underlay.models import multimodal_position_ids
 
-    ref = tiny_vl_model()
+    ref = tiny_vl_model(arch)
     caps = inspect_model(ref)
     assert caps.multimodal_rope and len(caps.attention_modules) == 4  # 2 vision blocks + 2 text layers
     model = prepare_model(clone(ref), attention="eager")
