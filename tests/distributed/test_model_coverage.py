@@ -2,7 +2,7 @@
 sp=2 equals one process for each of them (log-probs, entropy, summed parameter gradients), and a 2-rank
 FSDP2 step equals the float64 single-process step for a dense (Gemma 2: softcaps, alternating sliding
 windows, unfused softcapped head) and an MoE model (Mixtral), whose HF exports transformers reloads with
-equal logits."""
+equal logits; Qwen2.5-VL with images under Ulysses equals one process."""
 
 from __future__ import annotations
 
@@ -64,6 +64,40 @@ def _fsdp_step_and_export(rank: int, world: int, arch: str, root: Path) -> dict[
     return out
 
 
+def _check_vl_ulysses() -> None:
+    """Qwen2.5-VL with images under sp=2 (sequence split after the vision features are merged; 31
+    tokens padded to 32) equals one process; Qwen3-VL (deepstack) is refused for sp."""
+    from tests.unit.models._tiny import clone, logprob_kernel, tiny_vl_model, vl_batch
+    from underlay.interfaces import ConfigError
+    from underlay.models import packed_forward, prepare_model
+    from underlay.ops.packing import unpad
+
+    ref = tiny_vl_model("qwen2_5_vl")
+    ids, mask, mm = vl_batch()
+    packed = unpad(ids, mask)
+    g = torch.Generator().manual_seed(11)
+    w1, w2 = torch.randn(packed.total_tokens, generator=g), torch.randn(packed.total_tokens, generator=g)
+
+    def run(group: Any | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        model = prepare_model(clone(ref), attention="eager", sp_group=group)
+        out = packed_forward(model, packed, logprob_kernel=logprob_kernel(), multimodal=mm)
+        assert out.log_probs is not None and out.entropy is not None
+        ((out.log_probs * w1).sum() + (out.entropy * w2).sum()).backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return [out.log_probs.detach(), out.entropy.detach()], grads
+
+    single, single_grads = run(None)
+    split, split_grads = run(dist.group.WORLD)
+    for a, b in zip(split, single):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    assert split_grads.keys() == single_grads.keys() and any(".visual." in n for n in split_grads)
+    for name, grad in split_grads.items():
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, single_grads[name], atol=2e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ConfigError, match="deepstack"):
+        prepare_model(tiny_vl_model("qwen3_vl"), sp_group=dist.group.WORLD)
+
+
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     from tests.unit.models._tiny import NEW_ARCHS
 
@@ -71,6 +105,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
         _check_model(arch, 4, 2, False)
     _check_model("gpt_oss", 4, 1, False)  # kv heads < sp: repeated; sinks sliced per head group
     _check_model("deepseek_v3", 4, 4, True)  # value model with latent attention
+    _check_vl_ulysses()
     return {arch: _fsdp_step_and_export(rank, world, arch, Path(root)) for arch in FSDP_ARCHS}
 
 

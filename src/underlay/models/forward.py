@@ -218,7 +218,7 @@ def packed_forward(
             f"packed_forward: {type(inner).__name__} is not prepared (attn_implementation="
             f"{getattr(config, '_attn_implementation', None)!r}); call underlay.models.prepare_model(model) first"
         )
-    group = routes[0].sp_group
+    group = next((r.sp_group for r in routes if r.sp_group is not None), None)  # (vision routes: none)
     if sp_group is not None and sp_group is not group:
         raise ConfigError(
             "packed_forward: sp_group differs from the group given to prepare_model; prepare the model "
@@ -256,6 +256,30 @@ def _validate_multimodal(
             f"packed_forward: unknown multimodal inputs {unknown}; expected keys {MULTIMODAL_KEYS}"
         )
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _split_after_embedding(
+    backbone: nn.Module, group: Any | None, ids: torch.Tensor, rope: torch.Tensor, kwargs: dict[str, Any]
+) -> Any:
+    """Run a Qwen-VL backbone on the whole packed sequence ``ids [1, T]`` (so image placeholders meet
+    their features) with ``rope [4, 1, T]`` positions; under Ulysses its language model gets only this
+    rank's slice of the merged embeddings and positions (a pre-hook), so text tokens are not duplicated.
+    Returns the backbone output (``last_hidden_state [1, T / sp, H]``)."""
+    language = getattr(backbone, "language_model", None)
+    if sp_world_size(group) == 1 or not isinstance(language, nn.Module):
+        return backbone(input_ids=ids, position_ids=rope, **kwargs)
+
+    def local_slice(_module: nn.Module, args: Any, kw: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        kw = dict(kw)
+        kw["inputs_embeds"] = slice_for_rank(kw["inputs_embeds"], group, dim=1)
+        kw["position_ids"] = slice_for_rank(kw["position_ids"], group, dim=-1)
+        return args, kw
+
+    handle = language.register_forward_pre_hook(local_slice, with_kwargs=True)
+    try:
+        return backbone(input_ids=ids, position_ids=rope, **kwargs)
+    finally:
+        handle.remove()
 
 
 def _head_of(inner: nn.Module) -> str:
@@ -311,21 +335,21 @@ def _packed_body(
     # all boundaries checked on the host once per forward (compiled layers call the kernel unchecked)
     seqlens_from_cu(cu, int(ids.numel()), max_len, "cu_seqlens")
     backbone: nn.Module = getattr(inner, str(getattr(inner, "base_model_prefix", "model")))
-    media: dict[str, Any] = {}
-    position_ids = slice_for_rank(pos, group)[None]
-    if multimodal is not None:  # a Qwen-VL model (prepare_model refused sp > 1 for it)
-        position_ids = multimodal_position_ids(backbone, packed, multimodal)
-        media = dict(multimodal)
-    out = backbone(
-        input_ids=slice_for_rank(ids, group)[None],
-        position_ids=position_ids,
-        use_cache=False,
-        **media,
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=max_len,
-        max_length_k=max_len,
+    kwargs: dict[str, Any] = dict(
+        use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len
     )
+    if multimodal is None:
+        out = backbone(
+            input_ids=slice_for_rank(ids, group)[None],
+            position_ids=slice_for_rank(pos, group)[None],
+            **kwargs,
+        )
+    else:  # a Qwen-VL model: whole sequence in (image placeholders), split after the embedding
+        rope = multimodal_position_ids(backbone, packed, multimodal)
+        if sp > 1 and int(ids.numel()) > total:  # the sp padding: its own sequence, positions from 0
+            tail = torch.arange(int(ids.numel()) - total, device=rope.device, dtype=rope.dtype)
+            rope = torch.cat([rope, tail.view(1, 1, -1).expand(4, 1, -1)], dim=-1)
+        out = _split_after_embedding(backbone, group, ids[None], rope, {**multimodal, **kwargs})
     hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
     if head == "value":
         score: nn.Module = inner.score  # type: ignore[assignment]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, TypeVar
 
 from torch import nn
@@ -38,6 +39,17 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in inner.named_modules() if name in names]
 
 
+def _splittable_after_embedding(inner: nn.Module) -> bool:
+    """Whether a Qwen-VL style model's language model takes only embeddings and position ids (Qwen2.5-VL),
+    so that Ulysses can split the sequence after the vision features are merged; Qwen3-VL's also takes
+    deepstack features inside its layers."""
+    backbone = getattr(inner, str(getattr(inner, "base_model_prefix", "model")), None)
+    language = getattr(backbone, "language_model", None)
+    if not isinstance(language, nn.Module):
+        return False
+    return "deepstack_visual_embeds" not in inspect.signature(language.forward).parameters
+
+
 def _set_implementation(inner: nn.Module, config: Any) -> None:
     setter = getattr(inner, "set_attn_implementation", None)
     if callable(setter):
@@ -62,7 +74,9 @@ def prepare_model(
       ``kernel.varlen``, padded input with an attention mask to ``kernel.padded``; the module's scaling,
       sliding window and softcap are respected. Use :func:`underlay.models.packed_forward` to run it.
     - ``sp_group``: Ulysses sequence parallelism over that process group (checked with
-      :func:`underlay.parallel.ulysses.validate_sp` against the head counts).
+      :func:`underlay.parallel.ulysses.validate_sp` against the head counts). For Qwen2.5-VL the
+      sequence is split after the vision features are merged into the embeddings (the vision tower's
+      attention runs unsplit); Qwen3-VL (deepstack) is refused.
     - ``tiled_mlp_tiles``: compute every decoder MLP (or MoE block) in that many token tiles with
       recomputation in backward (:class:`underlay.models.TiledMLP`); ``None`` leaves MLPs plain (and
       removes tiling installed by an earlier call). MLPs that return a tuple (gpt-oss) are refused.
@@ -88,10 +102,12 @@ def prepare_model(
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     sp = sp_world_size(sp_group)
     validate_sp(heads, kv_heads, sp)
-    if sp > 1 and capabilities(inner).multimodal_rope:
+    caps = capabilities(inner)
+    if sp > 1 and caps.multimodal_rope and not _splittable_after_embedding(inner):
         raise ConfigError(
-            f"{config.model_type}: Ulysses sequence parallelism (sp={sp}) is not supported for vision-language "
-            "models yet (the sequence would have to be split after the vision embedding); use sp=1"
+            f"{config.model_type}: Ulysses sequence parallelism (sp={sp}) is not supported for this vision-language "
+            "model: its language model takes vision features inside the decoder layers (deepstack), so the "
+            "sequence cannot be split after the embedding; use sp=1"
         )
     dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
@@ -105,10 +121,12 @@ def prepare_model(
         raise ConfigError(f"tiled_mlp_tiles={tiled_mlp_tiles!r}: must be an int >= 1 or None")
     if tiled_mlp_tiles is not None:
         check_tileable(inner)
-    modules = attention_modules(inner)
+    named = dict(inner.named_modules())
+    vision = f"{getattr(inner, 'base_model_prefix', 'model')}.visual."
     register_attention()
     _set_implementation(inner, config)
-    for module in modules:
-        setattr(module, ROUTE_ATTR, AttentionRoute(attention, sp_group))
+    for name in caps.attention_modules:  # the vision tower sees whole images on every rank: no sp
+        group = None if name.startswith(vision) else sp_group
+        setattr(named[name], ROUTE_ATTR, AttentionRoute(attention, group))
     apply_tiled_mlp(inner, tiled_mlp_tiles)
     return model
