@@ -309,3 +309,36 @@ def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> No
     assert moved is not None and not torch.allclose(moved, out.log_probs)
     with pytest.raises(InvalidInput, match="a text model"):
         packed_forward(prepare_model(tiny_model("llama")), packed, multimodal=mm)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_flops_counter_counts_the_vision_tower(arch: str) -> None:
+    """Vision matrices per patch / per merged token equal the tiny model's own parameters; the vision
+    FLOPs of a batch's grids follow the module convention; a text model refuses grids."""
+    from tests.unit.models._tiny import tiny_vl_model
+
+    model = tiny_vl_model(arch)
+    visual = model.model.visual
+    per_patch = visual.patch_embed.proj.weight.numel() + sum(
+        p.numel() for n, p in visual.blocks.named_parameters() if p.dim() >= 2
+    )
+    per_merged = sum(p.numel() for n, p in visual.named_parameters() if p.dim() >= 2 and "merger" in n)
+    counter = FlopsCounter(model.config)
+    vision = counter.vision_figures()
+    assert vision is not None
+    assert vision.per_patch == per_patch and vision.per_merged == per_merged
+    grids = torch.tensor([[1, 4, 4], [2, 4, 8]])
+    extra = counter.estimate_flops([20, 9], grids) - counter.estimate_flops([20, 9])
+    d, depth = 32, 2
+    want = 0.0
+    for t, h, w in grids.tolist():
+        n = t * h * w
+        # attention within each frame; Qwen2.5-VL's block 0 is a window block (2x2 merged units =
+        # 4x4 patches per window), block 1 attends over the whole frame
+        pairs = [t * (h * w) ** 2] * depth
+        if arch == "qwen2_5_vl":
+            pairs[0] = t * (h * w // 16) * 16**2
+        want += 6.0 * (per_patch * n + per_merged * n / 4) + sum(12.0 * d * p for p in pairs)
+    assert extra == pytest.approx(want)
+    with pytest.raises(InvalidInput, match="no vision tower"):
+        FlopsCounter(tiny_config("llama")).estimate_flops([5], grids)
