@@ -1,12 +1,14 @@
 """bf16 equivalence of the Hugging Face integration on the GPU (issue 5, item 6, GPU part).
 
-For tiny random models of every supported architecture, on cuda in bf16 with the kernels the registry
+For tiny random models of every verified architecture (``ARCHS``: the original five plus Gemma 2/3,
+Mixtral, Phi-3, GLM-4, DeepSeek-V3 and gpt-oss), on cuda in bf16 with the kernels the registry
 picks there (attention: ``torch`` = varlen_attn/SDPA unless flash_attn is installed; log-prob:
 ``triton``), compares against an fp32 eager padded forward of the *unpatched* model (ground truth):
 
 - ``ours``: ``prepare_model`` + ``packed_forward`` (packed THD, fused head), bf16;
-- ``hf``:   the unpatched model in bf16 with transformers' own ``sdpa`` padded forward and
-            ``logits.log_softmax`` -- the error a bf16 run has anyway.
+- ``hf``:   the unpatched model in bf16 with transformers' own ``sdpa`` padded forward (``eager``
+            where the architecture has no sdpa path) and ``logits.log_softmax`` -- the error a bf16
+            run has anyway.
 
 A row passes when our log-prob/entropy errors are within 1.5x (+ a small floor) of the ``hf`` bf16
 errors and the cosine of our parameter gradient (of a weighted log-prob loss) to the fp32 gradient is
@@ -39,7 +41,85 @@ from underlay.models import TiledMLP, packed_forward, prepare_model
 from underlay.ops.packing import pad, unpad
 from underlay.registry import get_attention, get_logprob_kernel, resolve
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "phi3",
+    "glm4",
+    "deepseek_v3",
+    "gpt_oss",
+)
+VALUE_ARCHS = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss")
+ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+def _overrides(arch: str, heads: int) -> dict[str, Any]:
+    """Per-architecture config keys: short sliding windows (16 tokens) so the windows matter, softcaps,
+    small MoE and MLA shapes."""
+    if arch == "mistral":
+        return dict(sliding_window=16)
+    if arch == "qwen2":
+        return dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    if arch == "qwen3_moe":
+        return dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    if arch == "gemma2":
+        return dict(
+            sliding_window=16,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            layer_types=ALTERNATING,
+        )
+    if arch == "gemma3_text":
+        return dict(sliding_window=16, query_pre_attn_scalar=16, layer_types=ALTERNATING)
+    if arch == "mixtral":
+        return dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=16)
+    if arch == "phi3":
+        return dict(sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "glm4":
+        return dict(partial_rotary_factor=0.5, pad_token_id=0)
+    if arch == "deepseek_v3":
+        return dict(
+            num_key_value_heads=heads,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+        )
+    if arch == "gpt_oss":
+        return dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            layer_types=ALTERNATING,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    return {}
+
+
+def hf_bf16_attention(model: nn.Module) -> str:
+    """Switch the unpatched bf16 model to transformers' ``sdpa``, or ``eager`` where the architecture
+    has no sdpa path (gpt-oss's sinks); returns the implementation used."""
+    try:
+        model.set_attn_implementation("sdpa")  # type: ignore[operator]
+        return "sdpa"
+    except (ValueError, ImportError):
+        model.set_attn_implementation("eager")  # type: ignore[operator]
+        return "eager"
 
 
 def tiny_config(arch: str, quick: bool) -> Any:
@@ -57,12 +137,7 @@ def tiny_config(arch: str, quick: bool) -> Any:
         attention_dropout=0.0,
         tie_word_embeddings=False,
     )
-    if arch == "mistral":
-        kw.update(sliding_window=16)
-    elif arch == "qwen2":
-        kw.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    elif arch == "qwen3_moe":
-        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    kw.update(_overrides(arch, int(kw["num_attention_heads"])))
     cfg = AutoConfig.for_model(arch, **kw)
     return cfg
 
@@ -137,7 +212,7 @@ def check_causal(arch: str, quick: bool, device: torch.device, attention: str | 
 
     hf = copy.deepcopy(ref).to(torch.bfloat16)
     hf.zero_grad(set_to_none=True)
-    hf.set_attn_implementation("sdpa")
+    hf_impl = hf_bf16_attention(hf)
     hf_lp, hf_ent = padded_logprobs(hf, ids, mask)
     (hf_lp * w).sum().backward()
     g_hf = flat_grad(hf)
@@ -156,7 +231,11 @@ def check_causal(arch: str, quick: bool, device: torch.device, attention: str | 
     with torch.no_grad():
         pad_lp, _ = padded_logprobs(ours, ids, mask)
 
-    row: dict[str, Any] = {"check": f"{arch} causal-lm", "logprob_kernel": kernel.name}
+    row: dict[str, Any] = {
+        "check": f"{arch} causal-lm",
+        "logprob_kernel": kernel.name,
+        "hf_attention": hf_impl,
+    }
     row["lp_max_ours"], row["lp_mean_ours"] = errs(lp, ref_lp, keep)
     row["lp_max_hf"], row["lp_mean_hf"] = errs(hf_lp, ref_lp, keep)
     row["ent_max_ours"], row["ent_mean_ours"] = errs(ent, ref_ent, keep)
@@ -183,7 +262,7 @@ def check_value(arch: str, quick: bool, device: torch.device, attention: str | N
     g_ref = flat_grad(ref)
     hf = copy.deepcopy(ref).to(torch.bfloat16)
     hf.zero_grad(set_to_none=True)
-    hf.set_attn_implementation("sdpa")
+    hf_impl = hf_bf16_attention(hf)
     hf_v = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].float()
     ours = prepare_model(copy.deepcopy(ref).to(torch.bfloat16), attention=attention)
     ours.zero_grad(set_to_none=True)
@@ -192,7 +271,7 @@ def check_value(arch: str, quick: bool, device: torch.device, attention: str | N
     assert out.values is not None
     values = pad(out.values, packed)
     values.sum().backward()
-    row: dict[str, Any] = {"check": f"{arch} value-model", "logprob_kernel": "-"}
+    row: dict[str, Any] = {"check": f"{arch} value-model", "logprob_kernel": "-", "hf_attention": hf_impl}
     row["lp_max_ours"], row["lp_mean_ours"] = errs(values, want, keep)
     row["lp_max_hf"], row["lp_mean_hf"] = errs(hf_v, want, keep)
     row["grad_cos_ours"] = cosine(flat_grad(ours), g_ref)
@@ -255,7 +334,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for arch in ARCHS:
         rows.append(check_causal(arch, args.quick, device, args.attention))
-    for arch in ("llama", "qwen3_moe"):
+    for arch in VALUE_ARCHS:
         rows.append(check_value(arch, args.quick, device, args.attention))
     rows.append(check_tiled(args.quick, device))
     meta = {

@@ -53,6 +53,7 @@ class Case:
     heads: int
     kv_heads: int
     softcap: float | None = None
+    dv: int | None = None  # value head dim when it differs from the q/k one (64)
 
 
 CASES = [
@@ -62,6 +63,7 @@ CASES = [
     Case("bidirectional-window", False, (24, 12), 2, 2),
     Case("causal-mha", True, None, 2, 2),
     Case("causal-softcap", True, None, 4, 2, softcap=5.0),  # only kernels with a softcap (flash-attn >= 2.6)
+    Case("causal-mla-dv48", True, None, 4, 4, dv=48),  # latent attention: Dv < D (DeepSeek-V3)
 ]
 
 
@@ -125,7 +127,8 @@ def test_varlen_matches_eager(name: str, case: Case, dtype: torch.dtype) -> None
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{case.id}/{dtype}".encode()))
     lens = _lengths(gen, dev)
     total, d = sum(lens), 64
-    q, k, v = _inputs(gen, (total, case.heads, d), (total, case.kv_heads, d), d, dtype)
+    dv = case.dv or d
+    q, k, v = _inputs(gen, (total, case.heads, d), (total, case.kv_heads, d), dv, dtype)
     spec = attention_spec(q, k, v, "varlen", case.causal, case.window, case.softcap)
     _skip_unless_supported(kernel, spec)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
@@ -134,7 +137,7 @@ def test_varlen_matches_eager(name: str, case: Case, dtype: torch.dtype) -> None
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
     opts = {"causal": case.causal, "window": case.window, "scale": scale, "softcap": case.softcap}
     out = kernel.varlen(q, k, v, cu, cu, max(lens), max(lens), **opts)  # type: ignore[arg-type]
-    assert out.dtype == dtype and out.shape == (total, case.heads, d)
+    assert out.dtype == dtype and out.shape == (total, case.heads, dv)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dev)
     grads = _grads(out, dout, q, k, v)
 

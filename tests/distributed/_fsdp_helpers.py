@@ -168,16 +168,24 @@ def reference_model(
             )
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner.set_attn_implementation("eager")
-    if getattr(inner.config, "num_experts", None) and hasattr(inner, "set_experts_implementation"):
+    moe = any(
+        getattr(inner.config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
+    if moe and hasattr(inner, "set_experts_implementation"):
         inner.set_experts_implementation("eager")  # grouped_mm has no float64
     return model.double()
 
 
-def reference_outputs(model: Any, batch: TokenBatch, kind: str = "causal_lm") -> TokenOutputs:
+def reference_outputs(
+    model: Any, batch: TokenBatch, kind: str = "causal_lm", mask_keys: bool = True
+) -> TokenOutputs:
     """Padded HF forward in float64: per-token log-probs (aligned to the scored token) and entropy,
-    or values."""
+    or values. ``mask_keys=False`` runs without the attention mask, which is exact for right-padded
+    batches (causal: real tokens never see the padding after them) and avoids transformers 5's float64
+    sliding-window padding mask, which gives NaN."""
     pos = (batch.attention_mask.cumsum(1) - 1).clamp(min=0)
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos)
+    mask = batch.attention_mask if mask_keys else None
+    out = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=pos)
     mask = batch.attention_mask.to(torch.float64)
     if kind == "value":
         return TokenOutputs(None, None, out.logits.squeeze(-1) * mask)
@@ -199,10 +207,16 @@ def hf_names(model: Any) -> dict[str, torch.nn.Parameter]:
 
 
 def reference_step(
-    model: Any, batch: TokenBatch, cfg: EngineConfig, loss_fn: Any = pg_loss, kind: str = "causal_lm"
+    model: Any,
+    batch: TokenBatch,
+    cfg: EngineConfig,
+    loss_fn: Any = pg_loss,
+    kind: str = "causal_lm",
+    mask_keys: bool = True,
 ) -> tuple[float, float, dict[str, torch.Tensor]]:
     """One full-batch float64 step: token-mean loss, backward, global-norm clip, AdamW.
-    Returns ``(loss, grad_norm, merged HF-named weights after the step)``."""
+    Returns ``(loss, grad_norm, merged HF-named weights after the step)``. ``mask_keys``: see
+    :func:`reference_outputs`."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         params,
@@ -211,7 +225,7 @@ def reference_step(
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
-    out = reference_outputs(model, batch, kind)
+    out = reference_outputs(model, batch, kind, mask_keys)
     loss_sum, _ = loss_fn(out, batch)
     n = float(batch.loss_mask.sum())
     loss = loss_sum / n

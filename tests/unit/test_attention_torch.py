@@ -44,10 +44,13 @@ def test_varlen_path_choice() -> None:
         (_spec(device_type="cpu"), "needs cuda"),
         (_spec(dtype=torch.float32), "bf16/fp16"),
         (_spec(head_dim=100), "head_dim % 8"),
-        (_spec(head_dim_v=64), "Dv == D"),
+        (_spec(head_dim_v=192), "Dv <= D"),
+        (_spec(sinks=True), "no softcap or sinks"),
     ):
         path, why = kernel.varlen_path(spec)
         assert path == "sdpa_per_sequence" and any(reason in w for w in why), (spec, why)
+    # latent attention (Dv < D) takes varlen_attn, V zero-padded (see the test below)
+    assert kernel.varlen_path(_spec(head_dim_v=64))[0] == kernel.varlen_path(_spec())[0]
 
 
 def test_supports_reports_softcap_and_device() -> None:
@@ -55,6 +58,7 @@ def test_supports_reports_softcap_and_device() -> None:
     assert kernel.supports(_spec()) == ()
     assert kernel.supports(_spec(device_type="cpu", dtype=torch.float64, window=(8, 0))) == ()
     assert any("softcap" in r for r in kernel.supports(_spec(softcap=30.0)))
+    assert any("sinks" in r for r in kernel.supports(_spec(sinks=True)))
     assert any("npu" in r for r in kernel.supports(_spec(device_type="npu")))
 
 
@@ -155,3 +159,33 @@ def test_cuda_traceable_varlen_compiles_without_graph_breaks_and_matches_varlen(
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, rtol=2e-2, atol=5e-2)
+
+
+def test_varlen_attn_call_zero_pads_a_smaller_value_head_dim() -> None:
+    """Latent attention (Dv < D) through varlen_attn: v is zero-padded to D for the kernel and the output
+    sliced back; output and gradients equal eager's. The flash kernel is stood in for by eager here
+    (varlen_attn itself needs a GPU); the padding and slicing are what is checked."""
+    from underlay.backends.portable.attention import EagerAttention, _call_varlen_attn
+    from underlay.registry import get_device
+
+    eager = EagerAttention(get_device("cpu"))
+    seen: list[int] = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, **kw):  # type: ignore[no-untyped-def]
+        seen.append(int(v.shape[-1]))
+        return eager.varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window=None, scale=kw["scale"])
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(9, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(9, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(9, 4, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = _call_varlen_attn(stand_in, True, True, q, k, v, cu, cu, 5, 5, True, None, 0.3)
+    want = eager.varlen(q, k, v, cu, cu, 5, 5, causal=True, scale=0.3)
+    assert seen == [16] and out.shape == (9, 4, 12)
+    torch.testing.assert_close(out, want)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v))
+    ):
+        torch.testing.assert_close(a, b)

@@ -220,3 +220,46 @@ def test_cu_seqlens_is_read_once_per_tensor_and_again_after_a_change(monkeypatch
     other = torch.tensor([0, 3, 10], dtype=torch.int32)
     assert att.seqlens_from_cu(other, 10, 7, "cu_seqlens_q") == LENS
     assert len(reads) == 4
+
+
+def test_one_validated_entry_normalises_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """varlen_call / padded_call: the entry every kernel takes; lengths are cached on each cu_seqlens
+    tensor (no process-wide cache), so distinct q and k boundaries are each read once."""
+    import underlay.ops.attention as att
+
+    reads: list[int] = []
+    real = att._read_lengths
+
+    def counting(cu: torch.Tensor, total: int, name: str) -> list[int]:
+        reads.append(int(cu.numel()))
+        return real(cu, total, name)
+
+    monkeypatch.setattr(att, "_read_lengths", counting)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 6)
+    cu_q = torch.tensor([0, 3, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 10], dtype=torch.int32)
+    sinks = torch.zeros(4)
+    for _ in range(3):
+        call = att.varlen_call(
+            q, k, v, cu_q, cu_k, 7, 7, causal=True, window=(-1, -1), scale=None, softcap=2.0, sinks=sinks
+        )
+    assert len(reads) == 2 and not hasattr(att, "_LENGTHS")
+    assert call.lens_q == call.lens_k == tuple(LENS) and call.window is None
+    assert call.scale == pytest.approx(8**-0.5) and call.spec.head_dim_v == 6
+    assert call.spec.sinks and call.spec.softcap == 2.0 and call.spec.layout == "varlen"
+    padded = att.padded_call(
+        q[None], k[None], v[None], None, causal=False, window=(2, 1), scale=0.5, softcap=None, sinks=None
+    )
+    assert padded.window == (2, 1) and padded.scale == 0.5 and padded.lens_q == () and not padded.spec.sinks
+    with pytest.raises(InvalidInput, match="sinks has shape"):
+        att.padded_call(
+            q[None],
+            k[None],
+            v[None],
+            None,
+            causal=True,
+            window=None,
+            scale=None,
+            softcap=None,
+            sinks=torch.zeros(3),
+        )

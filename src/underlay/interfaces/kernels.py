@@ -23,7 +23,10 @@ class AttentionKernel(Protocol):
     ``causal`` aligns the causal mask to the bottom-right when query and key lengths differ.
     ``window = (left, right)`` limits keys to ``[i - left, i + right]`` (``-1`` = unbounded).
     ``scale`` defaults to ``D ** -0.5``; ``softcap`` applies ``softcap * tanh(s / softcap)`` to the
-    scores. Output has the dtype of ``q``; gradients flow to q, k and v.
+    scores. ``sinks`` (``[Hq]``, any float dtype) adds to every query row of head ``h`` one extra
+    logit ``sinks[h]`` whose key has a zero value (an attention sink, as gpt-oss): the softmax runs over
+    the visible keys plus the sink, and the sink's share of the probability is dropped. Output has the
+    dtype of ``q``; gradients flow to q, k, v (and ``sinks``).
 
     Every call validates its arguments and raises ``InvalidInput`` before launching anything.
     """
@@ -49,6 +52,7 @@ class AttentionKernel(Protocol):
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention within each packed sequence; returns ``[T, Hq, Dv]``."""
 
@@ -63,6 +67,7 @@ class AttentionKernel(Protocol):
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention over ``[B, S, H, D]``; ``attention_mask`` ``[B, S_k]`` (1 = keep) masks padded keys.
         Returns ``[B, S_q, Hq, Dv]``; rows of padded queries are unspecified (finite)."""

@@ -287,7 +287,8 @@ class AttentionSpec:
 
     ``layout`` is ``"varlen"`` (packed ``[T, H, D]`` with ``cu_seqlens``) or ``"padded"``
     (``[B, S, H, D]``). ``window`` is ``(left, right)`` tokens visible around each query (``-1`` =
-    unbounded), or ``None`` for full attention. ``device_type`` is ``torch.device.type``.
+    unbounded), or ``None`` for full attention. ``device_type`` is ``torch.device.type``. ``sinks``:
+    the call carries per-head attention-sink logits (gpt-oss; see ``AttentionKernel``).
     """
 
     dtype: torch.dtype
@@ -301,6 +302,7 @@ class AttentionSpec:
     softcap: float | None = None
     head_dim_v: int | None = None
     requires_grad: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:

@@ -14,23 +14,37 @@ Typical use by an RL trainer (the FSDP2 engine does this for you)::
 from underlay.models._compat import (
     SUPPORTED_ARCHITECTURES,
     TESTED_TRANSFORMERS,
+    ModelCapabilities,
     check_transformers_version,
+    inspect_model,
 )
 from underlay.models.attention import ATTN_IMPLEMENTATION, cu_seqlens_from_position_ids
-from underlay.models.forward import next_token_labels, packed_forward, shift_to_tokens
+from underlay.models.forward import (
+    MULTIMODAL_KEYS,
+    multimodal_position_ids,
+    next_token_labels,
+    packed_forward,
+    shift_to_tokens,
+    softcapped_logprobs,
+)
 from underlay.models.prepare import prepare_model
 from underlay.models.tiled_mlp import TiledMLP, apply_tiled_mlp
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "MULTIMODAL_KEYS",
     "SUPPORTED_ARCHITECTURES",
     "TESTED_TRANSFORMERS",
+    "ModelCapabilities",
     "TiledMLP",
     "apply_tiled_mlp",
     "check_transformers_version",
     "cu_seqlens_from_position_ids",
+    "inspect_model",
+    "multimodal_position_ids",
     "next_token_labels",
     "packed_forward",
     "prepare_model",
     "shift_to_tokens",
+    "softcapped_logprobs",
 ]

@@ -38,6 +38,7 @@ from underlay.parallel.ulysses import (
     head_to_seq,
     repeat_kv_for_sp,
     seq_to_head,
+    slice_for_rank,
     sp_world_size,
     validate_sp,
 )
@@ -141,6 +142,7 @@ def _trace_key(spec: AttentionSpec) -> tuple[Any, ...]:
         spec.softcap,
         spec.head_dim_v,
         spec.requires_grad,
+        spec.sinks,
     )
 
 
@@ -191,7 +193,8 @@ def underlay_attention_forward(
     """The attention function transformers calls for ``attn_implementation="underlay"``.
 
     ``query [B, Hq, S, D]``, ``key``/``value [B, Hk, S, D]`` (transformers' layout, after RoPE);
-    ``attention_mask`` a ``[B, S]`` keep-mask or ``None`` (see the module docstring). Returns
+    ``attention_mask`` a ``[B, S]`` keep-mask or ``None`` (see the module docstring); ``s_aux`` (keyword,
+    gpt-oss) per-head attention-sink logits ``[Hq]``, passed to the kernel as ``sinks``. Returns
     ``(out [B, S, Hq, Dv], None)`` in the dtype of ``query``; attention weights are never built.
     Raises ``UnsupportedOperation`` for attention dropout > 0, 4-D custom masks, and Ulysses on padded
     input; ``BackendUnavailable`` when the routed kernel cannot run the case.
@@ -214,6 +217,7 @@ def underlay_attention_forward(
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
     window = _window(sliding_window, causal)
+    sinks = kwargs.pop("s_aux", None)
     # (no int() of the sequence dimension: under torch.compile it would specialise on the length)
     bsz, hq, dim = int(query.shape[0]), int(query.shape[1]), int(query.shape[3])
     hk, dim_v = int(key.shape[1]), int(value.shape[-1])
@@ -221,7 +225,9 @@ def underlay_attention_forward(
     cu_q = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
     packed = bsz == 1 and attention_mask is None and (cu_q is not None or position_ids is not None)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query, key, value, sinks) if t is not None
+    )
 
     if not packed:
         if sp > 1:
@@ -230,7 +236,18 @@ def underlay_attention_forward(
                 "position ids restarting per sequence); got a padded batch. Use underlay.models.packed_forward"
             )
         spec = AttentionSpec(
-            query.dtype, dim, hq, hk, query.device.type, "padded", causal, window, softcap, dim_v, needs_grad
+            query.dtype,
+            dim,
+            hq,
+            hk,
+            query.device.type,
+            "padded",
+            causal,
+            window,
+            softcap,
+            dim_v,
+            needs_grad,
+            sinks is not None,
         )
         out = route.kernel(spec).padded(
             query.transpose(1, 2),
@@ -241,6 +258,7 @@ def underlay_attention_forward(
             window=window,
             scale=scale,
             softcap=softcap,
+            sinks=sinks,
         )
         return out, None
 
@@ -253,7 +271,19 @@ def underlay_attention_forward(
         if torch.compiler.is_compiling() and cu_q is not None and max_length:
             # inside a compiled graph: the kernel call is traced too (no graph break), with boundaries
             # packed_forward validated; an eager call of this layer has resolved the kernel
-            key_ = (query.dtype, dim, hq, hk, query.device.type, causal, window, softcap, dim_v, needs_grad)
+            key_ = (
+                query.dtype,
+                dim,
+                hq,
+                hk,
+                query.device.type,
+                causal,
+                window,
+                softcap,
+                dim_v,
+                needs_grad,
+                sinks is not None,
+            )
             traced = route.traceable(key_)
             if traced is not None:
                 return traced(q, k, v, cu_q, max_length, causal, window, scale).unsqueeze(0), None
@@ -269,6 +299,7 @@ def underlay_attention_forward(
         window,
         scale,
         softcap,
+        sinks,
         needs_grad,
     )
     return out.unsqueeze(0), None
@@ -287,6 +318,7 @@ def _packed_attention(
     window: tuple[int, int] | None,
     scale: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
     needs_grad: bool,
 ) -> torch.Tensor:
     """The packed kernel call ``[S, Hq, D] -> [S, Hq, Dv]``. Always eager, also inside a compiled
@@ -302,6 +334,8 @@ def _packed_attention(
         validate_sp(int(q.shape[1]), int(k.shape[1]), sp)
         k, v = repeat_kv_for_sp(k, sp), repeat_kv_for_sp(v, sp)
         q, k, v = (seq_to_head(t, route.sp_group) for t in (q, k, v))
+        if sinks is not None:  # this rank's contiguous head slice (seq_to_head's head order)
+            sinks = slice_for_rank(sinks, route.sp_group)
     spec = AttentionSpec(
         q.dtype,
         int(q.shape[-1]),
@@ -314,6 +348,7 @@ def _packed_attention(
         softcap,
         int(v.shape[-1]),
         needs_grad,
+        sinks is not None,
     )
     total = int(q.shape[0])
     if cu.device.type == "cpu" and int(cu[-1]) != total:  # (no per-layer device sync on accelerators)
@@ -322,9 +357,10 @@ def _packed_attention(
             f"(over sp={sp} ranks); pass the boundaries of the whole packed sequence"
         )
     kernel = route.kernel(spec)
-    out = kernel.varlen(
-        q, k, v, cu, cu, max_len, max_len, causal=causal, window=window, scale=scale, softcap=softcap
-    )
+    options: dict[str, Any] = {"causal": causal, "window": window, "scale": scale, "softcap": softcap}
+    if sinks is not None:  # (only then: kernels predating sinks keep working)
+        options["sinks"] = sinks
+    out = kernel.varlen(q, k, v, cu, cu, max_len, max_len, **options)
     if sp == 1 and cu_q is not None:
         route.remember_traceable(spec, kernel)
     return head_to_seq(out, route.sp_group) if sp > 1 else out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,14 +16,93 @@ from underlay.interfaces import (
     PackedBatch,
     TokenOutputs,
 )
-from underlay.models._compat import check_architecture, unwrap_model
+from underlay.models._compat import ModelCapabilities, capabilities, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
 from underlay.ops.attention import seqlens_from_cu
-from underlay.ops.packing import pad_to_multiple
+from underlay.ops.packing import pad, pad_to_multiple
 from underlay.parallel.ulysses import gather_seq, slice_for_rank, sp_world_size
 from underlay.registry import get_logprob_kernel
 
-__all__ = ["next_token_labels", "packed_forward", "shift_to_tokens"]
+__all__ = [
+    "MULTIMODAL_KEYS",
+    "multimodal_position_ids",
+    "next_token_labels",
+    "packed_forward",
+    "shift_to_tokens",
+    "softcapped_logprobs",
+]
+
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+"""Inputs :func:`packed_forward` passes to a Qwen-VL style backbone: images (``pixel_values``
+``[patches, C * T_patch * P * P]`` and ``image_grid_thw [images, 3]``), videos (the same with
+``_videos`` / ``video_grid_thw``) and ``second_per_grid_ts [videos]``, in the order their placeholder
+tokens appear in the packed ``input_ids``."""
+
+
+def multimodal_position_ids(
+    backbone: nn.Module, packed: PackedBatch, multimodal: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Rotary position ids of a packed Qwen-VL batch: ``[4, 1, T]`` int64, row 0 the text positions
+    (restarting per sequence, used for the sequence boundaries) and rows 1-3 the temporal/height/width
+    positions the backbone's ``get_rope_index`` gives each sequence (image and video tokens get 3-D
+    grid positions, text after them continues from the largest). Computed per sequence on the padded
+    layout, so every sequence restarts at 0 exactly as in an unpacked forward."""
+    config = getattr(backbone, "config", None)
+    ids = pad(packed.input_ids, packed)
+    keep = pad(torch.ones_like(packed.input_ids), packed)
+    kinds = torch.zeros_like(ids, dtype=torch.int32)
+    for value, attr in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, attr, None)
+        if token is not None:
+            kinds = kinds.masked_fill(ids == int(token), value)
+    get_rope_index: Callable[..., Any] = backbone.get_rope_index  # type: ignore[assignment]
+    pos3, _ = get_rope_index(
+        ids,
+        kinds,
+        image_grid_thw=multimodal.get("image_grid_thw"),
+        video_grid_thw=multimodal.get("video_grid_thw"),
+        second_per_grid_ts=multimodal.get("second_per_grid_ts"),
+        attention_mask=keep,
+    )
+    flat = pos3.reshape(3, -1)[:, packed.indices.to(pos3.device)]
+    text = packed.position_ids.to(flat.device, flat.dtype)[None]
+    return torch.cat([text, flat])[:, None]
+
+
+def softcapped_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    softcap: float,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``labels`` under ``softmax(c * tanh(hidden @ weight.T / c) / T)``.
+
+    The unfused head for models whose final logits are soft-capped (Gemma 2/3). ``hidden [N, H]``,
+    ``weight [V, H]`` (same dtype), ``labels [N]`` int64 in ``[0, V)`` or ``IGNORE_INDEX``. Math in fp32
+    (fp64 for fp64 input), materialising ``[N, V]`` logits. Returns fp32 ``[N]`` log-probs and entropy
+    (``None`` without ``with_entropy``), 0 where the label is ignored; differentiable.
+    """
+    compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = torch.matmul(hidden.to(compute), weight.to(compute).t())
+    logits = softcap * torch.tanh(logits / softcap) / temperature
+    lsm = logits.log_softmax(-1)
+    keep = labels != IGNORE_INDEX
+    picked = lsm.gather(-1, torch.where(keep, labels, 0)[:, None])[:, 0]
+    log_probs = torch.where(keep, picked, torch.zeros_like(picked)).float()
+    entropy = None
+    if with_entropy:
+        ent = -(lsm.exp() * lsm).sum(-1)
+        entropy = torch.where(keep, ent, torch.zeros_like(ent)).float()
+    return log_probs, entropy
 
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -91,6 +170,7 @@ def packed_forward(
     with_entropy: bool = True,
     logprob_kernel: LogprobKernel | None = None,
     sp_group: Any | None = None,
+    multimodal: Mapping[str, torch.Tensor] | None = None,
 ) -> TokenOutputs:
     """Run a :func:`prepare_model`-ed model on a packed (padding-free) batch and return per-token outputs.
 
@@ -103,7 +183,10 @@ def packed_forward(
     ``entropy[t]`` is the entropy of that same predicting distribution. The first token of every
     sequence has no prediction and gets 0 in both. They are computed from the final hidden states and
     the ``lm_head`` weight by the :class:`~underlay.interfaces.LogprobKernel` (``logprob_kernel``, or the
-    registry's selection), never materialising ``[T, vocab]`` logits. Token-classification (value)
+    registry's selection), never materialising ``[T, vocab]`` logits, except for models with a final
+    logit softcap (Gemma 2/3: ``logits = c * tanh(logits / c)`` before the temperature), which the fused
+    kernels do not apply: those take :func:`softcapped_logprobs` (``[T_local, vocab]`` fp32 logits, and
+    ``logprob_kernel`` is not used). Token-classification (value)
     models with ``num_labels == 1`` return ``values`` fp32 ``[T]``: ``values[t]`` is the score head at
     token ``t`` (no shift). ``ops.pad(x, packed)`` maps any ``[T]`` field back to ``[B, S]``.
 
@@ -112,22 +195,30 @@ def packed_forward(
     sp) and gets the full ``[T]`` outputs. Gradients follow :mod:`underlay.parallel.ulysses`: each rank's
     parameter gradients are its share; their sum over the group equals the single-process gradient.
 
+    Vision-language models (Qwen-VL style, see :func:`underlay.models.inspect_model`) take their image
+    and video inputs in ``multimodal`` (keys :data:`MULTIMODAL_KEYS`); the vision tower runs inside the
+    backbone (its attention routed too) and the text attention gets 3-D rotary position ids from
+    :func:`multimodal_position_ids`. Text-only batches of such models need no ``multimodal``.
+
     Raises ``ConfigError`` when the model was not prepared, is not a supported architecture, has an
     unsupported head (lm_head bias, ``num_labels != 1``), or ``sp_group`` differs from the prepared one;
-    ``InvalidInput`` for an inconsistent batch or ``temperature <= 0``.
+    ``InvalidInput`` for an inconsistent batch, ``temperature <= 0``, or ``multimodal`` inputs given to a
+    text model or with keys outside :data:`MULTIMODAL_KEYS`.
     """
     if not temperature > 0:
         raise InvalidInput(f"packed_forward: temperature={temperature} must be > 0")
     _validate_packed(packed)
     inner = unwrap_model(model)
-    config = check_architecture(inner)
+    caps = capabilities(inner)
+    config = inner.config
+    mm = _validate_multimodal(caps, multimodal)
     routes = _routes(inner)
     if not routes or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ConfigError(
             f"packed_forward: {type(inner).__name__} is not prepared (attn_implementation="
             f"{getattr(config, '_attn_implementation', None)!r}); call underlay.models.prepare_model(model) first"
         )
-    group = routes[0].sp_group
+    group = next((r.sp_group for r in routes if r.sp_group is not None), None)  # (vision routes: none)
     if sp_group is not None and sp_group is not group:
         raise ConfigError(
             "packed_forward: sp_group differs from the group given to prepare_model; prepare the model "
@@ -137,15 +228,58 @@ def packed_forward(
         route.activate_traceable()
     head = _head_of(inner)
     kernel = None
-    if head == "lm":
+    cap = caps.final_logit_softcap
+    if head == "lm" and cap is None:
         kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
     outs = _run_inside(
         model,
-        lambda _ids: _packed_body(inner, head, kernel, packed, group, temperature, with_entropy),
+        lambda _ids: _packed_body(inner, head, kernel, cap, packed, group, temperature, with_entropy, mm),
         packed.input_ids,
     )
     log_probs, entropy, values = outs
     return TokenOutputs(log_probs=log_probs, entropy=entropy, values=values)
+
+
+def _validate_multimodal(
+    caps: ModelCapabilities, multimodal: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    if not caps.multimodal_rope:
+        if multimodal:
+            raise InvalidInput(
+                f"packed_forward: multimodal inputs {sorted(multimodal)} given to {caps.model_type}, a text model"
+            )
+        return None
+    given = dict(multimodal or {})
+    unknown = sorted(set(given) - set(MULTIMODAL_KEYS))
+    if unknown:
+        raise InvalidInput(
+            f"packed_forward: unknown multimodal inputs {unknown}; expected keys {MULTIMODAL_KEYS}"
+        )
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _split_after_embedding(
+    backbone: nn.Module, group: Any | None, ids: torch.Tensor, rope: torch.Tensor, kwargs: dict[str, Any]
+) -> Any:
+    """Run a Qwen-VL backbone on the whole packed sequence ``ids [1, T]`` (so image placeholders meet
+    their features) with ``rope [4, 1, T]`` positions; under Ulysses its language model gets only this
+    rank's slice of the merged embeddings and positions (a pre-hook), so text tokens are not duplicated.
+    Returns the backbone output (``last_hidden_state [1, T / sp, H]``)."""
+    language = getattr(backbone, "language_model", None)
+    if sp_world_size(group) == 1 or not isinstance(language, nn.Module):
+        return backbone(input_ids=ids, position_ids=rope, **kwargs)
+
+    def local_slice(_module: nn.Module, args: Any, kw: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        kw = dict(kw)
+        kw["inputs_embeds"] = slice_for_rank(kw["inputs_embeds"], group, dim=1)
+        kw["position_ids"] = slice_for_rank(kw["position_ids"], group, dim=-1)
+        return args, kw
+
+    handle = language.register_forward_pre_hook(local_slice, with_kwargs=True)
+    try:
+        return backbone(input_ids=ids, position_ids=rope, **kwargs)
+    finally:
+        handle.remove()
 
 
 def _head_of(inner: nn.Module) -> str:
@@ -178,10 +312,12 @@ def _packed_body(
     inner: nn.Module,
     head: str,
     kernel: LogprobKernel | None,
+    final_softcap: float | None,
     packed: PackedBatch,
     group: Any | None,
     temperature: float,
     with_entropy: bool,
+    multimodal: dict[str, torch.Tensor] | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     ids, pos = packed.input_ids, packed.position_ids
     cu = packed.cu_seqlens.to(device=ids.device, dtype=torch.int32)
@@ -199,15 +335,21 @@ def _packed_body(
     # all boundaries checked on the host once per forward (compiled layers call the kernel unchecked)
     seqlens_from_cu(cu, int(ids.numel()), max_len, "cu_seqlens")
     backbone: nn.Module = getattr(inner, str(getattr(inner, "base_model_prefix", "model")))
-    out = backbone(
-        input_ids=slice_for_rank(ids, group)[None],
-        position_ids=slice_for_rank(pos, group)[None],
-        use_cache=False,
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=max_len,
-        max_length_k=max_len,
+    kwargs: dict[str, Any] = dict(
+        use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len
     )
+    if multimodal is None:
+        out = backbone(
+            input_ids=slice_for_rank(ids, group)[None],
+            position_ids=slice_for_rank(pos, group)[None],
+            **kwargs,
+        )
+    else:  # a Qwen-VL model: whole sequence in (image placeholders), split after the embedding
+        rope = multimodal_position_ids(backbone, packed, multimodal)
+        if sp > 1 and int(ids.numel()) > total:  # the sp padding: its own sequence, positions from 0
+            tail = torch.arange(int(ids.numel()) - total, device=rope.device, dtype=rope.dtype)
+            rope = torch.cat([rope, tail.view(1, 1, -1).expand(4, 1, -1)], dim=-1)
+        out = _split_after_embedding(backbone, group, ids[None], rope, {**multimodal, **kwargs})
     hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
     if head == "value":
         score: nn.Module = inner.score  # type: ignore[assignment]
@@ -215,7 +357,6 @@ def _packed_body(
         h = dropout(hidden) if isinstance(dropout, nn.Module) else hidden
         values = gather_seq(score(h).squeeze(-1).float(), group)[:total]
         return None, None, values
-    assert kernel is not None
     lm_head: nn.Linear = inner.get_output_embeddings()  # type: ignore[operator]
     labels = next_token_labels(ids, cu)
     if labels.numel() > total:  # the sp padding predicts nothing
@@ -224,6 +365,11 @@ def _packed_body(
 
     def fused_head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a tuple of tensors, so hooks on lm_head (FSDP2) see the outputs they must hook for backward
+        if final_softcap is not None:
+            return softcapped_logprobs(
+                h, lm_head.weight, labels, final_softcap, temperature=temperature, with_entropy=with_entropy
+            )
+        assert kernel is not None
         res = kernel(h, lm_head.weight, labels, temperature=temperature, with_entropy=with_entropy)
         return res.log_probs, res.entropy
 

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, TypeVar
 
 from torch import nn
 
 from underlay.interfaces import ConfigError
-from underlay.models._compat import check_architecture, check_transformers_version, unwrap_model
+from underlay.models._compat import (
+    capabilities,
+    check_architecture,
+    check_transformers_version,
+    text_config,
+    unwrap_model,
+)
 from underlay.models.attention import (
     ATTN_IMPLEMENTATION,
     ROUTE_ATTR,
     AttentionRoute,
     register_attention,
 )
-from underlay.models.tiled_mlp import apply_tiled_mlp
+from underlay.models.tiled_mlp import apply_tiled_mlp, check_tileable
 from underlay.parallel.ulysses import sp_world_size, validate_sp
 from underlay.registry import resolve
 
@@ -24,13 +31,23 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a supported transformers model (those with q/k/v projections)."""
-    return [
-        m
-        for m in model.modules()
-        if type(m).__name__.endswith("Attention")
-        and all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj"))
-    ]
+    """The attention modules of a transformers model that dispatch through its AttentionInterface
+    (those :func:`underlay.models.inspect_model` lists), in module order. Raises ``ConfigError`` when
+    the model is not supported."""
+    inner = unwrap_model(model)
+    names = set(capabilities(inner).attention_modules)
+    return [m for name, m in inner.named_modules() if name in names]
+
+
+def _splittable_after_embedding(inner: nn.Module) -> bool:
+    """Whether a Qwen-VL style model's language model takes only embeddings and position ids (Qwen2.5-VL),
+    so that Ulysses can split the sequence after the vision features are merged; Qwen3-VL's also takes
+    deepstack features inside its layers."""
+    backbone = getattr(inner, str(getattr(inner, "base_model_prefix", "model")), None)
+    language = getattr(backbone, "language_model", None)
+    if not isinstance(language, nn.Module):
+        return False
+    return "deepstack_visual_embeds" not in inspect.signature(language.forward).parameters
 
 
 def _set_implementation(inner: nn.Module, config: Any) -> None:
@@ -57,14 +74,21 @@ def prepare_model(
       ``kernel.varlen``, padded input with an attention mask to ``kernel.padded``; the module's scaling,
       sliding window and softcap are respected. Use :func:`underlay.models.packed_forward` to run it.
     - ``sp_group``: Ulysses sequence parallelism over that process group (checked with
-      :func:`underlay.parallel.ulysses.validate_sp` against the head counts).
+      :func:`underlay.parallel.ulysses.validate_sp` against the head counts). For Qwen2.5-VL the
+      sequence is split after the vision features are merged into the embeddings (the vision tower's
+      attention runs unsplit); Qwen3-VL (deepstack) is refused.
     - ``tiled_mlp_tiles``: compute every decoder MLP (or MoE block) in that many token tiles with
       recomputation in backward (:class:`underlay.models.TiledMLP`); ``None`` leaves MLPs plain (and
-      removes tiling installed by an earlier call).
+      removes tiling installed by an earlier call). MLPs that return a tuple (gpt-oss) are refused.
+
+    What the model needs is inspected (:func:`underlay.models.inspect_model`: attention dispatch through
+    the AttentionInterface, position ids, layer types, logit scaling; sliding windows, softcaps, sinks,
+    latent attention and MoE blocks are recorded); the attention kernel is chosen per call from the
+    call's ``AttentionSpec``, so ``auto`` picks one that can run softcaps, sinks or ``Dv != D``.
 
     Idempotent: calling it again re-applies the given settings. Parameter names and the module tree do
     not change. Returns ``model``. Warns when transformers is outside ``TESTED_TRANSFORMERS``.
-    Raises ``ConfigError`` for an architecture not in ``SUPPORTED_ARCHITECTURES``, attention dropout
+    Raises ``ConfigError`` naming the missing capability for a model underlay cannot run, attention dropout
     > 0, bad ``tiled_mlp_tiles``, or head counts that sp does not split; ``UnknownBackend`` /
     ``BackendUnavailable`` for an attention name that does not exist or cannot run here.
     """
@@ -73,10 +97,19 @@ def prepare_model(
     config = check_architecture(inner)
     if attention is not None:
         resolve("attention", attention)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    validate_sp(heads, kv_heads, sp_world_size(sp_group))
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    sp = sp_world_size(sp_group)
+    validate_sp(heads, kv_heads, sp)
+    caps = capabilities(inner)
+    if sp > 1 and caps.multimodal_rope and not _splittable_after_embedding(inner):
+        raise ConfigError(
+            f"{config.model_type}: Ulysses sequence parallelism (sp={sp}) is not supported for this vision-language "
+            "model: its language model takes vision features inside the decoder layers (deepstack), so the "
+            "sequence cannot be split after the embedding; use sp=1"
+        )
+    dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
         raise ConfigError(
             f"{config.model_type}: config.attention_dropout={dropout}; the underlay attention route has no "
@@ -86,14 +119,14 @@ def prepare_model(
         isinstance(tiled_mlp_tiles, bool) or not isinstance(tiled_mlp_tiles, int) or tiled_mlp_tiles < 1
     ):
         raise ConfigError(f"tiled_mlp_tiles={tiled_mlp_tiles!r}: must be an int >= 1 or None")
-    modules = attention_modules(inner)
-    if not modules:
-        raise ConfigError(
-            f"{type(inner).__name__}: found no attention modules with q_proj/k_proj/v_proj to route"
-        )
+    if tiled_mlp_tiles is not None:
+        check_tileable(inner)
+    named = dict(inner.named_modules())
+    vision = f"{getattr(inner, 'base_model_prefix', 'model')}.visual."
     register_attention()
     _set_implementation(inner, config)
-    for module in modules:
-        setattr(module, ROUTE_ATTR, AttentionRoute(attention, sp_group))
+    for name in caps.attention_modules:  # the vision tower sees whole images on every rank: no sp
+        group = None if name.startswith(vision) else sp_group
+        setattr(named[name], ROUTE_ATTR, AttentionRoute(attention, group))
     apply_tiled_mlp(inner, tiled_mlp_tiles)
     return model

@@ -14,6 +14,9 @@ training).
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +25,46 @@ from torch import nn
 
 from underlay.interfaces import ConfigError, InvalidInput
 
-__all__ = ["TiledMLP", "apply_tiled_mlp", "tiled_forward"]
+__all__ = ["TiledMLP", "apply_tiled_mlp", "check_tileable", "tiled_forward"]
+
+
+_TUPLE_RETURNS: dict[type[nn.Module], bool] = {}
+
+
+def _tuple_return(cls: type[nn.Module]) -> bool:
+    """Whether ``cls.forward`` has a ``return a, b`` statement (e.g. gpt-oss's MoE block returns the
+    hidden states and the router scores), which a tile-and-concatenate wrapper cannot reproduce. Read
+    from the source once per class; a class without readable source counts as single-output."""
+    found = _TUPLE_RETURNS.get(cls)
+    if found is None:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        except (OSError, TypeError, SyntaxError):
+            tree = None
+        found = tree is not None and any(
+            isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) for node in ast.walk(tree)
+        )
+        _TUPLE_RETURNS[cls] = found
+    return found
+
+
+def _mlp_modules(model: nn.Module) -> list[nn.Module]:
+    return [
+        module
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "mlp" and any(True for _ in module.parameters())
+    ]
+
+
+def check_tileable(model: nn.Module) -> None:
+    """Raise ``ConfigError`` when a decoder ``mlp`` module of ``model`` cannot be tiled: its forward
+    returns a tuple (gpt-oss's MoE block returns router scores next to the hidden states)."""
+    for module in _mlp_modules(model):
+        if _tuple_return(type(module)):
+            raise ConfigError(
+                f"tiled_mlp_tiles: {type(module).__name__}.forward returns a tuple, and TiledMLP tiles "
+                "modules that return one tensor; pass tiled_mlp_tiles=None for this model"
+            )
 
 
 def _call_tile(fn: Callable[[torch.Tensor], torch.Tensor], part: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -143,13 +185,14 @@ class TiledMLP:
 def apply_tiled_mlp(model: nn.Module, tiles: int | None) -> int:
     """Install (``tiles >= 1``) or remove (``None``) :class:`TiledMLP` on the ``mlp`` module of every
     decoder layer of ``model`` (in place, idempotent). Returns the number of modules changed.
-    Raises ``ConfigError`` for an invalid ``tiles``."""
+    Raises ``ConfigError`` for an invalid ``tiles`` or an MLP :func:`check_tileable` refuses (before
+    anything changes)."""
     if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
         raise ConfigError(f"tiled_mlp_tiles={tiles!r}: must be an int >= 1 or None")
+    if tiles is not None:
+        check_tileable(model)
     count = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] != "mlp" or not any(True for _ in module.parameters()):
-            continue
+    for module in _mlp_modules(model):
         current = module.__dict__.get("forward")
         if tiles is None:
             if isinstance(current, TiledMLP):

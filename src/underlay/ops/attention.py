@@ -1,7 +1,9 @@
 """Argument validation and mask helpers shared by every ``AttentionKernel``.
 
-Every kernel calls :func:`check_varlen` or :func:`check_padded` (plus :func:`check_options`) before it
-launches anything, so that bad input raises ``InvalidInput`` with the same message on every backend.
+Every kernel enters through :func:`varlen_call` or :func:`padded_call` before it launches anything: one
+validation of shapes, dtypes, devices, GQA, ``cu_seqlens``, window, scale, softcap and sinks, so that bad
+input raises ``InvalidInput`` with the same message on every backend, returning the normalised
+:class:`AttentionCall` (spec for ``supports``, resolved scale, per-sequence lengths) the kernel consumes.
 :func:`attention_spec` builds the ``AttentionSpec`` a kernel's ``supports`` judges, and
 :func:`allowed_mask` is the one definition of which keys a query may see (causal, window, alignment).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import weakref
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -24,17 +26,21 @@ from underlay.interfaces import AttentionSpec, InvalidInput, UnsupportedOperatio
 
 __all__ = [
     "FLOAT_DTYPES",
+    "AttentionCall",
     "allowed_mask",
     "attention_spec",
     "check_options",
     "check_padded",
     "check_qkv",
+    "check_sinks",
     "check_varlen",
     "effective_window",
     "normalize_window",
+    "padded_call",
     "padded_key_mask",
     "require_supported",
     "seqlens_from_cu",
+    "varlen_call",
 ]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -102,6 +108,27 @@ def check_options(
     return normalize_window(window)
 
 
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Validate attention-sink logits: ``None``, or a floating ``[Hq]`` tensor on q's device (``Hq``
+    = q's head count). Raises ``InvalidInput``."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise InvalidInput(
+            f"attention: sinks must be a floating torch.Tensor [Hq] or None, got {type(sinks).__name__}"
+            + (f" of dtype {sinks.dtype}" if isinstance(sinks, torch.Tensor) else "")
+        )
+    hq = int(q.shape[-2])
+    if tuple(sinks.shape) != (hq,):
+        raise InvalidInput(
+            f"attention: sinks has shape {tuple(sinks.shape)}; expected [Hq] = [{hq}] (one logit per query head)"
+        )
+    if sinks.device != q.device:
+        raise InvalidInput(
+            f"attention: sinks is on {sinks.device} but q is on {q.device}; move it to q's device"
+        )
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Literal["varlen", "padded"]) -> None:
     """Check ranks, dtypes, devices and head counts of q, k, v.
 
@@ -164,9 +191,9 @@ def seqlens_from_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name:
 
     ``cu_seqlens`` must be a 1-D int32 tensor ``[B + 1]`` (``B >= 1``) starting at 0, non-decreasing,
     ending at ``total``; ``max_seqlen`` an int ``>=`` the longest length. Reads the tensor on the host
-    (one device sync) the first time it sees this tensor object: the lengths of the last tensor read are
-    kept (weakly, until the tensor is modified in place), so the decoder layers of one packed forward,
-    which all pass the same ``cu_seqlens``, sync once rather than once per layer. Raises ``InvalidInput``.
+    (one device sync) the first time it sees this tensor object: the lengths are kept on the tensor
+    itself (until it is modified in place), so the decoder layers of one packed forward, which all pass
+    the same ``cu_seqlens``, sync once rather than once per layer. Raises ``InvalidInput``.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise InvalidInput(
@@ -181,36 +208,21 @@ def seqlens_from_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name:
         raise InvalidInput(
             f"attention (varlen): {name} has shape {tuple(cu_seqlens.shape)}; it must be 1-D [B + 1] with B >= 1"
         )
-    known = _LENGTHS.get(cu_seqlens, total)
-    lens = list(known) if known is not None else _read_lengths(cu_seqlens, total, name)
-    if known is None:
-        _LENGTHS.put(cu_seqlens, total, lens)
+    known = getattr(cu_seqlens, _LENGTHS_ATTR, None)
+    if known is not None and known[0] == cu_seqlens._version and known[1] == total:
+        lens = list(known[2])
+    else:
+        lens = _read_lengths(cu_seqlens, total, name)
+        setattr(cu_seqlens, _LENGTHS_ATTR, (cu_seqlens._version, total, tuple(lens)))
     _check_max_seqlen(max_seqlen, lens, name)
     return lens
 
 
-class _LastLengths:
-    """The validated lengths of the last ``cu_seqlens`` tensor read on the host, keyed by the tensor
-    object (weak reference), its in-place version counter and the token total. One entry, replaced as a
-    whole (a single attribute store, so concurrent threads at worst read the tensor again)."""
-
-    def __init__(self) -> None:
-        self._entry: tuple[weakref.ref[torch.Tensor], int, int, tuple[int, ...]] | None = None
-
-    def get(self, cu: torch.Tensor, total: int) -> tuple[int, ...] | None:
-        entry = self._entry
-        if entry is None:
-            return None
-        ref, version, seen_total, lens = entry
-        if ref() is not cu or cu._version != version or seen_total != total:
-            return None
-        return lens
-
-    def put(self, cu: torch.Tensor, total: int, lens: list[int]) -> None:
-        self._entry = (weakref.ref(cu), cu._version, total, tuple(lens))
-
-
-_LENGTHS = _LastLengths()
+_LENGTHS_ATTR = "_underlay_lengths"
+"""Attribute of a ``cu_seqlens`` tensor holding ``(version, total, lengths)`` once it was read and
+validated on the host: the cache belongs to the tensor the caller owns (``packed_forward`` builds one per
+forward and every decoder layer, and any recomputation in backward, passes that same object), so there
+is no process-wide state and it dies with the tensor."""
 
 
 def _read_lengths(cu_seqlens: torch.Tensor, total: int, name: str) -> list[int]:
@@ -324,16 +336,20 @@ def attention_spec(
     causal: bool = True,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionSpec:
-    """The ``AttentionSpec`` of a call on these tensors (validates them with :func:`check_qkv`).
+    """The ``AttentionSpec`` of a call on these tensors (validates them with :func:`check_qkv` and
+    :func:`check_sinks`).
 
-    ``requires_grad`` is true when any of q, k, v requires grad; ``window`` is normalised
+    ``requires_grad`` is true when any of q, k, v (or ``sinks``) requires grad; ``window`` is normalised
     (``(-1, -1)`` -> ``None``). Raises ``InvalidInput``.
     """
     if layout not in ("varlen", "padded"):
         raise InvalidInput(f"attention: layout={layout!r}; use 'varlen' or 'padded'")
     check_qkv(q, k, v, layout)
     window = check_options(causal, window, None, softcap)
+    check_sinks(sinks, q)
+    grad = q.requires_grad or k.requires_grad or v.requires_grad
     return AttentionSpec(
         dtype=q.dtype,
         head_dim=int(q.shape[-1]),
@@ -345,7 +361,8 @@ def attention_spec(
         window=window,
         softcap=softcap,
         head_dim_v=int(v.shape[-1]),
-        requires_grad=q.requires_grad or k.requires_grad or v.requires_grad,
+        requires_grad=grad or (sinks is not None and sinks.requires_grad),
+        sinks=sinks is not None,
     )
 
 
@@ -392,3 +409,88 @@ def require_supported(kernel: str, reasons: tuple[str, ...], alternatives: str) 
             f"attention backend {kernel!r} cannot run this call: {'; '.join(reasons)}. Use "
             f"get_attention(spec=...) to pick a kernel that can, or UNDERLAY_ATTENTION={alternatives}"
         )
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One validated attention call, normalised; what every kernel consumes.
+
+    ``spec``: the call's ``AttentionSpec`` (for ``supports``); ``window``: normalised (``None`` = full);
+    ``scale``: resolved (``D ** -0.5`` when the caller passed ``None``); ``softcap`` / ``sinks``: as given;
+    ``lens_q`` / ``lens_k``: per-sequence lengths on the host (varlen; empty for padded).
+    """
+
+    spec: AttentionSpec
+    causal: bool
+    window: tuple[int, int] | None
+    scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None
+    lens_q: tuple[int, ...] = ()
+    lens_k: tuple[int, ...] = ()
+
+
+def _call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Literal["varlen", "padded"],
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    lens: tuple[list[int], list[int]] | None,
+) -> AttentionCall:
+    window = check_options(causal, window, scale, softcap)
+    spec = attention_spec(q, k, v, layout, causal, window, softcap, sinks)
+    return AttentionCall(
+        spec=spec,
+        causal=causal,
+        window=window,
+        scale=float(scale) if scale is not None else float(q.shape[-1]) ** -0.5,
+        softcap=softcap,
+        sinks=sinks,
+        lens_q=tuple(lens[0]) if lens else (),
+        lens_k=tuple(lens[1]) if lens else (),
+    )
+
+
+def varlen_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> AttentionCall:
+    """The validated entry of every kernel's ``varlen``: :func:`check_varlen` (shapes, dtypes, GQA, both
+    ``cu_seqlens`` — read on the host once per tensor, see :func:`seqlens_from_cu`), the options
+    (:func:`check_options`) and the sinks (:func:`check_sinks`). Raises ``InvalidInput``."""
+    lens = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _call(q, k, v, "varlen", causal, window, scale, softcap, sinks, lens)
+
+
+def padded_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> AttentionCall:
+    """The validated entry of every kernel's ``padded``: :func:`check_padded`, the options and the sinks.
+    Raises ``InvalidInput``."""
+    check_padded(q, k, v, attention_mask)
+    return _call(q, k, v, "padded", causal, window, scale, softcap, sinks, None)

@@ -4,7 +4,11 @@ Convention (so figures compare with published RL-training MFU): one forward+back
 ``6 * N`` FLOPs, where ``N`` counts every *weight matrix* the token passes through: input embedding,
 all attention and MLP projections (for MoE: the router, the ``top_k`` routed experts and the shared
 experts) and the output head. A tied head still runs its matmul, so it is counted next to the
-embedding. Biases, norms and the vision tower of VL models are not counted. Attention adds the causal
+embedding. Biases and norms are not counted. The vision tower of Qwen-VL models
+(qwen2_vl, qwen2_5_vl, qwen3_vl) is counted when ``estimate_flops`` is given the image/video grids: per
+patch, the patch embedding and every block's q/k/v/out and MLP matrices; per merged token, the patch
+merger (and Qwen3-VL's deepstack mergers); bidirectional attention over each image's patches
+(``12 * hidden`` per patch pair per block; Qwen2.5-VL's window blocks only within each window). Attention adds the causal
 score/value term: ``6 * heads * head_dim * s**2`` per layer and sequence of length ``s`` (i.e.
 ``12 * heads * head_dim`` per visible query-key pair, ``s**2 / 2`` pairs under a causal mask); a
 sliding-window layer with window ``w < s`` has ``w**2 / 2 + (s - w) * w`` pairs. MLA (deepseek_v3) uses
@@ -23,9 +27,31 @@ from underlay.interfaces import ConfigError, Device, InvalidInput
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "FlopsCounter"]
 
-_DENSE = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3", "mistral")
-_VL_TEXT = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl"}
-SUPPORTED_MODEL_TYPES = (*_DENSE, "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma3_text", "gpt_oss")
+_DENSE = (
+    "llama",
+    "qwen2",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3",
+    "qwen3_vl",
+    "mistral",
+    "gemma2",
+    "phi3",
+    "glm4",
+)
+_VL_TEXT = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_vl_text": "qwen3_vl"}
+_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED_MODEL_TYPES = (
+    *_DENSE,
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "gemma3_text",
+    "gpt_oss",
+)
+_EVERY_LAYER_WINDOW = ("mistral", "mixtral", "phi3")
+"""Model types whose ``sliding_window`` (when set) applies to every layer without ``layer_types``."""
 
 
 class _Cfg:
@@ -63,7 +89,7 @@ def _text_config(hf_config: Any) -> tuple[_Cfg, str]:
     cfg = _Cfg(hf_config)
     model_type = str(cfg.get("model_type", ""))
     text = cfg.get("text_config")
-    if model_type in ("qwen2_vl", "qwen2_5_vl") and text is not None:
+    if model_type in _VL and text is not None:
         cfg = _Cfg(text)
     return cfg, _VL_TEXT.get(model_type, model_type)
 
@@ -77,7 +103,7 @@ def _layer_windows(cfg: _Cfg, model_type: str, layers: int) -> list[int | None]:
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         elif model_type == "gpt_oss":
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-        elif model_type == "mistral" and window:
+        elif model_type in _EVERY_LAYER_WINDOW and window:
             types = ["sliding_attention"] * layers
         else:
             types = ["full_attention"] * layers
@@ -135,6 +161,10 @@ def _layers(cfg: _Cfg, model_type: str) -> list[_Layer]:
                     mlp += _mlp(h, shared_i) + h  # shared expert and its sigmoid gate
             else:
                 mlp = _mlp(h, int(cfg.need("intermediate_size")))
+        elif model_type == "mixtral":
+            experts = int(cfg.need("num_local_experts"))
+            top_k = int(cfg.need("num_experts_per_tok"))
+            mlp = h * experts + top_k * _mlp(h, int(cfg.need("intermediate_size")))
         elif model_type == "gpt_oss":
             experts = int(cfg.get("num_local_experts", cfg.get("num_experts", 0)))
             if experts < 1:
@@ -146,6 +176,68 @@ def _layers(cfg: _Cfg, model_type: str) -> list[_Layer]:
             mlp = _mlp(h, int(cfg.need("intermediate_size")))
         out.append(_Layer(attn + mlp, heads, d, d, windows[i]))
     return out
+
+
+@dataclass(frozen=True)
+class _Vision:
+    """Figures of a Qwen-VL vision tower: matrix parameters per patch and per merged token, the width
+    (attention costs ``12 * hidden`` per patch pair), the blocks and their attention windows."""
+
+    per_patch: float
+    per_merged: float
+    hidden: int
+    depth: int
+    merge: int
+    full_blocks: frozenset[int] | None  # None: every block attends over the whole image
+    window: int  # merged units per window side (window blocks)
+
+
+def _vision(hf_config: Any, model_type: str) -> _Vision | None:
+    raw = _Cfg(hf_config).get("vision_config")
+    if model_type not in _VL or raw is None:
+        return None
+    v = _Cfg(raw)
+    d = int(v.get("hidden_size", v.get("embed_dim", 0)))
+    if d < 1:
+        raise ConfigError("FlopsCounter: the vision_config has no hidden_size")
+    depth, m = int(v.need("depth")), int(v.get("spatial_merge_size", 2))
+    patch, tp = int(v.need("patch_size")), int(v.get("temporal_patch_size", 2))
+    inter = int(v.get("intermediate_size", 0)) or int(d * float(v.get("mlp_ratio", 4)))
+    out = int(v.get("out_hidden_size", v.get("hidden_size", d)))
+    gated = model_type == "qwen2_5_vl"  # Qwen2.5-VL's vision MLP has gate/up/down; the others fc1/fc2
+    block = 4.0 * d * d + (3.0 if gated else 2.0) * d * inter
+    patch_embed = float(int(v.get("in_channels", v.get("in_chans", 3))) * tp * patch * patch * d)
+    dm = d * m * m
+    mergers = 1 + len(list(v.get("deepstack_visual_indexes", []) or [])) if model_type == "qwen3_vl" else 1
+    full: frozenset[int] | None = None
+    window = 0
+    if model_type == "qwen2_5_vl":
+        full = frozenset(int(i) for i in v.get("fullatt_block_indexes", []))
+        window = max(1, int(v.get("window_size", 112)) // m // patch)
+    return _Vision(patch_embed + depth * block, mergers * (dm * dm + dm * out), d, depth, m, full, window)
+
+
+def _window_sums(n: int, w: int) -> int:
+    """Sum of squared window sizes when ``n`` units are cut into windows of ``w`` (the last may be short)."""
+    full, rest = divmod(n, w)
+    return full * w * w + rest * rest
+
+
+def _vision_flops(vision: _Vision, grids: torch.Tensor) -> float:
+    total = 0.0
+    m = vision.merge
+    for t, h, w in grids.tolist():
+        patches = float(t * h * w)
+        total += 6.0 * (vision.per_patch * patches + vision.per_merged * patches / (m * m))
+        full_pairs = float(t) * (h * w) ** 2
+        window_pairs = full_pairs
+        if vision.full_blocks is not None:  # window blocks: attention within each window of a frame
+            rows, cols = _window_sums(h // m, vision.window), _window_sums(w // m, vision.window)
+            window_pairs = float(t) * m**4 * rows * cols
+        for block in range(vision.depth):
+            full = vision.full_blocks is None or block in vision.full_blocks
+            total += 12.0 * vision.hidden * (full_pairs if full else window_pairs)
+    return total
 
 
 class FlopsCounter:
@@ -171,14 +263,25 @@ class FlopsCounter:
         h, vocab = int(cfg.need("hidden_size")), int(cfg.need("vocab_size"))
         self.embedding_params = float(vocab * h)
         self.head_params = float(vocab * h)
+        self._hf_config = hf_config  # the vision figures are read when grids are given
+
+    def vision_figures(self) -> _Vision | None:
+        """The vision tower's figures (matrix parameters per patch and per merged token, width, blocks,
+        windows), or ``None`` for a model without one. ``ConfigError`` when its config lacks a key."""
+        return _vision(self._hf_config, self.model_type)
 
     @property
     def params_per_token(self) -> float:
         """``N``: weight-matrix parameters one token passes through (embedding and head included)."""
         return self.embedding_params + self.head_params + sum(layer.params for layer in self._layers)
 
-    def estimate_flops(self, seqlens: Sequence[int] | torch.Tensor) -> float:
-        """Total FLOPs of one forward+backward over sequences of these lengths (tokens, each >= 0)."""
+    def estimate_flops(
+        self, seqlens: Sequence[int] | torch.Tensor, vision_grids: torch.Tensor | None = None
+    ) -> float:
+        """Total FLOPs of one forward+backward over sequences of these lengths (tokens, each >= 0,
+        image placeholder tokens included). ``vision_grids`` ``[N, 3]`` (t, h, w in patches: the
+        ``image_grid_thw`` and ``video_grid_thw`` rows of the batch) adds the vision tower of a Qwen-VL
+        model; ``InvalidInput`` when given for a model without one or not ``[N, 3]``."""
         lens = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
         if any(int(s) < 0 for s in lens):
             raise InvalidInput(f"estimate_flops: sequence lengths must be >= 0, got {min(lens)}")
@@ -197,7 +300,19 @@ class FlopsCounter:
                     )
                 pairs = window_pairs[w]
             attn += 6.0 * layer.heads * (layer.qk_dim + layer.v_dim) * pairs
-        return 6.0 * self.params_per_token * tokens + attn
+        vision = 0.0
+        if vision_grids is not None:
+            figures = self.vision_figures()
+            if figures is None:
+                raise InvalidInput(
+                    f"estimate_flops: vision_grids given but {self.model_type} has no vision tower"
+                )
+            if vision_grids.dim() != 2 or vision_grids.shape[-1] != 3:
+                raise InvalidInput(
+                    f"estimate_flops: vision_grids has shape {tuple(vision_grids.shape)}; expected [N, 3] (t, h, w)"
+                )
+            vision = _vision_flops(figures, vision_grids)
+        return 6.0 * self.params_per_token * tokens + attn + vision
 
     def achieved_tflops(self, seqlens: Sequence[int] | torch.Tensor, seconds: float) -> float:
         """``estimate_flops(seqlens) / seconds / 1e12``; ``InvalidInput`` unless ``seconds > 0``."""

@@ -18,6 +18,12 @@ from underlay.registry import get_logprob_kernel
 
 VOCAB = 160
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+NEW_ARCHS = ("gemma2", "gemma3_text", "mixtral", "phi3", "glm4", "deepseek_v3", "gpt_oss")
+"""Architectures added through capability inspection: softcaps and alternating sliding windows (Gemma),
+MoE (Mixtral, DeepSeek-V3, gpt-oss), fused q/k/v and gate/up projections (Phi-3, GLM-4), partial rotary
+(GLM-4), multi-head latent attention with a value head dim != the query/key one (DeepSeek-V3) and
+attention sinks (gpt-oss)."""
+ALL_ARCHS = ARCHS + NEW_ARCHS
 
 
 def tiny_config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any) -> Any:
@@ -43,6 +49,54 @@ def tiny_config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: An
         common.update(head_dim=16)
     elif arch == "qwen3_moe":
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    elif arch == "gemma2":
+        common.update(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    elif arch == "gemma3_text":
+        common.update(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    elif arch == "mixtral":
+        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, head_dim=16)
+    elif arch == "phi3":
+        common.update(sliding_window=5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "glm4":
+        common.update(head_dim=16, partial_rotary_factor=0.5, pad_token_id=0)
+    elif arch == "deepseek_v3":
+        common.update(
+            num_key_value_heads=heads,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+        )
+    elif arch == "gpt_oss":
+        common.update(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
     common.update(overrides)
     cfg = AutoConfig.for_model(arch, **common)
     cfg._attn_implementation = "eager"
@@ -117,3 +171,84 @@ def reference_values(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     values = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].double()
     return values * mask
+
+
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 150, 151, 152, 153
+
+
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+
+
+def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
+    """A random fp32 Qwen2.5-VL or Qwen3-VL (2 text layers, 2 vision blocks; 2x2 patches merged 2x2, so
+    a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the image/video/vision-start/
+    vision-end tokens. Qwen2.5-VL has a window block and a full one; Qwen3-VL a deepstack merger."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    vision: dict[str, Any] = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+    )
+    if arch == "qwen2_5_vl":
+        vision.update(window_size=8, fullatt_block_indexes=[1])
+    else:
+        text.update(head_dim=16)
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+    cfg = AutoConfig.for_model(
+        arch,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(cfg).float()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return model.eval()
+
+
+def vl_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Three right-padded sequences: two with one 4x4-patch image each (one of them at the start),
+    one text-only; ``(input_ids [3, S], attention_mask, {pixel_values, image_grid_thw})``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, 140, (n,), generator=g).tolist()
+
+    image = [VISION_START] + [IMAGE_TOKEN] * 4 + [VISION_END]
+    seqs = [text(3) + image + text(4), image + text(5), text(7)]
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    mask = torch.zeros(len(seqs), s, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
+    pixels = torch.randn(32, 3 * 2 * 2, generator=g)
+    return ids, mask, {"pixel_values": pixels, "image_grid_thw": grid}

@@ -25,7 +25,7 @@ from underlay.parallel.ulysses import validate_sp
 
 
 def test_supported_architectures_and_version_range() -> None:
-    for arch in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe"):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss"):
         assert arch in SUPPORTED_ARCHITECTURES
     assert TESTED_TRANSFORMERS == (">=4.56", "<6")
     assert check_transformers_version() is True
@@ -35,12 +35,27 @@ def test_supported_architectures_and_version_range() -> None:
         assert check_transformers_version("6.1.0") is False
 
 
-def test_unsupported_architecture_names_the_supported_ones() -> None:
+def test_capability_inspection_accepts_an_unlisted_architecture() -> None:
+    """No allow-list: GPT-2 (not in the verified list) dispatches attention through the
+    AttentionInterface and takes position ids, so it is accepted and its packed forward is exact."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
-    with pytest.raises(ConfigError, match="'gpt2'.*llama.*qwen3_moe"):
-        prepare_model(model)
+    from tests.unit.models._tiny import VOCAB, logprob_kernel, reference_logprobs
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0)
+    cfg.eos_token_id = 0
+    ref = GPT2LMHeadModel(cfg).eval()
+    ref.set_attn_implementation("eager")
+    model = prepare_model(clone(ref), attention="eager")
+    ids, mask = padded_batch([9, 3, 7], 10)
+    packed = unpad(ids, mask)
+    out = packed_forward(model, packed, logprob_kernel=logprob_kernel())
+    assert out.log_probs is not None
+    expected, _ = reference_logprobs(ref, ids, mask)
+    from underlay.ops.packing import pad
+
+    torch.testing.assert_close(pad(out.log_probs, packed).double(), expected, atol=2e-5, rtol=0)
 
 
 def test_prepare_model_rejects_bad_settings() -> None:

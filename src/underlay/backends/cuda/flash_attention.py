@@ -16,11 +16,9 @@ import torch
 
 from underlay.interfaces import AttentionSpec, BackendUnavailable, Device, InvalidInput
 from underlay.ops.attention import (
-    attention_spec,
-    check_options,
-    check_padded,
-    check_varlen,
+    padded_call,
     require_supported,
+    varlen_call,
 )
 
 __all__ = ["FlashAttnKernel"]
@@ -91,6 +89,8 @@ class FlashAttnKernel:
             reasons.append(f"flash-attn {self._version} has no window_size (needs >= 2.3)")
         if spec.softcap is not None and "softcap" not in params:
             reasons.append(f"flash-attn {self._version} has no softcap (needs >= 2.6)")
+        if spec.sinks:
+            reasons.append("flash-attn 2 has no attention sinks (use eager)")
         if spec.device_type == "cuda":
             cap = self._device.capability()
             if cap is not None and cap < (8, 0):
@@ -124,12 +124,26 @@ class FlashAttnKernel:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed attention through ``flash_attn_varlen_func`` (see ``AttentionKernel.varlen``). Raises
         ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` when ``supports`` has reasons."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "varlen", causal, window, softcap))
+        call = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        self._require(call.spec)
+        window = call.window
         cu_q = cu_seqlens_q.to(q.device, non_blocking=True)
         cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(q.device, non_blocking=True)
         out = self._varlen_fn(
@@ -156,13 +170,16 @@ class FlashAttnKernel:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded attention (see ``AttentionKernel.padded``): ``flash_attn_func`` without a mask, unpad +
         ``flash_attn_varlen_func`` with one (padded query rows are 0). Raises ``InvalidInput`` on bad
         arguments or a mask with ``S_q != S_k``, ``UnsupportedOperation`` when ``supports`` has reasons."""
-        check_padded(q, k, v, attention_mask)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "padded", causal, window, softcap))
+        call = padded_call(
+            q, k, v, attention_mask, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+        )
+        self._require(call.spec)
+        window = call.window
         if attention_mask is None:
             out = self._dense_fn(q, k, v, softmax_scale=scale, **self._options(causal, window, softcap))
             return _first(out)

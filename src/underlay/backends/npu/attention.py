@@ -19,13 +19,11 @@ import torch
 
 from underlay.interfaces import AttentionSpec, BackendUnavailable, Device
 from underlay.ops.attention import (
-    attention_spec,
-    check_options,
-    check_padded,
-    check_varlen,
     effective_window,
+    padded_call,
     padded_key_mask,
     require_supported,
+    varlen_call,
 )
 
 __all__ = ["FusionMask", "NpuFusionAttention", "fusion_mask"]
@@ -104,6 +102,8 @@ class NpuFusionAttention:
             )
         if spec.softcap is not None:
             reasons.append("npu_fusion_attention has no softcap")
+        if spec.sinks:
+            reasons.append("npu_fusion_attention has no attention sinks (use eager)")
         return tuple(reasons)
 
     def _require(self, spec: AttentionSpec) -> None:
@@ -140,22 +140,36 @@ class NpuFusionAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed attention with ``input_layout="TND"`` (see ``AttentionKernel.varlen``). Raises
         ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` when ``supports`` has reasons."""
-        lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "varlen", causal, window, softcap))
+        call = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        self._require(call.spec)
+        window = call.window
         fa = _fusion_attention()
-        cum_q = torch.tensor(lens_q).cumsum(0).tolist()
-        cum_k = torch.tensor(lens_k).cumsum(0).tolist()
+        cum_q = torch.tensor(call.lens_q).cumsum(0).tolist()
+        cum_k = torch.tensor(call.lens_k).cumsum(0).tolist()
         out = fa(
             q,
             k,
             v,
             int(q.shape[1]),
             "TND",
-            scale=scale if scale is not None else q.shape[-1] ** -0.5,
+            scale=call.scale,
             keep_prob=1.0,
             actual_seq_qlen=cum_q,
             actual_seq_kvlen=cum_k,
@@ -174,15 +188,18 @@ class NpuFusionAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded attention with ``input_layout="BSND"`` (see ``AttentionKernel.padded``). With an
         ``attention_mask`` the full ``[B, 1, S_q, S_k]`` mask goes to ``atten_mask`` (sparse mode 0) and
         queries that see no key give 0. Raises ``InvalidInput``/``UnsupportedOperation``."""
-        check_padded(q, k, v, attention_mask)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "padded", causal, window, softcap))
+        call = padded_call(
+            q, k, v, attention_mask, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+        )
+        self._require(call.spec)
+        window = call.window
         fa = _fusion_attention()
-        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        sc = call.scale
         if attention_mask is None:
             mask_kwargs = self._mask_kwargs(causal, window, q.device)
             seen = None

@@ -8,7 +8,7 @@ Both follow the ``AttentionKernel`` contract of ``underlay.interfaces.kernels`` 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from typing import Any, cast
 
@@ -19,13 +19,11 @@ from underlay.interfaces import AttentionSpec, Device
 from underlay.ops.attention import (
     FLOAT_DTYPES,
     allowed_mask,
-    attention_spec,
-    check_options,
-    check_padded,
-    check_varlen,
     effective_window,
+    padded_call,
     padded_key_mask,
     require_supported,
+    varlen_call,
 )
 
 __all__ = ["EagerAttention", "TorchAttention", "eager_attention"]
@@ -35,8 +33,8 @@ def _per_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lens_q: list[int],
-    lens_k: list[int],
+    lens_q: Sequence[int],
+    lens_k: Sequence[int],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Run ``attend(q_i, k_i, v_i)`` on each packed sequence, with ``[H, S, D]`` views, and concatenate
@@ -63,12 +61,15 @@ def eager_attention(
     keep: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Matmul-softmax attention over ``[..., H, S, D]`` tensors in fp32 (fp64 for fp64 input).
 
     ``q [..., Hq, S_q, D]``, ``k [..., Hk, S_k, D]``, ``v [..., Hk, S_k, Dv]`` with ``Hq % Hk == 0``
-    (kv heads are repeated); ``keep`` a bool mask broadcastable to ``[..., Hq, S_q, S_k]`` or ``None``.
-    Rows with no visible key give 0. Returns ``[..., Hq, S_q, Dv]`` in q's dtype; differentiable.
+    (kv heads are repeated); ``keep`` a bool mask broadcastable to ``[..., Hq, S_q, S_k]`` or ``None``;
+    ``sinks [Hq]`` per-head sink logits (an extra softmax column with a zero value, after the softcap)
+    or ``None``. Rows with no visible key give 0. Returns ``[..., Hq, S_q, Dv]`` in q's dtype;
+    differentiable (also in ``sinks``).
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[-3] // k.shape[-3]
@@ -78,17 +79,22 @@ def eager_attention(
     scores = torch.matmul(q.to(compute), kc.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    if keep is None:
-        probs = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, torch.finfo(compute).min)
+    if sinks is not None:
+        sink = sinks.to(compute).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
-        probs = torch.softmax(scores.masked_fill(~keep, torch.finfo(compute).min), dim=-1) * keep
+        probs = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        probs = probs * keep
     return torch.matmul(probs, vc).to(q.dtype)
 
 
 class EagerAttention:
     """``eager``: the reference ``AttentionKernel``: fp32 (fp64 for fp64 input) matmul-softmax in plain
     torch on any device, one sequence at a time for packed input. Supports every feature of the
-    contract (causal, GQA/MQA, window, softcap, scale, ``Dv != D``) and autograd; memory is
+    contract (causal, GQA/MQA, window, softcap, sinks, scale, ``Dv != D``) and autograd; memory is
     ``O(H * S_q * S_k)`` per sequence, so it is meant for tests and small inputs."""
 
     def __init__(self, device: Device) -> None:
@@ -119,18 +125,30 @@ class EagerAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed attention ``q [T_q, Hq, D]``, ``k``/``v`` ``[T_k, Hk, D|Dv]`` -> ``[T_q, Hq, Dv]``
         (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments."""
-        lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        window = check_options(causal, window, scale, softcap)
-        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        call = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
 
         def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-            keep = allowed_mask(qs.shape[1], ks.shape[1], causal, window, q.device)
-            return eager_attention(qs, ks, vs, keep, sc, softcap)
+            keep = allowed_mask(qs.shape[1], ks.shape[1], call.causal, call.window, q.device)
+            return eager_attention(qs, ks, vs, keep, call.scale, call.softcap, call.sinks)
 
-        return _per_sequence(q, k, v, lens_q, lens_k, attend)
+        return _per_sequence(q, k, v, call.lens_q, call.lens_k, attend)
 
     def padded(
         self,
@@ -143,14 +161,16 @@ class EagerAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded attention ``[B, S, H, D]`` -> ``[B, S_q, Hq, Dv]`` (see ``AttentionKernel.padded``);
         queries that see no key give 0. Raises ``InvalidInput`` on bad arguments."""
-        check_padded(q, k, v, attention_mask)
-        window = check_options(causal, window, scale, softcap)
-        sc = scale if scale is not None else q.shape[-1] ** -0.5
-        keep = padded_key_mask(attention_mask, q.shape[1], k.shape[1], causal, window, q.device)
-        out = eager_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, sc, softcap)
+        call = padded_call(
+            q, k, v, attention_mask, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+        )
+        keep = padded_key_mask(attention_mask, q.shape[1], k.shape[1], causal, call.window, q.device)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = eager_attention(qt, kt, vt, keep, call.scale, softcap, sinks)
         return out.transpose(1, 2).contiguous()
 
 
@@ -209,7 +229,12 @@ def _call_varlen_attn(
     window: tuple[int, int] | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """``varlen_attn`` with this torch's keyword names; GQA through ``enable_gqa`` or repeated heads."""
+    """``varlen_attn`` with this torch's keyword names; GQA through ``enable_gqa`` or repeated heads; a
+    value head dim below the q/k one (latent attention) is zero-padded up to it and the output sliced
+    back (the padded value columns contribute zeros, and their gradient is dropped by the slice)."""
+    dv = int(v.shape[-1])
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, int(q.shape[-1]) - dv))
     kwargs: dict[str, Any] = {"scale": scale}
     if has_window:
         kwargs["window_size"] = effective_window(causal, window)
@@ -221,7 +246,8 @@ def _call_varlen_attn(
         else:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out = fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    return out[..., :dv] if dv < out.shape[-1] else out
 
 
 def _traced_varlen(
@@ -263,7 +289,7 @@ class TorchAttention:
     - varlen: ``torch.nn.attention.varlen.varlen_attn`` (flash) on CUDA for bf16/fp16 when the installed
       torch has it and the case fits (see :meth:`varlen_path`); otherwise one SDPA call per sequence.
 
-    ``softcap`` is not available in these kernels: ``supports`` reports it.
+    ``softcap`` and ``sinks`` are not available in these kernels: ``supports`` reports them.
     """
 
     def __init__(self, device: Device) -> None:
@@ -280,6 +306,8 @@ class TorchAttention:
         reasons = []
         if spec.softcap is not None:
             reasons.append(f"softcap={spec.softcap} is not supported by torch SDPA/varlen_attn (use eager)")
+        if spec.sinks:
+            reasons.append("attention sinks are not supported by torch SDPA/varlen_attn (use eager)")
         if spec.dtype not in FLOAT_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}")
         if spec.device_type not in ("cuda", "cpu"):
@@ -298,9 +326,10 @@ class TorchAttention:
         if spec.dtype not in (torch.float16, torch.bfloat16):
             why.append(f"varlen_attn needs bf16/fp16, not {spec.dtype}")
         dv = spec.head_dim_v if spec.head_dim_v is not None else spec.head_dim
-        if spec.head_dim % 8 or spec.head_dim > 256 or dv != spec.head_dim:
+        if spec.head_dim % 8 or spec.head_dim > 256 or dv > spec.head_dim:
             why.append(
-                f"varlen_attn needs head_dim % 8 == 0, <= 256 and Dv == D (got D={spec.head_dim}, Dv={dv})"
+                f"varlen_attn needs head_dim % 8 == 0, <= 256 and Dv <= D (Dv < D is zero-padded; got "
+                f"D={spec.head_dim}, Dv={dv})"
             )
         if spec.window is not None and "window_size" not in params:
             why.append("this torch's varlen_attn has no window_size")
@@ -311,8 +340,8 @@ class TorchAttention:
             and "is_causal" not in params
         ):
             why.append("this torch's varlen_attn has neither is_causal nor window_size")
-        if spec.softcap is not None:
-            why.append("varlen_attn has no softcap")
+        if spec.softcap is not None or spec.sinks:
+            why.append("varlen_attn has no softcap or sinks")
         if spec.device_type == "cuda" and not why:
             cap = self._device.capability()
             if cap is not None and cap < (8, 0):
@@ -336,14 +365,27 @@ class TorchAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Packed attention (see ``AttentionKernel.varlen``). Raises ``InvalidInput`` on bad arguments and
         ``UnsupportedOperation`` when ``supports`` has reasons (e.g. softcap)."""
-        lens_q, lens_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        window = check_options(causal, window, scale, softcap)
-        spec = attention_spec(q, k, v, "varlen", causal, window, softcap)
-        self._require(spec)
-        path, _ = self.varlen_path(spec)
+        call = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        self._require(call.spec)
+        window, lens_q, lens_k = call.window, call.lens_q, call.lens_k
+        path, _ = self.varlen_path(call.spec)
         if path == "varlen_attn":
             fn, params = _varlen_api()
             assert fn is not None  # varlen_path checked it
@@ -399,12 +441,15 @@ class TorchAttention:
         window: tuple[int, int] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Padded attention through SDPA (see ``AttentionKernel.padded``); queries that see no key give 0.
         Raises ``InvalidInput`` on bad arguments, ``UnsupportedOperation`` for a softcap."""
-        check_padded(q, k, v, attention_mask)
-        window = check_options(causal, window, scale, softcap)
-        self._require(attention_spec(q, k, v, "padded", causal, window, softcap))
+        call = padded_call(
+            q, k, v, attention_mask, causal=causal, window=window, scale=scale, softcap=softcap, sinks=sinks
+        )
+        self._require(call.spec)
+        window = call.window
         sq, sk = int(q.shape[1]), int(k.shape[1])
         square_causal = causal and window is None and attention_mask is None and sq == sk
         keep = None if square_causal else padded_key_mask(attention_mask, sq, sk, causal, window, q.device)
