@@ -16,7 +16,7 @@ from underlay.interfaces import ConfigError, UnderlayError
 
 __all__ = ["OUTPUTS", "format_summary", "launch", "world_size_for"]
 
-OUTPUTS = ("demo", "checkpoints", "profile", "hf_export", "summary.json", ".errors")
+OUTPUTS = ("demo", "data", "checkpoints", "profile", "hf_export", "summary.json", ".errors")
 """What a run writes under ``out_dir`` (and removes from an earlier run there before it starts)."""
 
 
