@@ -154,3 +154,22 @@ def test_progress_bar_and_console_lines(
     silent.update("x")
     silent.close()
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_default_run_learns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default run (2 gloo ranks, echo task from a jsonl file, locally trained BPE tokenizer)
+    at least doubles the mean reward between its first and last steps."""
+    out = tmp_path / "out"
+    assert cli.main(["demo", "--out-dir", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "learning: mean reward" in printed and "-> identical" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    learn = summary["learning"]
+    assert learn["window"] == 5 and learn["reward_last"] >= 2 * learn["reward_first"] > 0, learn
+    assert summary["resume"]["same_prompts"] and summary["resume"]["identical"]
+    assert Path(summary["data"]["path"]).is_file() and summary["data"]["vocab_size"] < 100
+    rows = read_jsonl(out / "demo" / "metrics.jsonl")
+    assert len(rows) == DemoConfig().steps

@@ -70,13 +70,16 @@ def get_filesystem(uri: str) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError as exc:  # pragma: no cover - fsspec comes with torch
-        raise BackendUnavailable("remote files need fsspec: pip install fsspec") from exc
+        raise BackendUnavailable("filesystem", "fsspec", "fsspec is not installed", [], "pip install fsspec") from exc
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     try:
         fs, path = fsspec.core.url_to_fs(uri)
     except ImportError as exc:
         pkg = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme!r}")
-        raise BackendUnavailable(f"{uri}: the {scheme}:// filesystem needs {pkg} (pip install {pkg}): {exc}") from exc
+        loaded = sorted({"file", "memory", *fsspec.registry})
+        raise BackendUnavailable(
+            "filesystem", scheme, f"{uri} needs {pkg}, which is not importable ({exc})", loaded, f"pip install {pkg}"
+        ) from exc
     except ValueError as exc:
         raise InvalidInput(f"{uri}: unknown filesystem scheme {scheme!r} ({exc})") from exc
     return fs, str(path)

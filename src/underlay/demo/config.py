@@ -34,16 +34,16 @@ class DemoConfig:
 the task's dataset file (``dataset_rows`` rows of the echo task) is written to ``out_dir/data``.
     """
 
-    steps: int = 12
+    steps: int = 24
     model_size: Literal["tiny", "small"] = "tiny"
     out_dir: str = "underlay_out"
     seed: int = 0
     world_size: int = 2
     prompts_per_step: int = 8
     responses_per_prompt: int = 8
-    max_new_tokens: int = 6
+    max_new_tokens: int = 2
     temperature: float = 1.0
-    lr: float = 3e-3
+    lr: float = 1e-2
     clip_eps: float = 0.2
     micro_batch_max_tokens: int = 256
     profile_step: int | None = None

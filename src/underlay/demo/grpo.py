@@ -57,7 +57,7 @@ from underlay.interfaces import (
 )
 from underlay.parallel.rank import current_rank, current_world_size
 
-__all__ = ["CONSOLE_KEYS", "RESUME_RTOL_ACCELERATOR", "PolicyLoss", "run_rank"]
+__all__ = ["CONSOLE_KEYS", "RESUME_RTOL_ACCELERATOR", "PolicyLoss", "learning_summary", "run_rank"]
 
 RESUME_RTOL_ACCELERATOR = 1e-3
 """Largest relative loss/grad-norm difference of the redone step accepted on an accelerator."""
@@ -554,6 +554,14 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             "param_dtype": tr.param_dtype,
             "parameters": sum(p.numel() for p in tr.rollout.parameters()),
             "history": history,
+            "learning": learning_summary(history),
+            "data": {
+                "path": str(tr.data_path),
+                "samples": len(tr.dataset),
+                "report": tr.dataset.report.describe(),
+                "vocab_size": len(tr.tok),
+                "epochs_started": tr.sampler.epoch + 1,
+            },
             "resume": resume,
             "export": export,
             "traces": traces,
@@ -576,6 +584,16 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             f"{export['max_abs_logit_diff']:.3g} (> {tol}); see {export['path']}"
         )
     return summary
+
+
+def learning_summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """Mean ``reward/mean`` of the first and the last ``window = clamp(steps // 4, 1, 5)`` steps and
+    their ratio (``inf`` when the first is 0 and the last is not)."""
+    k = max(1, min(5, len(history) // 4))
+    first = sum(h["reward/mean"] for h in history[:k]) / k
+    last = sum(h["reward/mean"] for h in history[-k:]) / k
+    ratio = last / first if first > 0 else (float("inf") if last > 0 else 1.0)
+    return {"window": k, "reward_first": first, "reward_last": last, "ratio": ratio}
 
 
 def _kernel_names() -> dict[str, str]:
