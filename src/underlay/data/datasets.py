@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from underlay.data.tokenizer import apply_template, validate_messages
+from underlay.data.tokenizer import with_system_prompt, apply_template, render_many, validate_messages
 from underlay.interfaces import ConfigError, InvalidInput
 
 __all__ = [
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 OverlongPolicy = Literal["filter", "truncate_left", "truncate_right", "error"]
 OVERLONG_POLICIES: tuple[str, ...] = ("filter", "truncate_left", "truncate_right", "error")
+_CHUNK = 1024  # rows rendered and tokenized per batched call in the pre-pass
 
 
 def read_records(path_or_uri: str | Path, *, cache_dir: str | Path | None = None) -> list[dict[str, Any]]:
@@ -211,6 +212,10 @@ class _Base:
     def _encode(self, index: int, row: Mapping[str, Any]) -> Any:
         raise InvalidInput(f"{type(self).__name__} does not encode rows")  # overridden by every subclass
 
+    def _encode_chunk(self, start: int, rows: list[dict[str, Any]]) -> list[Any]:
+        """Encode rows ``start, start + 1, ...`` (subclasses batch the work)."""
+        return [self._encode(start + j, r) for j, r in enumerate(rows)]
+
     def _to_json(self, item: Any) -> Any:
         return item
 
@@ -243,10 +248,10 @@ class _Base:
             self.report = DatasetReport(**data["report"])
             return [self._from_json(x) for x in data["items"]]
         items = []
-        for i, r in enumerate(self.rows):
-            it = self._encode(i, r)
-            if it is not None:
-                items.append(it)
+        for start in range(0, len(self.rows), _CHUNK):
+            for it in self._encode_chunk(start, self.rows[start : start + _CHUNK]):
+                if it is not None:
+                    items.append(it)
         self.report.kept = len(items)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -313,9 +318,36 @@ class RLPromptDataset(_Base):
         else:
             validate_messages(prompt, f"RLPromptDataset row {index} column {self.prompt_key!r}")
 
+    def _plain(self, prompt: Any) -> bool:
+        return isinstance(prompt, str) and (
+            not self.apply_chat_template or not getattr(self.tokenizer, "chat_template", None)
+        )
+
+    def _encode_chunk(self, start: int, rows: list[dict[str, Any]]) -> list[Any]:
+        """Render the chunk's templated prompts in one call and tokenize all of it in one call; a
+        template failure is re-raised for the first failing row alone (so the error names it)."""
+        convs, texts = [], []
+        for r in rows:
+            prompt = r[self.prompt_key]
+            if not self._plain(prompt):
+                msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                convs.append(with_system_prompt(list(msgs), self.system_prompt))
+        try:
+            rendered = iter(render_many(self.tokenizer, convs, None, True))
+        except InvalidInput:
+            return [self._encode(start + j, r) for j, r in enumerate(rows)]
+        plain_flags = [self._plain(r[self.prompt_key]) for r in rows]
+        texts = [r[self.prompt_key] if p else next(rendered) for r, p in zip(rows, plain_flags)]
+        out: list[Any] = []
+        plain_ids = iter(self.tokenizer([t for t, p in zip(texts, plain_flags) if p], add_special_tokens=True)["input_ids"]) if any(plain_flags) else iter(())
+        tpl_ids = iter(self.tokenizer([t for t, p in zip(texts, plain_flags) if not p], add_special_tokens=False)["input_ids"]) if not all(plain_flags) else iter(())
+        for j, (r, p) in enumerate(zip(rows, plain_flags)):
+            out.append(self._finish(start + j, r, list(next(plain_ids) if p else next(tpl_ids))))
+        return out
+
     def _encode(self, index: int, row: Mapping[str, Any]) -> PromptSample | None:
         prompt = row[self.prompt_key]
-        if isinstance(prompt, str) and (not self.apply_chat_template or not getattr(self.tokenizer, "chat_template", None)):
+        if self._plain(prompt):
             ids: list[int] = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         else:
             msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -327,6 +359,9 @@ class RLPromptDataset(_Base):
                 tokenize=True,
                 where=f"RLPromptDataset row {index}",
             )
+        return self._finish(index, row, ids)
+
+    def _finish(self, index: int, row: Mapping[str, Any], ids: list[int]) -> PromptSample | None:
         fitted = self._fit(index, ids)
         if fitted is None:
             return None
@@ -347,28 +382,32 @@ def _encode_conversation(
     are those the rendering of ``msgs[:k+1]`` adds to that of ``msgs[:k]``; for trained assistant
     messages the generation-prompt header is excluded from the loss. Raises ``InvalidInput`` when a
     prefix's tokens are not a prefix of the next (the template is not turn-consistent)."""
+    last_assistant = max((i for i, m in enumerate(msgs) if m["role"] in train_roles), default=-1)
+    trained = [m["role"] in train_roles and (not last_only or k == last_assistant) for k, m in enumerate(msgs)]
+    # render every prefix (and the generation header before each trained message), then tokenize them
+    # in one batched call: the Rust tokenizer's batch path is several times faster than one call each
+    heads = [k for k in range(1, len(msgs)) if trained[k]]
+    texts = render_many(tokenizer, [msgs[: k + 1] for k in range(len(msgs))], tools, False, where)
+    texts += render_many(tokenizer, [msgs[:k] for k in heads], tools, True, where)
+    encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    prefixes, head_ids = encoded[: len(msgs)], dict(zip(heads, encoded[len(msgs) :]))
     ids: list[int] = []
     mask: list[int] = []
     turns: list[int] = []
-    last_assistant = max((i for i, m in enumerate(msgs) if m["role"] in train_roles), default=-1)
-    for k, m in enumerate(msgs):
-        cur = apply_template(tokenizer, msgs[: k + 1], tools=tools, tokenize=True, where=where)
+    for k, cur in enumerate(prefixes):
         if cur[: len(ids)] != ids:
             pos = next((i for i in range(min(len(ids), len(cur))) if ids[i] != cur[i]), min(len(ids), len(cur)))
             raise InvalidInput(
                 f"{where}: the chat template is not turn-consistent at message {k} (token {pos}); per-turn loss "
                 "masks would be wrong (see underlay.data.tokenizer.check_turn_consistency)"
             )
-        start = len(ids)
-        train = m["role"] in train_roles and (not last_only or k == last_assistant)
-        body_start = start
-        if train:
-            head = apply_template(tokenizer, msgs[:k], tools=tools, tokenize=True, add_generation_prompt=True, where=where) if k else []
-            if cur[: len(head)] == head and len(head) >= start:
-                body_start = len(head)
+        start = body_start = len(ids)
+        head = head_ids.get(k)
+        if head is not None and cur[: len(head)] == head and len(head) >= start:
+            body_start = len(head)
         new = cur[start:]
         ids.extend(new)
-        mask.extend(1 if train and start + j >= body_start else 0 for j in range(len(new)))
+        mask.extend(1 if trained[k] and start + j >= body_start else 0 for j in range(len(new)))
         turns.extend([k] * len(new))
     return ids, mask, turns
 
