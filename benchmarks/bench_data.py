@@ -25,7 +25,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-WORDS = "alpha beta gamma delta river stone cloud light green quick slow blue seven eight tree bird".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "green",
+    "quick",
+    "slow",
+    "blue",
+    "seven",
+    "eight",
+    "tree",
+    "bird",
+]
 
 
 def conversations(n: int, seed: int) -> list[dict[str, Any]]:
@@ -69,18 +86,22 @@ def run(n: int, batch: int) -> dict[str, Any]:
     # ---- rl prompts
     t0 = time.perf_counter()
     ds = RLPromptDataset(rows, tok, field_keys=["ground_truth"], system_prompt="be brief", max_length=512)
-    nb = 0
     for i in range(0, len(ds), batch):
         collate_prompts([ds[j] for j in range(i, min(i + batch, len(ds)))], tok.pad_token_id)
-        nb += 1
     ours = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    hf = datasets.Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
+    hf = datasets.Dataset.from_list(
+        [{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows]
+    )
 
     def render(ex: dict[str, Any]) -> dict[str, Any]:
         msgs = [{"role": "system", "content": "be brief"}, *ex["prompt"]]
-        return {"input_ids": tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)}
+        return {
+            "input_ids": tok.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        }
 
     mapped = hf.map(render, remove_columns=["prompt"])
     for i in range(0, len(mapped), batch):
@@ -89,7 +110,12 @@ def run(n: int, batch: int) -> dict[str, Any]:
     base = time.perf_counter() - t0
     check = collate_prompts([ds[0]], tok.pad_token_id).batch.input_ids[0].tolist()
     same = check == list(mapped[0]["input_ids"])
-    results["rl"] = {"underlay_per_s": n / ours, "baseline_per_s": n / base, "ratio": base / ours, "same_ids": same}
+    results["rl"] = {
+        "underlay_per_s": n / ours,
+        "baseline_per_s": n / base,
+        "ratio": base / ours,
+        "same_ids": same,
+    }
 
     # ---- sft with masks
     t0 = time.perf_counter()
@@ -110,7 +136,12 @@ def run(n: int, batch: int) -> dict[str, Any]:
     tok.padding_side = "left"
     base = time.perf_counter() - t0
     same = list(sft[0].input_ids) == list(mapped[0]["input_ids"])
-    results["sft"] = {"underlay_per_s": n / ours, "baseline_per_s": n / base, "ratio": base / ours, "same_ids": same}
+    results["sft"] = {
+        "underlay_per_s": n / ours,
+        "baseline_per_s": n / base,
+        "ratio": base / ours,
+        "same_ids": same,
+    }
     results["meta"] = {
         "n": n,
         "batch": batch,

@@ -138,8 +138,11 @@ def _tensordict() -> Any:
         import tensordict
     except ImportError as exc:
         raise BackendUnavailable(
-            "TokenBatch <-> TensorDict needs the tensordict package: pip install tensordict "
-            "(or pip install 'underlay[data]')"
+            "data",
+            "tensordict",
+            "TokenBatch <-> TensorDict needs the tensordict package, which is not installed",
+            [],
+            "pip install tensordict (or pip install 'underlay[data]')",
         ) from exc
     return tensordict.TensorDict
 
@@ -149,7 +152,11 @@ def to_tensordict(batch: TokenBatch) -> Any:
     ``loss_mask`` and every extra under its own key (no copies). Raises ``BackendUnavailable`` when
     tensordict is not installed and ``InvalidInput`` when an extra uses a reserved name."""
     td_cls = _tensordict()
-    data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask}
+    data = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "loss_mask": batch.loss_mask,
+    }
     for k, v in batch.extras.items():
         if k in data:
             raise InvalidInput(f"TokenBatch.extras key {k!r} collides with a TokenBatch field")

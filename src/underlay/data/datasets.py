@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from underlay.data.tokenizer import with_system_prompt, apply_template, render_many, validate_messages
+from underlay.data.tokenizer import apply_template, render_many, validate_messages, with_system_prompt
 from underlay.interfaces import ConfigError, InvalidInput
 
 __all__ = [
@@ -63,7 +63,9 @@ def read_records(path_or_uri: str | Path, *, cache_dir: str | Path | None = None
         else:
             parts = sorted(local.glob("*.parquet"))
             if not parts:
-                raise InvalidInput(f"{path_or_uri}: a directory without parquet files or a saved `datasets` dataset")
+                raise InvalidInput(
+                    f"{path_or_uri}: a directory without parquet files or a saved `datasets` dataset"
+                )
             rows = [r for p in parts for r in _read_parquet(p)]
     elif local.suffix == ".parquet":
         rows = _read_parquet(local)
@@ -81,7 +83,9 @@ def read_records(path_or_uri: str | Path, *, cache_dir: str | Path | None = None
                     raise InvalidInput(f"{path_or_uri} line {n}: a {type(row).__name__}, not a JSON object")
                 rows.append(row)
     else:
-        raise InvalidInput(f"{path_or_uri}: unknown format {local.suffix!r}; use .parquet, .jsonl or a datasets dir")
+        raise InvalidInput(
+            f"{path_or_uri}: unknown format {local.suffix!r}; use .parquet, .jsonl or a datasets dir"
+        )
     if not rows:
         raise InvalidInput(f"{path_or_uri}: no rows")
     return rows
@@ -192,7 +196,9 @@ class _Base:
         for i, r in enumerate(self.rows):
             self._validate(i, r)
         self.report = DatasetReport(total=len(self.rows))
-        self.fingerprint = _fingerprint(self.kind, self.rows, _tokenizer_id(tokenizer), max_length, overlong, dict(settings))
+        self.fingerprint = _fingerprint(
+            self.kind, self.rows, _tokenizer_id(tokenizer), max_length, overlong, dict(settings)
+        )
         self._items: list[Any] | None = None
         if not lazy:
             self._items = self._prepass(cache_dir)
@@ -303,9 +309,20 @@ class RLPromptDataset(_Base):
         self.prompt_key, self.system_prompt = prompt_key, system_prompt
         self.apply_chat_template = apply_chat_template
         self.field_keys = None if field_keys is None else list(field_keys)
-        settings = {"prompt_key": prompt_key, "fields": self.field_keys, "sys": system_prompt, "tpl": apply_chat_template}
+        settings = {
+            "prompt_key": prompt_key,
+            "fields": self.field_keys,
+            "sys": system_prompt,
+            "tpl": apply_chat_template,
+        }
         super().__init__(
-            rows, tokenizer, max_length=max_length, overlong=overlong, lazy=lazy, cache_dir=cache_dir, settings=settings
+            rows,
+            tokenizer,
+            max_length=max_length,
+            overlong=overlong,
+            lazy=lazy,
+            cache_dir=cache_dir,
+            settings=settings,
         )
 
     def _validate(self, index: int, row: Mapping[str, Any]) -> None:
@@ -339,8 +356,24 @@ class RLPromptDataset(_Base):
         plain_flags = [self._plain(r[self.prompt_key]) for r in rows]
         texts = [r[self.prompt_key] if p else next(rendered) for r, p in zip(rows, plain_flags)]
         out: list[Any] = []
-        plain_ids = iter(self.tokenizer([t for t, p in zip(texts, plain_flags) if p], add_special_tokens=True)["input_ids"]) if any(plain_flags) else iter(())
-        tpl_ids = iter(self.tokenizer([t for t, p in zip(texts, plain_flags) if not p], add_special_tokens=False)["input_ids"]) if not all(plain_flags) else iter(())
+        plain_ids = (
+            iter(
+                self.tokenizer([t for t, p in zip(texts, plain_flags) if p], add_special_tokens=True)[
+                    "input_ids"
+                ]
+            )
+            if any(plain_flags)
+            else iter(())
+        )
+        tpl_ids = (
+            iter(
+                self.tokenizer([t for t, p in zip(texts, plain_flags) if not p], add_special_tokens=False)[
+                    "input_ids"
+                ]
+            )
+            if not all(plain_flags)
+            else iter(())
+        )
         for j, (r, p) in enumerate(zip(rows, plain_flags)):
             out.append(self._finish(start + j, r, list(next(plain_ids) if p else next(tpl_ids))))
         return out
@@ -376,14 +409,21 @@ class RLPromptDataset(_Base):
 
 
 def _encode_conversation(
-    tokenizer: Any, msgs: list[dict[str, Any]], tools: Any, where: str, train_roles: tuple[str, ...], last_only: bool
+    tokenizer: Any,
+    msgs: list[dict[str, Any]],
+    tools: Any,
+    where: str,
+    train_roles: tuple[str, ...],
+    last_only: bool,
 ) -> tuple[list[int], list[int], list[int]]:
     """ids, loss mask and turn ids of a conversation, built from its prefixes: message ``k``'s tokens
     are those the rendering of ``msgs[:k+1]`` adds to that of ``msgs[:k]``; for trained assistant
     messages the generation-prompt header is excluded from the loss. Raises ``InvalidInput`` when a
     prefix's tokens are not a prefix of the next (the template is not turn-consistent)."""
     last_assistant = max((i for i, m in enumerate(msgs) if m["role"] in train_roles), default=-1)
-    trained = [m["role"] in train_roles and (not last_only or k == last_assistant) for k, m in enumerate(msgs)]
+    trained = [
+        m["role"] in train_roles and (not last_only or k == last_assistant) for k, m in enumerate(msgs)
+    ]
     # render every prefix (and the generation header before each trained message), then tokenize them
     # in one batched call: the Rust tokenizer's batch path is several times faster than one call each
     heads = [k for k in range(1, len(msgs)) if trained[k]]
@@ -396,7 +436,9 @@ def _encode_conversation(
     turns: list[int] = []
     for k, cur in enumerate(prefixes):
         if cur[: len(ids)] != ids:
-            pos = next((i for i in range(min(len(ids), len(cur))) if ids[i] != cur[i]), min(len(ids), len(cur)))
+            pos = next(
+                (i for i in range(min(len(ids), len(cur))) if ids[i] != cur[i]), min(len(ids), len(cur))
+            )
             raise InvalidInput(
                 f"{where}: the chat template is not turn-consistent at message {k} (token {pos}); per-turn loss "
                 "masks would be wrong (see underlay.data.tokenizer.check_turn_consistency)"
@@ -437,22 +479,34 @@ class SFTDataset(_Base):
         self.messages_key, self.tools_key, self.last_turn_only = messages_key, tools_key, last_turn_only
         settings = {"m": messages_key, "t": tools_key, "last": last_turn_only}
         super().__init__(
-            rows, tokenizer, max_length=max_length, overlong=overlong, lazy=lazy, cache_dir=cache_dir, settings=settings
+            rows,
+            tokenizer,
+            max_length=max_length,
+            overlong=overlong,
+            lazy=lazy,
+            cache_dir=cache_dir,
+            settings=settings,
         )
 
     def _validate(self, index: int, row: Mapping[str, Any]) -> None:
-        msgs = validate_messages(_require(index, row, self.messages_key, "SFTDataset"), f"SFTDataset row {index}")
+        msgs = validate_messages(
+            _require(index, row, self.messages_key, "SFTDataset"), f"SFTDataset row {index}"
+        )
         if not any(m["role"] == "assistant" for m in msgs):
             raise InvalidInput(f"SFTDataset row {index}: no assistant message, nothing to train on")
 
-    def _conversation(self, index: int, msgs: list[dict[str, Any]], tools: Any, where: str) -> SFTSample | None:
-        ids, mask, turns = _encode_conversation(self.tokenizer, msgs, tools, where, ("assistant",), self.last_turn_only)
+    def _conversation(
+        self, index: int, msgs: list[dict[str, Any]], tools: Any, where: str
+    ) -> SFTSample | None:
+        ids, mask, turns = _encode_conversation(
+            self.tokenizer, msgs, tools, where, ("assistant",), self.last_turn_only
+        )
         fitted = self._fit(index, ids, mask, turns)
         if fitted is None:
             return None
         return SFTSample(tuple(fitted[0]), tuple(fitted[1]), tuple(fitted[2]))
 
-    def _encode(self, index: int, row: Mapping[str, Any]) -> SFTSample | None:
+    def _encode(self, index: int, row: Mapping[str, Any]) -> Any:
         msgs = validate_messages(row[self.messages_key], f"SFTDataset row {index}")
         return self._conversation(index, msgs, row.get(self.tools_key), f"SFTDataset row {index}")
 
@@ -508,13 +562,19 @@ class PreferenceDataset(SFTDataset):
             _require(index, row, k, "PreferenceDataset")
         for k in self.keys[1:]:
             if self._side(index, row, k)[-1]["role"] != "assistant":
-                raise InvalidInput(f"PreferenceDataset row {index} column {k!r}: must end with an assistant message")
+                raise InvalidInput(
+                    f"PreferenceDataset row {index} column {k!r}: must end with an assistant message"
+                )
 
     def _encode(self, index: int, row: Mapping[str, Any]) -> PairSample | None:
         sides = []
         filtered_before = self.report.filtered
         for k in self.keys[1:]:
-            sides.append(self._conversation(index, self._side(index, row, k), None, f"PreferenceDataset row {index} {k!r}"))
+            sides.append(
+                self._conversation(
+                    index, self._side(index, row, k), None, f"PreferenceDataset row {index} {k!r}"
+                )
+            )
         if sides[0] is None or sides[1] is None:
             self.report.filtered = filtered_before + 1  # one pair, counted once
             return None

@@ -46,7 +46,15 @@ __all__ = [
 MANIFEST = "UNDERLAY_MANIFEST.json"
 """Written last by :func:`upload_dir`; a remote directory without it is incomplete."""
 
-_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "az": "adlfs", "hdfs": "pyarrow"}
+_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "abfs": "adlfs",
+    "az": "adlfs",
+    "hdfs": "pyarrow",
+}
 
 
 def is_remote(path_or_uri: str | Path) -> bool:
@@ -70,7 +78,9 @@ def get_filesystem(uri: str) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError as exc:  # pragma: no cover - fsspec comes with torch
-        raise BackendUnavailable("filesystem", "fsspec", "fsspec is not installed", [], "pip install fsspec") from exc
+        raise BackendUnavailable(
+            "filesystem", "fsspec", "fsspec is not installed", [], "pip install fsspec"
+        ) from exc
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     try:
         fs, path = fsspec.core.url_to_fs(uri)
@@ -78,7 +88,11 @@ def get_filesystem(uri: str) -> tuple[Any, str]:
         pkg = _PACKAGES.get(scheme, f"the fsspec implementation of {scheme!r}")
         loaded = sorted({"file", "memory", *fsspec.registry})
         raise BackendUnavailable(
-            "filesystem", scheme, f"{uri} needs {pkg}, which is not importable ({exc})", loaded, f"pip install {pkg}"
+            "filesystem",
+            scheme,
+            f"{uri} needs {pkg}, which is not importable ({exc})",
+            loaded,
+            f"pip install {pkg}",
         ) from exc
     except ValueError as exc:
         raise InvalidInput(f"{uri}: unknown filesystem scheme {scheme!r} ({exc})") from exc
@@ -262,10 +276,10 @@ def extract_archive(archive: str | Path, dest: str | Path) -> Path:
                 target.mkdir(parents=True, exist_ok=True)
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            fin = tf.extractfile(m)
-            assert fin is not None
-            with fin, open(target, "wb") as fout:
-                shutil.copyfileobj(fin, fout)
+            member = tf.extractfile(m)
+            assert member is not None
+            with member, open(target, "wb") as fout:
+                shutil.copyfileobj(member, fout)
     return out
 
 
@@ -280,7 +294,9 @@ def upload_dir(local_dir: str | Path, uri: str, *, require_file: str | None = No
     if not src.is_dir():
         raise InvalidInput(f"upload_dir: {src} is not a directory")
     if require_file is not None and not (src / require_file).is_file():
-        raise InvalidInput(f"upload_dir: {src} has no {require_file}; it is not complete, refusing to upload it")
+        raise InvalidInput(
+            f"upload_dir: {src} has no {require_file}; it is not complete, refusing to upload it"
+        )
     fs, base = get_filesystem(uri)
     base = base.rstrip("/")
     if fs.exists(f"{base}/{MANIFEST}"):

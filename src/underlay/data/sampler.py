@@ -140,9 +140,13 @@ class ResumableSampler:
         first sample not yet consumed. Nothing changes when validation fails."""
         for key in ("version", "epoch", "consumed", "seed", "dataset_size", "fingerprint", "shuffle"):
             if key not in state:
-                raise CheckpointError(f"sampler state has no {key!r}; it was not written by ResumableSampler.state_dict")
+                raise CheckpointError(
+                    f"sampler state has no {key!r}; it was not written by ResumableSampler.state_dict"
+                )
         if state["version"] != STATE_VERSION:
-            raise CheckpointError(f"sampler state version {state['version']!r}; this code reads {STATE_VERSION}")
+            raise CheckpointError(
+                f"sampler state version {state['version']!r}; this code reads {STATE_VERSION}"
+            )
         for key in ("seed", "dataset_size", "fingerprint", "shuffle"):
             mine = getattr(self, key)
             if state[key] != mine:

@@ -29,8 +29,8 @@ __all__ = [
     "load_tokenizer",
     "render_many",
     "require_chat_template",
-    "with_system_prompt",
     "validate_messages",
+    "with_system_prompt",
 ]
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -92,7 +92,9 @@ def load_tokenizer(
     try:
         tok: Any = auto.from_pretrained(str(local), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"load_tokenizer({str(path_or_uri)!r}): no loadable tokenizer in {local} ({exc})") from exc
+        raise ConfigError(
+            f"load_tokenizer({str(path_or_uri)!r}): no loadable tokenizer in {local} ({exc})"
+        ) from exc
     if tok.pad_token is None:
         fallback = tok.eos_token if tok.eos_token is not None else tok.unk_token
         if fallback is None:
@@ -119,7 +121,9 @@ def load_processor(path_or_uri: str | Path, *, cache_dir: str | Path | None = No
     try:
         proc: Any = auto.from_pretrained(str(local), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"load_processor({str(path_or_uri)!r}): no loadable processor in {local} ({exc})") from exc
+        raise ConfigError(
+            f"load_processor({str(path_or_uri)!r}): no loadable processor in {local} ({exc})"
+        ) from exc
     tok = getattr(proc, "tokenizer", proc)
     if getattr(tok, "pad_token", "") is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
@@ -140,11 +144,15 @@ def validate_messages(messages: Any, where: str = "sample") -> list[dict[str, An
     string ``content`` (``None`` allowed for an assistant message with ``tool_calls``); returns them
     as plain dicts. Raises ``InvalidInput`` naming ``where`` and the message index."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidInput(f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}")
+        raise InvalidInput(
+            f"{where}: messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}"
+        )
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise InvalidInput(f"{where}: message {i} is {type(m).__name__}, not a dict with 'role' and 'content'")
+            raise InvalidInput(
+                f"{where}: message {i} is {type(m).__name__}, not a dict with 'role' and 'content'"
+            )
         role = m.get("role")
         if role is None:
             raise InvalidInput(f"{where}: message {i} has no 'role' (keys: {sorted(m)})")
@@ -152,7 +160,9 @@ def validate_messages(messages: Any, where: str = "sample") -> list[dict[str, An
             raise InvalidInput(f"{where}: message {i} has role {role!r}; use one of {ROLES}")
         content = m.get("content")
         if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
-            raise InvalidInput(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
+            raise InvalidInput(
+                f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}"
+            )
         out.append(dict(m))
     return out
 
@@ -187,10 +197,15 @@ def apply_template(
     msgs = with_system_prompt(validate_messages(list(messages), where), system_prompt)
     try:
         text: str = tokenizer.apply_chat_template(
-            msgs, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt, tokenize=False
+            msgs,
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
     except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, KeyError...
-        raise InvalidInput(f"{where}: the chat template failed to render ({type(exc).__name__}: {exc})") from exc
+        raise InvalidInput(
+            f"{where}: the chat template failed to render ({type(exc).__name__}: {exc})"
+        ) from exc
     if not tokenize:
         return text
     ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -217,7 +232,9 @@ def render_many(
             tokenize=False,
         )
     except Exception as exc:  # see apply_template
-        raise InvalidInput(f"{where}: the chat template failed to render ({type(exc).__name__}: {exc})") from exc
+        raise InvalidInput(
+            f"{where}: the chat template failed to render ({type(exc).__name__}: {exc})"
+        ) from exc
     return [str(t) for t in out]
 
 
@@ -229,8 +246,10 @@ def generation_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]] 
     base = apply_template(tokenizer, msgs, tokenize=True)
     full = apply_template(tokenizer, msgs, tokenize=True, add_generation_prompt=True)
     if full[: len(base)] != base:
-        raise InvalidInput("the chat template's generation prompt changes the tokens before it; it cannot be split off")
-    return full[len(base) :]
+        raise InvalidInput(
+            "the chat template's generation prompt changes the tokens before it; it cannot be split off"
+        )
+    return list(full[len(base) :])
 
 
 @dataclass(frozen=True)

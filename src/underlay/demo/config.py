@@ -26,12 +26,12 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 class DemoConfig:
     """What one ``underlay demo`` run does.
 
-    ``steps`` GRPO steps (>= 2: the last one is redone after a checkpoint reload to prove resume);
-    each step samples ``responses_per_prompt`` responses (>= 2, so group advantages are defined) for
-    ``prompts_per_step`` prompts split over ``world_size`` processes (must divide evenly), at most
-    ``max_new_tokens`` tokens each at ``temperature``. ``profile_step`` is the step whose torch-profiler
-    trace is written (``None``: step 1, or 0 with fewer than 3 steps). Outputs go under ``out_dir``;
-the task's dataset file (``dataset_rows`` rows of the echo task) is written to ``out_dir/data``.
+        ``steps`` GRPO steps (>= 2: the last one is redone after a checkpoint reload to prove resume);
+        each step samples ``responses_per_prompt`` responses (>= 2, so group advantages are defined) for
+        ``prompts_per_step`` prompts split over ``world_size`` processes (must divide evenly), at most
+        ``max_new_tokens`` tokens each at ``temperature``. ``profile_step`` is the step whose torch-profiler
+        trace is written (``None``: step 1, or 0 with fewer than 3 steps). Outputs go under ``out_dir``;
+    the task's dataset file (``dataset_rows`` rows of the echo task) is written to ``out_dir/data``.
     """
 
     steps: int = 24

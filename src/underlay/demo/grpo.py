@@ -501,8 +501,8 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
     prof.start()
     for step in range(cfg.steps):
         if step == resume_step:
-            state = {"next_step": step, "seed": cfg.seed, "sampler": tr.sampler.state_dict()}
-            ckpt_path = Path(ckpt.save(step, state))
+            trainer_state = {"next_step": step, "seed": cfg.seed, "sampler": tr.sampler.state_dict()}
+            ckpt_path = Path(ckpt.save(step, trainer_state))
         t0 = time.perf_counter()
         metrics = tr.step(step, prof)
         metrics["timing/step"] = time.perf_counter() - t0

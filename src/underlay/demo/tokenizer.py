@@ -68,7 +68,9 @@ def train_chat_tokenizer(corpus: list[str], vocab_size: int = 64) -> Any:
     core = Tokenizer(models.BPE(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIALS), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(CHAT_SPECIALS), show_progress=False
+    )
     core.train_from_iterator(corpus, trainer=trainer)
     return fast(
         tokenizer_object=core,

@@ -119,7 +119,9 @@ def test_size_and_checksum_verified(mem: Any, tmp_path: Path) -> None:
     _CountingMemory.bad_md5, _CountingMemory.lie_size = False, True
     with pytest.raises(UnderlayError, match="the store reports 8"):
         copy_to_local("h4count://v/f.bin", cache_dir=tmp_path / "size")
-    assert not list((tmp_path / "size").glob("*.complete")) and not list((tmp_path / "md5").glob("*.complete"))
+    assert not list((tmp_path / "size").glob("*.complete")) and not list(
+        (tmp_path / "md5").glob("*.complete")
+    )
 
 
 def test_missing_filesystem_package_is_named() -> None:
@@ -179,7 +181,9 @@ def test_upload_and_restore_directories(mem: Any, tmp_path: Path, scheme: str) -
     url = "memory://ckpts/step_3" if scheme == "memory" else f"file://{tmp_path / 'remote' / 'step_3'}"
     upload_dir(src, url, require_file="COMPLETE")
     back = download_dir(url, tmp_path / "restored" / "step_3")
-    assert sorted(p.relative_to(back) for p in back.rglob("*")) == sorted(p.relative_to(src) for p in src.rglob("*"))
+    assert sorted(p.relative_to(back) for p in back.rglob("*")) == sorted(
+        p.relative_to(src) for p in src.rglob("*")
+    )
     assert (back / "model" / "shard0.pt").read_bytes() == b"\x00" * 4096
     fs, base = files.get_filesystem(url)
     # a remote file that changed size after the upload: refused, and no partial directory appears

@@ -31,7 +31,10 @@ def test_global_order_sharding_and_epochs() -> None:
     assert len({i for b in first for i in b}) == per_epoch * GBS  # no repeats within an epoch
     assert first != second  # reshuffled per epoch
     for world in (1, 2, 4):
-        shards = [ResumableSampler(N, GBS, seed=SEED, rank=r, world_size=world, fingerprint=FP) for r in range(world)]
+        shards = [
+            ResumableSampler(N, GBS, seed=SEED, rank=r, world_size=world, fingerprint=FP)
+            for r in range(world)
+        ]
         for g in ref:
             parts = [s.next_batch() for s in shards]
             assert [i for p in parts for i in p] == g  # disjoint, rank-major, same global order
@@ -106,7 +109,9 @@ def _killed_run(world: int, run_dir: Path, kill_after: int) -> None:
     spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
     port = free_port()
     with pytest.raises(spawn.ProcessExitedException, match="signal"):
-        spawn.start_processes(_killed_entry, args=(world, str(run_dir), port, kill_after), nprocs=world, start_method="spawn")
+        spawn.start_processes(
+            _killed_entry, args=(world, str(run_dir), port, kill_after), nprocs=world, start_method="spawn"
+        )
 
 
 def _killed_entry(rank: int, world: int, run_dir: str, port: int, kill_after: int) -> None:
@@ -118,14 +123,18 @@ def _killed_entry(rank: int, world: int, run_dir: str, port: int, kill_after: in
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("world_before", "world_after"), [(1, 1), (2, 2), (2, 1)])
-def test_resume_after_kill_continues_with_the_next_batch(tmp_path: Path, world_before: int, world_after: int) -> None:
+def test_resume_after_kill_continues_with_the_next_batch(
+    tmp_path: Path, world_before: int, world_after: int
+) -> None:
     kill_after = 6  # 7 batches drawn: past the end of the first epoch (5 batches)
     _killed_run(world_before, tmp_path, kill_after)
     saved = json.loads((tmp_path / "state.json").read_text())
     ref = _reference(14)
     assert saved["seen"] == ref[: kill_after + 1]
-    after = run_distributed(_train, world_after, str(tmp_path), 7, None) if world_after > 1 else [
-        _train(0, 1, str(tmp_path), 7, None)
-    ]
+    after = (
+        run_distributed(_train, world_after, str(tmp_path), 7, None)
+        if world_after > 1
+        else [_train(0, 1, str(tmp_path), 7, None)]
+    )
     for seen in after:  # every rank gathered the same global batches
         assert seen == ref[kill_after + 1 :]

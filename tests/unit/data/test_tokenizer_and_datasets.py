@@ -145,12 +145,23 @@ def test_rl_prompts_overlong_policies_and_cache(tok: Any, tmp_path: Path) -> Non
     rows = [{"prompt": [{"role": "user", "content": "say cat"}], "ground_truth": "cat", "id": 0}]
     rows.append({"prompt": [{"role": "user", "content": "say cat " * 6}], "ground_truth": "cat", "id": 1})
     rows.append({"prompt": "say dog", "ground_truth": "dog", "id": 2})
-    short = len(apply_template(tok, rows[0]["prompt"], system_prompt="echo", add_generation_prompt=True, tokenize=True))
-    full_long = apply_template(tok, rows[1]["prompt"], system_prompt="echo", add_generation_prompt=True, tokenize=True)
+    short = len(
+        apply_template(
+            tok, rows[0]["prompt"], system_prompt="echo", add_generation_prompt=True, tokenize=True
+        )
+    )
+    full_long = apply_template(
+        tok, rows[1]["prompt"], system_prompt="echo", add_generation_prompt=True, tokenize=True
+    )
     assert len(full_long) > short + 2
     kw: dict[str, Any] = {"system_prompt": "echo", "max_length": short + 2, "field_keys": ["ground_truth"]}
     ds = RLPromptDataset(rows, tok, overlong="filter", cache_dir=tmp_path / "c", **kw)
-    assert len(ds) == 2 and ds.report.filtered == 1 and ds.report.kept == 2 and ds.report.longest == len(full_long)
+    assert (
+        len(ds) == 2
+        and ds.report.filtered == 1
+        and ds.report.kept == 2
+        and ds.report.longest == len(full_long)
+    )
     assert ds[0].fields == {"ground_truth": "cat"} and ds[1].fields == {"ground_truth": "dog"}
     cached = RLPromptDataset(rows, tok, overlong="filter", cache_dir=tmp_path / "c", **kw)
     assert list((tmp_path / "c").iterdir()) and [cached[i] for i in range(2)] == [ds[i] for i in range(2)]
@@ -209,7 +220,11 @@ def test_sft_rejects_turn_inconsistent_template(tok: Any) -> None:
 def test_preference_pairs(tok: Any) -> None:
     rows = [
         {"prompt": "say cat", "chosen": "cat", "rejected": "dog"},
-        {"prompt": [{"role": "user", "content": "say dog"}], "chosen": "dog", "rejected": "cat cat cat cat cat"},
+        {
+            "prompt": [{"role": "user", "content": "say dog"}],
+            "chosen": "dog",
+            "rejected": "cat cat cat cat cat",
+        },
     ]
     ds = PreferenceDataset(rows, tok, max_length=9)
     assert len(ds) == 1 and ds.report.filtered == 1
@@ -245,10 +260,14 @@ def test_packed_collator_and_tensordict_roundtrip(tok: Any) -> None:
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (3, 7), generator=gen)
-    batch = TokenBatch(ids, torch.ones_like(ids), (ids > 20).long(), {"advantages": torch.randn(3, generator=gen)})
+    batch = TokenBatch(
+        ids, torch.ones_like(ids), (ids > 20).long(), {"advantages": torch.randn(3, generator=gen)}
+    )
     td = to_tensordict(batch)
     assert td.batch_size == torch.Size([3]) and td["input_ids"] is batch.input_ids
     back = from_tensordict(td[1:])
-    assert torch.equal(back.input_ids, ids[1:]) and torch.equal(back.extras["advantages"], batch.extras["advantages"][1:])
+    assert torch.equal(back.input_ids, ids[1:]) and torch.equal(
+        back.extras["advantages"], batch.extras["advantages"][1:]
+    )
     with pytest.raises(InvalidInput, match="missing key 'loss_mask'"):
         from_tensordict(td.exclude("loss_mask"))
