@@ -96,6 +96,11 @@ def get_filesystem(uri: str) -> tuple[Any, str]:
         ) from exc
     except ValueError as exc:
         raise InvalidInput(f"{uri}: unknown filesystem scheme {scheme!r} ({exc})") from exc
+    except OSError as exc:  # e.g. hdfs:// with pyarrow but no libhdfs / JVM on this host
+        pkg = _PACKAGES.get(scheme, scheme)
+        raise BackendUnavailable(
+            "filesystem", scheme, f"{uri}: connecting failed ({exc})", [], f"check the {pkg} client setup"
+        ) from exc
     return fs, str(path)
 
 

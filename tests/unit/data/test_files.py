@@ -125,6 +125,8 @@ def test_size_and_checksum_verified(mem: Any, tmp_path: Path) -> None:
 
 
 def test_missing_filesystem_package_is_named() -> None:
+    with pytest.raises(BackendUnavailable, match="hdfs"):  # pyarrow's client needs libhdfs + a JVM
+        copy_to_local("hdfs://namenode.invalid:8020/model")
     if importlib.util.find_spec("s3fs") is not None:
         pytest.skip("s3fs is installed here")
     with pytest.raises(BackendUnavailable, match="s3fs"):
