@@ -34,14 +34,17 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     for r in rows:
         for key in ("loss", "reward/mean", "grad_norm", "tokens_per_s", "timing/gen", "timing/update"):
             assert isinstance(r[key], float), (key, r)
-        assert 0.0 <= r["reward/mean"] <= 1.0 and r["grad_norm"] > 0 and r["tokens"] > 0
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["grad_norm"] >= 0 and r["tokens"] > 0
+    # a step whose groups all scored equally has zero advantages and so a zero gradient (GRPO);
+    # with 2 responses per prompt that happens, but not on every step of this seed
+    assert any(r["grad_norm"] > 0 for r in rows)
     assert list((out / "demo" / "tensorboard").glob("events.out.tfevents.*"))
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["engine"] == "fsdp2"
     # resume: step 1 redone after reloading the checkpoint taken before it gives the same numbers
     res = summary["resume"]
-    assert res["identical"] and res["step"] == 1
+    assert res["identical"] and res["same_prompts"] and res["step"] == 1
     assert res["loss"] == res["loss_after_reload"] == rows[1]["loss"]
     assert res["grad_norm"] == res["grad_norm_after_reload"] == rows[1]["grad_norm"]
     assert latest(out / "checkpoints") == Path(res["checkpoint"])  # complete (marker written)
