@@ -10,6 +10,7 @@ through :mod:`underlay.data.collate`.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import logging
@@ -164,7 +165,7 @@ def _tokenizer_id(tok: Any) -> str:
     return hashlib.sha256((text + str(getattr(tok, "chat_template", ""))).encode()).hexdigest()[:20]
 
 
-class _Base:
+class _Base(abc.ABC):
     """Shared machinery: validation, overlong policy, pre-pass with cache, lazy access."""
 
     kind = "base"
@@ -200,6 +201,7 @@ class _Base:
             self.kind, self.rows, _tokenizer_id(tokenizer), max_length, overlong, dict(settings)
         )
         self._items: list[Any] | None = None
+        self._counted: set[int] = set()  # rows already counted in the report (lazy access repeats)
         if not lazy:
             self._items = self._prepass(cache_dir)
             if not self._items:
@@ -211,12 +213,13 @@ class _Base:
         else:
             self.report.kept = len(self.rows)
 
-    # subclasses
+    @abc.abstractmethod
     def _validate(self, index: int, row: Mapping[str, Any]) -> None:
-        raise InvalidInput(f"{type(self).__name__} does not validate rows")  # overridden by every subclass
+        """Raise ``InvalidInput`` naming ``index`` and the key when ``row`` cannot be used."""
 
+    @abc.abstractmethod
     def _encode(self, index: int, row: Mapping[str, Any]) -> Any:
-        raise InvalidInput(f"{type(self).__name__} does not encode rows")  # overridden by every subclass
+        """The item of ``row`` (``None`` when the overlong policy filters it)."""
 
     def _encode_chunk(self, start: int, rows: list[dict[str, Any]]) -> list[Any]:
         """Encode rows ``start, start + 1, ...`` (subclasses batch the work)."""
@@ -235,15 +238,17 @@ class _Base:
         self.report.longest = max(self.report.longest, n)
         if n <= self.max_length:
             return (ids, *others)
+        first_time = index not in self._counted
+        self._counted.add(index)
         if self.overlong == "error":
             raise InvalidInput(
                 f"{type(self).__name__} row {index}: {n} tokens > max_length={self.max_length} (overlong='error'); "
                 "raise max_length or choose filter/truncate_left/truncate_right"
             )
         if self.overlong == "filter":
-            self.report.filtered += 1
+            self.report.filtered += int(first_time)
             return None
-        self.report.truncated += 1
+        self.report.truncated += int(first_time)
         sl = slice(n - self.max_length, n) if self.overlong == "truncate_left" else slice(0, self.max_length)
         return (ids[sl], *(o[sl] for o in others))
 
@@ -567,8 +572,7 @@ class PreferenceDataset(SFTDataset):
                 )
 
     def _encode(self, index: int, row: Mapping[str, Any]) -> PairSample | None:
-        sides = []
-        filtered_before = self.report.filtered
+        sides = []  # the report counts rows: a pair with both sides overlong counts once
         for k in self.keys[1:]:
             sides.append(
                 self._conversation(
@@ -576,7 +580,6 @@ class PreferenceDataset(SFTDataset):
                 )
             )
         if sides[0] is None or sides[1] is None:
-            self.report.filtered = filtered_before + 1  # one pair, counted once
             return None
         return PairSample(sides[0], sides[1])
 

@@ -170,6 +170,8 @@ def test_rl_prompts_overlong_policies_and_cache(tok: Any, tmp_path: Path) -> Non
     right = RLPromptDataset(rows, tok, overlong="truncate_right", lazy=True, **kw)
     assert left.report.truncated == 1 and list(left[1].input_ids) == full_long[-(short + 2) :]
     assert list(right[1].input_ids) == full_long[: short + 2] and right.report.truncated == 1
+    right[1]  # lazy: a second access re-encodes the row but does not count it again
+    assert right.report.truncated == 1
     with pytest.raises(InvalidInput, match="row 1: .* tokens > max_length"):
         RLPromptDataset(rows, tok, overlong="error", **kw)
     with pytest.raises(ConfigError, match="lazy=True with overlong='filter'"):
@@ -226,8 +228,9 @@ def test_preference_pairs(tok: Any) -> None:
             "rejected": "cat cat cat cat cat",
         },
     ]
+    rows.append({"prompt": "say " + "dog " * 8, "chosen": "dog", "rejected": "cat"})  # both sides overlong
     ds = PreferenceDataset(rows, tok, max_length=9)
-    assert len(ds) == 1 and ds.report.filtered == 1
+    assert len(ds) == 1 and ds.report.filtered == 2 and ds.report.total == 3
     tb = collate_pairs([ds[0]], tok.pad_token_id)
     assert tb.batch_size == 2 and tb.extras["chosen"].tolist() == [1, 0]
     cat, dog = (tok(w, add_special_tokens=False)["input_ids"] for w in ("cat", "dog"))
