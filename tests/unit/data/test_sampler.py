@@ -122,7 +122,7 @@ def _killed_entry(rank: int, world: int, run_dir: str, port: int, kill_after: in
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world_before", "world_after"), [(1, 1), (2, 2), (2, 1)])
+@pytest.mark.parametrize(("world_before", "world_after"), [(1, 1), (2, 2), (2, 1), (1, 2)])
 def test_resume_after_kill_continues_with_the_next_batch(
     tmp_path: Path, world_before: int, world_after: int
 ) -> None:
