@@ -34,14 +34,17 @@ def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     for r in rows:
         for key in ("loss", "reward/mean", "grad_norm", "tokens_per_s", "timing/gen", "timing/update"):
             assert isinstance(r[key], float), (key, r)
-        assert 0.0 <= r["reward/mean"] <= 1.0 and r["grad_norm"] > 0 and r["tokens"] > 0
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["grad_norm"] >= 0 and r["tokens"] > 0
+    # a step whose groups all scored equally has zero advantages and so a zero gradient (GRPO);
+    # with 2 responses per prompt that happens, but not on every step of this seed
+    assert any(r["grad_norm"] > 0 for r in rows)
     assert list((out / "demo" / "tensorboard").glob("events.out.tfevents.*"))
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["engine"] == "fsdp2"
     # resume: step 1 redone after reloading the checkpoint taken before it gives the same numbers
     res = summary["resume"]
-    assert res["identical"] and res["step"] == 1
+    assert res["identical"] and res["same_prompts"] and res["step"] == 1
     assert res["loss"] == res["loss_after_reload"] == rows[1]["loss"]
     assert res["grad_norm"] == res["grad_norm_after_reload"] == rows[1]["grad_norm"]
     assert latest(out / "checkpoints") == Path(res["checkpoint"])  # complete (marker written)
@@ -154,3 +157,22 @@ def test_progress_bar_and_console_lines(
     silent.update("x")
     silent.close()
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_default_run_learns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default run (2 gloo ranks, echo task from a jsonl file, locally trained BPE tokenizer)
+    at least doubles the mean reward between its first and last steps."""
+    out = tmp_path / "out"
+    assert cli.main(["demo", "--out-dir", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "learning: mean reward" in printed and "-> identical" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    learn = summary["learning"]
+    assert learn["window"] == 5 and learn["reward_last"] >= 2 * learn["reward_first"] > 0, learn
+    assert summary["resume"]["same_prompts"] and summary["resume"]["identical"]
+    assert Path(summary["data"]["path"]).is_file() and summary["data"]["vocab_size"] < 100
+    rows = read_jsonl(out / "demo" / "metrics.jsonl")
+    assert len(rows) == DemoConfig().steps

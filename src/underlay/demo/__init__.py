@@ -1,9 +1,11 @@
 """``underlay demo``: a miniature GRPO run over the whole library (see ``underlay.demo.grpo``).
 
 The device comes from ``UNDERLAY_DEVICE`` (cpu: ``--world-size`` gloo processes; an accelerator: one
-process per visible device, at most ``--world-size``), the engine from ``UNDERLAY_ENGINE``. Outputs
-under ``--out-dir``: ``demo/metrics.jsonl`` and ``demo/tensorboard/``, ``profile/`` (a torch-profiler
-trace of one step), ``checkpoints/``, ``hf_export/`` and ``summary.json``.
+process per visible device, at most ``--world-size``), the engine from ``UNDERLAY_ENGINE``. The task:
+answer with the word the prompt names, from a jsonl dataset the run writes, through underlay.data (a
+BPE tokenizer trained on it, a chat template, a resumable sampler). Outputs under ``--out-dir``:
+``data/echo_train.jsonl``, ``demo/metrics.jsonl`` and ``demo/tensorboard/``, ``profile/`` (a
+torch-profiler trace of one step), ``checkpoints/``, ``hf_export/`` and ``summary.json``.
 """
 
 from __future__ import annotations

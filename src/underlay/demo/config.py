@@ -26,27 +26,29 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 class DemoConfig:
     """What one ``underlay demo`` run does.
 
-    ``steps`` GRPO steps (>= 2: the last one is redone after a checkpoint reload to prove resume);
-    each step samples ``responses_per_prompt`` responses (>= 2, so group advantages are defined) for
-    ``prompts_per_step`` prompts split over ``world_size`` processes (must divide evenly), at most
-    ``max_new_tokens`` tokens each at ``temperature``. ``profile_step`` is the step whose torch-profiler
-    trace is written (``None``: step 1, or 0 with fewer than 3 steps). Outputs go under ``out_dir``.
+        ``steps`` GRPO steps (>= 2: the last one is redone after a checkpoint reload to prove resume);
+        each step samples ``responses_per_prompt`` responses (>= 2, so group advantages are defined) for
+        ``prompts_per_step`` prompts split over ``world_size`` processes (must divide evenly), at most
+        ``max_new_tokens`` tokens each at ``temperature``. ``profile_step`` is the step whose torch-profiler
+        trace is written (``None``: step 1, or 0 with fewer than 3 steps). Outputs go under ``out_dir``;
+    the task's dataset file (``dataset_rows`` rows of the echo task) is written to ``out_dir/data``.
     """
 
-    steps: int = 12
+    steps: int = 24
     model_size: Literal["tiny", "small"] = "tiny"
     out_dir: str = "underlay_out"
     seed: int = 0
     world_size: int = 2
     prompts_per_step: int = 8
     responses_per_prompt: int = 8
-    max_new_tokens: int = 6
+    max_new_tokens: int = 2
     temperature: float = 1.0
-    lr: float = 3e-3
+    lr: float = 1e-2
     clip_eps: float = 0.2
     micro_batch_max_tokens: int = 256
     profile_step: int | None = None
     progress: bool = True
+    dataset_rows: int = 512
 
     def __post_init__(self) -> None:
         if self.steps < 2:
@@ -63,6 +65,10 @@ class DemoConfig:
             )
         if self.prompts_per_step < 1:
             raise ConfigError(f"demo --prompts-per-step={self.prompts_per_step}: must be >= 1")
+        if self.dataset_rows < self.prompts_per_step:
+            raise ConfigError(
+                f"demo dataset_rows={self.dataset_rows}: need at least prompts_per_step={self.prompts_per_step}"
+            )
         if self.max_new_tokens < 1:
             raise ConfigError(f"demo max_new_tokens={self.max_new_tokens}: must be >= 1")
         if not self.temperature > 0:

@@ -5,11 +5,17 @@ model as its "rollout engine". One step:
 
 1. ``sync``: stream the engine's full HF-named weights (``engine.iter_weights``) into the rollout copy;
 2. ``gen``: sample ``responses_per_prompt`` responses for this rank's share of the prompts;
-3. score them with the rule-based arithmetic reward and turn scores into GRPO advantages with
+3. score them with the echo task's rule-based reward and turn scores into GRPO advantages with
    ``ops.group_normalize`` over the responses of each prompt;
 4. ``old_logprob``: ``engine.infer`` (no grad) for the PPO ratio's denominator;
 5. ``update``: ``engine.forward_backward`` with a clipped policy-gradient loss (packed, balanced
    micro-batches and the LogprobKernel inside the engine), ``optimizer_step``, ``lr_scheduler_step``.
+
+The prompts come through the data pipeline a real trainer uses: rank 0 writes the task's dataset file
+(``out_dir/data/echo_train.jsonl``), every rank trains the same BPE tokenizer with a chat template on it
+(``tokenizers``, deterministic), reads it with ``read_records`` into an ``RLPromptDataset`` (chat
+template, system prompt, ground truth carried for the reward) and draws its share of every step's
+prompts from a ``ResumableSampler`` whose state is saved in the checkpoint's trainer state.
 
 Around the loop: a torch-profiler trace of one step, a checkpoint before the last step that is reloaded
 afterwards to redo that step with identical numbers, an HF export reloaded with ``transformers`` whose
@@ -31,9 +37,12 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from underlay.data.arithmetic import Problem, make_problems, reward
+from underlay.data import echo
+from underlay.data.collate import PromptBatch, collate_prompts
+from underlay.data.datasets import RLPromptDataset, read_records
+from underlay.data.sampler import ResumableSampler
 from underlay.demo.config import DemoConfig, tiny_hf_config
-from underlay.demo.tokenizer import build_tokenizer
+from underlay.demo.tokenizer import train_chat_tokenizer
 from underlay.interfaces import (
     CheckpointError,
     Device,
@@ -48,7 +57,7 @@ from underlay.interfaces import (
 )
 from underlay.parallel.rank import current_rank, current_world_size
 
-__all__ = ["CONSOLE_KEYS", "RESUME_RTOL_ACCELERATOR", "PolicyLoss", "run_rank"]
+__all__ = ["CONSOLE_KEYS", "RESUME_RTOL_ACCELERATOR", "PolicyLoss", "learning_summary", "run_rank"]
 
 RESUME_RTOL_ACCELERATOR = 1e-3
 """Largest relative loss/grad-norm difference of the redone step accepted on an accelerator."""
@@ -175,7 +184,27 @@ class _Trainer:
         import underlay
 
         self.cfg, self.device, self.rank, self.world, self.out = cfg, device, rank, world, out
-        self.tok = build_tokenizer()
+        self.data_path = _write_task_data(cfg, out, rank)
+        rows = read_records(self.data_path)
+        corpus = [echo.SYSTEM_PROMPT, *echo.WORDS, *(m["content"] for r in rows for m in r["prompt"])]
+        self.tok = train_chat_tokenizer(corpus)
+        self.dataset = RLPromptDataset(
+            rows,
+            self.tok,
+            field_keys=["ground_truth"],
+            system_prompt=echo.SYSTEM_PROMPT,
+            max_length=32,
+            overlong="error",
+        )
+        self.sampler = ResumableSampler(
+            len(self.dataset),
+            cfg.prompts_per_step,
+            seed=cfg.seed,
+            rank=rank,
+            world_size=world,
+            fingerprint=self.dataset.fingerprint,
+        )
+        self.last_indices: list[int] = []
         self.hf_config = tiny_hf_config(
             cfg.model_size, len(self.tok), self.tok.pad_token_id, self.tok.bos_token_id, self.tok.eos_token_id
         )
@@ -238,21 +267,20 @@ class _Trainer:
             raise CheckpointError(f"iter_weights did not yield {missing}; the rollout copy would be stale")
         return moved
 
-    def problems(self, step: int) -> list[Problem]:
-        """This rank's share of step ``step``'s prompts (the same on every run with the same seed)."""
-        allp = make_problems(self.cfg.prompts_per_step, seed=self.cfg.seed * 7919 + step)
-        return allp[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+    def prompts(self) -> PromptBatch:
+        """This rank's share of the next step's prompts, drawn from the sampler (advances it)."""
+        self.last_indices = self.sampler.next_batch()
+        return collate_prompts([self.dataset[i] for i in self.last_indices], self.tok.pad_token_id)
 
     def generate(self, step: int) -> _Rollout:
-        """Sample, score and pack this rank's responses for ``step`` (deterministic given the weights)."""
+        """Sample, score and pack this rank's responses for ``step`` (deterministic given the weights
+        and the sampler state)."""
         cfg, tok = self.cfg, self.tok
-        probs = self.problems(step)
+        pb = self.prompts()
         n = cfg.responses_per_prompt
-        prompts = [p.prompt for p in probs for _ in range(n)]
-        answers = [p.answer for p in probs for _ in range(n)]
-        enc = tok(prompts, padding=True, return_tensors="pt")
-        ids = enc["input_ids"].to(self.torch_device)
-        am = enc["attention_mask"].to(self.torch_device)
+        answers = [f["ground_truth"] for f in pb.fields for _ in range(n)]
+        ids = pb.batch.input_ids.repeat_interleave(n, dim=0).to(self.torch_device)
+        am = pb.batch.attention_mask.repeat_interleave(n, dim=0).to(self.torch_device)
         self.device.manual_seed(cfg.seed * 100_003 + step * self.world + self.rank)
         with torch.no_grad():
             out = self.rollout.generate(
@@ -271,15 +299,15 @@ class _Trainer:
         resp = out[:, ids.shape[1] :].cpu()
         rlen = response_mask(resp, tok.eos_token_id).sum(dim=1)
         plen = am.sum(dim=1).cpu()
-        texts = [tok.decode(resp[i, : int(rlen[i])], skip_special_tokens=True) for i in range(len(prompts))]
-        rewards = torch.tensor([reward(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
+        texts = [tok.decode(resp[i, : int(rlen[i])], skip_special_tokens=True) for i in range(len(answers))]
+        rewards = torch.tensor([echo.reward(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
         # right-padded rows: prompt tokens, then response tokens (up to and including the first eos)
         seq = int((plen + rlen).max())
-        input_ids = torch.full((len(prompts), seq), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros(len(prompts), seq, dtype=torch.long)
-        loss_mask = torch.zeros(len(prompts), seq, dtype=torch.long)
+        input_ids = torch.full((len(answers), seq), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros(len(answers), seq, dtype=torch.long)
+        loss_mask = torch.zeros(len(answers), seq, dtype=torch.long)
         ids_cpu, am_cpu = ids.cpu(), am.cpu().bool()
-        for i in range(len(prompts)):
+        for i in range(len(answers)):
             p, r = int(plen[i]), int(rlen[i])
             input_ids[i, :p] = ids_cpu[i][am_cpu[i]]
             input_ids[i, p : p + r] = resp[i, :r]
@@ -392,7 +420,7 @@ class _Trainer:
             lp = lp.gather(-1, probe.input_ids[:, 1:, None]).squeeze(-1)
             lmask = probe.loss_mask[:, 1:].bool()
             lp_diff = float((lp - engine_lp[:, 1:].float()).abs()[lmask].max())
-            text = "What is 3+4?"
+            text = "say cat"
             result = {
                 "path": str(path),
                 "max_abs_logit_diff": logit_diff,
@@ -400,6 +428,18 @@ class _Trainer:
                 "tokenizer_roundtrip": tok2.decode(tok2(text)["input_ids"], skip_special_tokens=True) == text,
             }
         return result
+
+
+def _write_task_data(cfg: DemoConfig, out: Path, rank: int) -> Path:
+    """Rank 0 writes the echo task's dataset (``cfg.dataset_rows`` rows, ``cfg.seed``) to
+    ``out/data/echo_train.jsonl`` (atomically); every rank returns its path after a barrier."""
+    path = out / "data" / "echo_train.jsonl"
+    if rank == 0:
+        tmp = echo.write_dataset(path.with_name("echo_train.tmp.jsonl"), cfg.dataset_rows, cfg.seed)
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -461,7 +501,8 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
     prof.start()
     for step in range(cfg.steps):
         if step == resume_step:
-            ckpt_path = Path(ckpt.save(step, {"next_step": step, "seed": cfg.seed}))
+            trainer_state = {"next_step": step, "seed": cfg.seed, "sampler": tr.sampler.state_dict()}
+            ckpt_path = Path(ckpt.save(step, trainer_state))
         t0 = time.perf_counter()
         metrics = tr.step(step, prof)
         metrics["timing/step"] = time.perf_counter() - t0
@@ -470,6 +511,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
         progress.update(f"reward {metrics['reward/mean']:.2f}")
     prof.stop()
     first = history[-1]
+    first_indices = tr.last_indices
     last_batch = tr.last_batch
     assert last_batch is not None
 
@@ -477,6 +519,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
     assert ckpt_path is not None
     state = ckpt.load(ckpt_path)
     redo_step = int(state["next_step"])
+    tr.sampler.load_state_dict(state["sampler"])
     redo = tr.step(redo_step, _noop_profiler(cfg, out))
     progress.update("resume check")
     progress.close()
@@ -487,13 +530,14 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
         "loss_after_reload": redo["loss"],
         "grad_norm": first["grad_norm"],
         "grad_norm_after_reload": redo["grad_norm"],
+        "same_prompts": tr.last_indices == first_indices,
         "identical": redo["loss"] == first["loss"] and redo["grad_norm"] == first["grad_norm"],
         "max_rel_diff": max(_rel(redo["loss"], first["loss"]), _rel(redo["grad_norm"], first["grad_norm"])),
     }
     # cpu: bit-identical. Accelerators: deterministic algorithms are on, but fused kernels may still
     # accumulate in a different order, so a relative difference up to RESUME_RTOL_ACCELERATOR passes.
-    resume["ok"] = resume["identical"] or (
-        device.is_accelerator and resume["max_rel_diff"] <= RESUME_RTOL_ACCELERATOR
+    resume["ok"] = resume["same_prompts"] and (
+        resume["identical"] or (device.is_accelerator and resume["max_rel_diff"] <= RESUME_RTOL_ACCELERATOR)
     )
     export = tr.export_and_compare(last_batch)
     tracker.close()
@@ -510,6 +554,14 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             "param_dtype": tr.param_dtype,
             "parameters": sum(p.numel() for p in tr.rollout.parameters()),
             "history": history,
+            "learning": learning_summary(history),
+            "data": {
+                "path": str(tr.data_path),
+                "samples": len(tr.dataset),
+                "report": tr.dataset.report.describe(),
+                "vocab_size": len(tr.tok),
+                "epochs_started": tr.sampler.epoch + 1,
+            },
             "resume": resume,
             "export": export,
             "traces": traces,
@@ -532,6 +584,16 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             f"{export['max_abs_logit_diff']:.3g} (> {tol}); see {export['path']}"
         )
     return summary
+
+
+def learning_summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """Mean ``reward/mean`` of the first and the last ``window = clamp(steps // 4, 1, 5)`` steps and
+    their ratio (``inf`` when the first is 0 and the last is not)."""
+    k = max(1, min(5, len(history) // 4))
+    first = sum(h["reward/mean"] for h in history[:k]) / k
+    last = sum(h["reward/mean"] for h in history[-k:]) / k
+    ratio = last / first if first > 0 else (float("inf") if last > 0 else 1.0)
+    return {"window": k, "reward_first": first, "reward_last": last, "ratio": ratio}
 
 
 def _kernel_names() -> dict[str, str]:

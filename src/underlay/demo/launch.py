@@ -16,7 +16,7 @@ from underlay.interfaces import ConfigError, UnderlayError
 
 __all__ = ["OUTPUTS", "format_summary", "launch", "world_size_for"]
 
-OUTPUTS = ("demo", "checkpoints", "profile", "hf_export", "summary.json", ".errors")
+OUTPUTS = ("demo", "data", "checkpoints", "profile", "hf_export", "summary.json", ".errors")
 """What a run writes under ``out_dir`` (and removes from an earlier run there before it starts)."""
 
 
@@ -187,6 +187,18 @@ def format_summary(summary: dict[str, Any]) -> str:
         if r["ok"]
         else f"DIFFERENT ({r['max_rel_diff']:.2g} relative)"
     )
+    learn, data = summary.get("learning"), summary.get("data")
+    if data:
+        lines += [
+            "",
+            f"data:    {data['path']} (echo task: answer with the named word), {data['report']}; BPE "
+            f"tokenizer trained on it, {data['vocab_size']} tokens, chat template",
+        ]
+    if learn:
+        lines += [
+            f"learning: mean reward {learn['reward_first']:.3f} over the first {learn['window']} steps -> "
+            f"{learn['reward_last']:.3f} over the last {learn['window']} ({learn['ratio']:.1f}x)",
+        ]
     lines += [
         "",
         f"resume:  step {r['step']} redone after reloading {r['checkpoint']}: loss {r['loss']!r} vs "

@@ -6,7 +6,7 @@ from typing import Any
 
 from underlay.data.arithmetic import ALPHABET
 
-__all__ = ["SPECIAL_TOKENS", "build_tokenizer"]
+__all__ = ["CHAT_SPECIALS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tokenizer", "train_chat_tokenizer"]
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 """Ids 0..3, in this order."""
@@ -39,4 +39,45 @@ def build_tokenizer(alphabet: str = ALPHABET) -> Any:
         eos_token="<eos>",
         unk_token="<unk>",
         padding_side="left",
+    )
+
+
+CHAT_SPECIALS = ("<pad>", "<bos>", "<|end|>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+"""Special tokens of :func:`train_chat_tokenizer` (ids 0..7): ``<|end|>`` ends every turn and is the
+eos; the role markers open turns."""
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""Jinja chat template of :func:`train_chat_tokenizer`: ``<|role|>content<|end|>`` per message, then
+``<|assistant|>`` as the generation prompt. Special tokens delimit every turn, so tokenizing a
+conversation turn by turn gives the ids of the whole."""
+
+
+def train_chat_tokenizer(corpus: list[str], vocab_size: int = 64) -> Any:
+    """A ``transformers.PreTrainedTokenizerFast`` whose BPE vocabulary (at most ``vocab_size``
+    entries, specials included) is trained on ``corpus`` by the ``tokenizers`` library, with
+    :data:`CHAT_SPECIALS`, :data:`CHAT_TEMPLATE`, eos ``<|end|>``, pad ``<pad>`` and left padding.
+    Words are split on spaces (Metaspace ``▁``), so frequent words become single tokens. No BOS is
+    added (the template starts with a role marker). Deterministic for a given corpus."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    fast: Any = transformers.PreTrainedTokenizerFast
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(CHAT_SPECIALS), show_progress=False
+    )
+    core.train_from_iterator(corpus, trainer=trainer)
+    return fast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<|end|>",
+        unk_token="<unk>",
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
     )
