@@ -53,7 +53,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise InvalidInput(f"weight sync message names dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+        raise InvalidInput(
+            f"weight sync message names dtype {name!r}; supported: {sorted(_DTYPES)}"
+        ) from None
 
 
 @dataclass(frozen=True)

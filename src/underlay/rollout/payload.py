@@ -71,7 +71,9 @@ class WeightPayload:
             raise ConfigError(f"WeightPayload.kind={self.kind!r}: use 'full' or 'lora'")
         if self.fp8_block is not None:
             if self.kind != "full":
-                raise ConfigError("WeightPayload: fp8_block applies to kind='full' only (adapters stay exact)")
+                raise ConfigError(
+                    "WeightPayload: fp8_block applies to kind='full' only (adapters stay exact)"
+                )
             b = self.fp8_block
             if len(b) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b):
                 raise ConfigError(f"WeightPayload.fp8_block={b!r}: use two positive ints, e.g. (128, 128)")

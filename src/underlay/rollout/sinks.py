@@ -77,9 +77,7 @@ class ModuleSink:
     ) -> None:
         self._params = dict(module.named_parameters(remove_duplicate=False))
         self._rename = rename or (lambda n: n)
-        self._required = {
-            id(p): n for n, p in self._params.items() if required is None or required(n)
-        }
+        self._required = {id(p): n for n, p in self._params.items() if required is None or required(n)}
         self._staging: dict[int, torch.Tensor] = {}
         self._staged: set[int] = set()
         self._active = False

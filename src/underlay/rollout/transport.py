@@ -30,12 +30,13 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from underlay.interfaces import (
     BackendUnavailable,
@@ -88,8 +89,8 @@ class SyncReport:
 class _Control:
     """JSON messages over a TCPStore: the sender posts ``m{i}``, receiver ``r`` answers ``a{i}.{r}``."""
 
-    def __init__(self, store: dist.Store) -> None:
-        self.store = dist.PrefixStore(f"{_PREFIX}/ctl", store)
+    def __init__(self, store: Store) -> None:
+        self.store = PrefixStore(f"{_PREFIX}/ctl", store)
 
     def post(self, key: str, value: Mapping[str, Any]) -> None:
         self.store.set(key, json.dumps(value))
@@ -106,9 +107,9 @@ class _Control:
             self.store.delete_key(k)
 
 
-def _server_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def _server_store(host: str, port: int, timeout_s: float) -> TCPStore:
     try:
-        return dist.TCPStore(
+        return TCPStore(
             host,
             port,
             is_master=True,
@@ -121,11 +122,9 @@ def _server_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         ) from exc
 
 
-def _client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def _client_store(host: str, port: int, timeout_s: float) -> TCPStore:
     try:
-        return dist.TCPStore(
-            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as exc:
         raise WeightSyncError(
             f"weight sync: no sender reachable at {host}:{port} within {timeout_s:.0f} s ({exc}); start "
@@ -231,7 +230,9 @@ class _ShmRecv(_RecvLink):
 
     def on_setup(self, msg: Mapping[str, Any]) -> None:
         self._view = None
-        self._view = torch.from_file(str(msg["path"]), shared=True, size=int(msg["nbytes"]), dtype=torch.uint8)
+        self._view = torch.from_file(
+            str(msg["path"]), shared=True, size=int(msg["nbytes"]), dtype=torch.uint8
+        )
 
     def fetch(self, nbytes: int) -> torch.Tensor:
         if self._view is None or self._view.numel() < nbytes:
@@ -246,7 +247,7 @@ def _encode_ipc(t: torch.Tensor) -> dict[str, Any]:
     """JSON form of ``reduce_tensor``'s CUDA IPC handle for ``t``."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    _, args = reduce_tensor(t)
+    _, args = reduce_tensor(t)  # type: ignore[no-untyped-call]
     (_, size, stride, offset, _, dtype, dev, handle, ssize, soff, _, rc_handle, rc_off, ev, ev_sync) = args
     return {
         "size": list(size),
@@ -269,7 +270,7 @@ def _decode_ipc(msg: Mapping[str, Any]) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     ev = msg["event_handle"]
-    return rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+    return rebuild_cuda_tensor(  # type: ignore[no-untyped-call,no-any-return]
         torch.Tensor,
         torch.Size(msg["size"]),
         tuple(msg["stride"]),
@@ -333,11 +334,9 @@ class _IpcRecv(_RecvLink):
         self._buf = None
 
 
-def _new_group(
-    store: dist.Store, rank: int, world: int, backend: str, timeout_s: float
-) -> Any:
+def _new_group(store: Store, rank: int, world: int, backend: str, timeout_s: float) -> Any:
     """A process group of ``world`` ranks on ``store`` alone (no default group involved)."""
-    prefix = dist.PrefixStore(f"{_PREFIX}/pg", store)
+    prefix = PrefixStore(f"{_PREFIX}/pg", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefix, rank, world, timeout)
@@ -355,7 +354,11 @@ def _new_group(
             "dist",
             backend,
             "no torch.distributed backend of that name is registered in this process",
-            ["gloo", *(["nccl"] if dist.is_nccl_available() else []), *[p.lower() for p in dist.Backend._plugins]],
+            [
+                "gloo",
+                *(["nccl"] if dist.is_nccl_available() else []),
+                *[p.lower() for p in dist.Backend._plugins],
+            ],
             "import the device's torch extension first (e.g. select the device with underlay.get_device())",
         )
     return plugin.creator_fn(prefix, rank, world, timeout)
@@ -446,7 +449,7 @@ class WeightSender:
         link: _SendLink | None,
         num_receivers: int,
         timeout_s: float,
-        store: dist.Store | None = None,
+        store: Store | None = None,
         group: Any = None,
     ) -> None:
         if bucket_bytes < 1:
@@ -463,9 +466,7 @@ class WeightSender:
     # -- constructors
 
     @staticmethod
-    def _open(
-        address: tuple[str, int], num_receivers: int, timeout_s: float
-    ) -> tuple[dist.TCPStore, _Control]:
+    def _open(address: tuple[str, int], num_receivers: int, timeout_s: float) -> tuple[TCPStore, _Control]:
         _check_timeout(timeout_s)
         if num_receivers < 1:
             raise ConfigError(f"WeightSender num_receivers={num_receivers}: at least one receiver")
@@ -475,10 +476,13 @@ class WeightSender:
     @property
     def port(self) -> int:
         """The TCP port receivers connect to (useful after binding port 0); 0 on a follower."""
-        return int(self._store.port) if isinstance(self._store, dist.TCPStore) else 0
+        return int(self._store.port) if isinstance(self._store, TCPStore) else 0
 
-    def _await_receivers(self) -> None:
-        assert self._control is not None
+    def wait_for_receivers(self) -> None:
+        """Block until every receiver connected (``WeightSyncError`` after ``timeout_s``); needed only
+        after ``colocated(..., wait=False)``."""
+        if self._control is None:
+            return
         keys = [f"hello.{r}" for r in range(1, self._n + 1)]
         try:
             self._control.store.wait(keys, datetime.timedelta(seconds=self._timeout_s))
@@ -523,7 +527,7 @@ class WeightSender:
         )
         control.post("session", {"link": link.kind, "receivers": num_receivers})
         if wait:
-            sender._await_receivers()
+            sender.wait_for_receivers()
         return sender
 
     @classmethod
@@ -553,7 +557,7 @@ class WeightSender:
             store=store,
             group=group,
         )
-        sender._await_receivers()
+        sender.wait_for_receivers()
         return sender
 
     @classmethod
@@ -636,9 +640,7 @@ class WeightSender:
         bad = [f"receiver {i + 1}: {x}" for i, x in enumerate(verdicts) if x != "ok"]
         if bad:
             raise WeightSyncError(f"weight sync version {v} was not applied: {'; '.join(bad)}")
-        return SyncReport(
-            v, n_buckets, n_tensors, n_bytes, seconds, self._link.buffer_bytes, tuple(verdicts)
-        )
+        return SyncReport(v, n_buckets, n_tensors, n_bytes, seconds, self._link.buffer_bytes, tuple(verdicts))
 
     def _post(self, msg: Mapping[str, Any]) -> int:
         assert self._control is not None
@@ -696,7 +698,7 @@ class WeightReceiver:
     receiver is unusable (``receive`` raises at once); after a refusal it stays in step.
     """
 
-    def __init__(self, control: _Control, link: _RecvLink, rank: int, store: dist.Store) -> None:
+    def __init__(self, control: _Control, link: _RecvLink, rank: int, store: Store) -> None:
         self._control, self._link, self._rank, self._store = control, link, rank, store
         self._msg = 0
         self._broken: str | None = None
@@ -705,7 +707,7 @@ class WeightReceiver:
     @classmethod
     def _connect(
         cls, address: tuple[str, int], rank: int, timeout_s: float
-    ) -> tuple[dist.TCPStore, _Control, dict[str, Any]]:
+    ) -> tuple[TCPStore, _Control, dict[str, Any]]:
         _check_timeout(timeout_s)
         if rank < 1:
             raise ConfigError(f"WeightReceiver rank={rank}: receivers are ranks 1..num_receivers")
@@ -772,7 +774,9 @@ class WeightReceiver:
     def receive(self, sink: WeightSink) -> int:
         """Receive one sync into ``sink``; returns the committed version. See the class docstring."""
         if self._broken is not None:
-            raise WeightSyncError(f"weight sync receiver is unusable after an earlier failure: {self._broken}")
+            raise WeightSyncError(
+                f"weight sync receiver is unusable after an earlier failure: {self._broken}"
+            )
         problem: str | None = None
         started = False
         version = -1
@@ -793,9 +797,7 @@ class WeightReceiver:
                     version = int(msg["version"])
                     n_buckets = n_tensors = n_bytes = 0
                     if self.version is not None and version <= self.version:
-                        problem = (
-                            f"refused version {version}: not newer than the live version {self.version}"
-                        )
+                        problem = f"refused version {version}: not newer than the live version {self.version}"
                     else:
                         try:
                             sink.begin(version, msg.get("header") or {})
@@ -850,8 +852,7 @@ class WeightReceiver:
             if started:
                 sink.abort(reason)
             raise WeightSyncError(
-                f"weight sync {version} broke off ({reason}); the previous version "
-                f"{self.version} stays live"
+                f"weight sync {version} broke off ({reason}); the previous version {self.version} stays live"
             ) from exc
 
     def _link_acks_buckets(self) -> bool:
