@@ -69,7 +69,9 @@ def _receiver(port: int, out: str, queue: Any) -> None:
         log.append(("lora", recv.receive(adapters), str(adapters.path)))
         fp8 = StagingSink()
         v = recv.receive(fp8)
-        save_file({k: t.contiguous() for k, t in fp8.tensors.items()}, str(Path(out) / "recv_fp8.safetensors"))
+        save_file(
+            {k: t.contiguous() for k, t in fp8.tensors.items()}, str(Path(out) / "recv_fp8.safetensors")
+        )
         (Path(out) / "recv_fp8_header.json").write_text(json.dumps(dict(fp8.header)))
         log.append(("fp8", v))
         try:
@@ -160,7 +162,10 @@ def test_receiver_equals_export_after_every_sync(disagg: dict[str, Any]) -> None
     for v, ref in zip((1, 2, 3), exports):
         _assert_bit_equal(_load(out / f"recv_full_v{v}.safetensors"), ref)
     # the syncs carried training: every version differs from the previous one (merged LoRA deltas)
-    assert not torch.equal(exports[0]["model.layers.0.self_attn.q_proj.weight"], exports[2]["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        exports[0]["model.layers.0.self_attn.q_proj.weight"],
+        exports[2]["model.layers.0.self_attn.q_proj.weight"],
+    )
     rank0, rank1 = disagg["trainers"]
     assert all(r[1] > 1 for r in rank0["reports"][:TRAIN_STEPS])  # several buckets per sync
     assert all(r[3] == 0 for r in rank1["reports"])  # the follower iterates, sends nothing
@@ -219,7 +224,8 @@ def test_stale_version_refused_and_weights_kept(disagg: dict[str, Any]) -> None:
     assert log[-2][0] == "stale" and "not newer" in log[-2][1]
     assert log[-1] == ("version", TRAIN_STEPS + 2)
     _assert_bit_equal(
-        _load(out / "recv_after_stale.safetensors"), _load(out / f"export_v{TRAIN_STEPS}" / "model.safetensors")
+        _load(out / "recv_after_stale.safetensors"),
+        _load(out / f"export_v{TRAIN_STEPS}" / "model.safetensors"),
     )
     assert "not applied" in disagg["trainers"][0]["stale"]
 
@@ -249,7 +255,9 @@ def _colocated_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
         loader.export_hf(engine, Path(out) / f"colo_export_v{step}")
         state = worker.state_dict()
         ref = _load(Path(out) / f"colo_export_v{step}" / "model.safetensors")
-        result[f"equal_v{step}"] = sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+        result[f"equal_v{step}"] = sorted(state) == sorted(ref) and all(
+            torch.equal(state[k], ref[k]) for k in ref
+        )
     worker.close()
     sender.close()
     return result
@@ -307,7 +315,7 @@ def test_colocated_shared_memory_worker(tmp_path: Path) -> None:
     (res,) = run_distributed(_colocated_trainer, 1, str(tmp_path), timeout_s=240)
     assert res["worker_v1"] == 1 and res["worker_v2"] == 2
     assert res["equal_v1"] and res["equal_v2"]
-    for version, buckets, buffer_bytes, nbytes in res["reports"]:
+    for _version, buckets, buffer_bytes, nbytes in res["reports"]:
         assert buckets > 1
         # one reusable bucket buffer: the largest bucket, far less than the model
         assert 0 < buffer_bytes < nbytes

@@ -224,8 +224,8 @@ class RolloutReplay:
         self.rank = current_rank() if rank is None else rank
 
     def _paths(self, step: int) -> tuple[Path, Path]:
-        base = self.root / f"step{step:08d}.rank{self.rank}"
-        return base.with_suffix(".safetensors"), base.with_suffix(".json")
+        base = f"step{step:08d}.rank{self.rank}"
+        return self.root / f"{base}.safetensors", self.root / f"{base}.json"
 
     def _chosen(self, step: int) -> bool:
         return self.steps is None or step in self.steps
