@@ -40,7 +40,10 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
             device.set_device(int(spec["device_index"]))
         tdev = device.torch_device() if device.is_accelerator else torch.device("cpu")
         auto: Any = transformers.AutoModelForCausalLM
-        model = auto.from_config(spec["hf_config"], dtype=spec["dtype"]).to(tdev).eval()
+        model = auto.from_config(
+            spec["hf_config"], dtype=spec["dtype"], attn_implementation=spec["attn_implementation"]
+        )
+        model = model.to(tdev).eval()
         address = (spec["host"], int(spec["port"]))
         if spec["mode"] == "colocated":
             receiver = WeightReceiver.colocated(
@@ -119,6 +122,7 @@ class HFRolloutWorker:
         device_index: int | None = None,
         timeout_s: float = 600.0,
         threads: int = 1,
+        attn_implementation: str = "sdpa",
     ) -> None:
         if mode not in ("colocated", "disaggregated"):
             raise ConfigError(f"HFRolloutWorker mode={mode!r}: use 'colocated' or 'disaggregated'")
@@ -134,6 +138,7 @@ class HFRolloutWorker:
             "num_receivers": num_receivers,
             "timeout_s": timeout_s,
             "threads": threads,
+            "attn_implementation": attn_implementation,
         }
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
