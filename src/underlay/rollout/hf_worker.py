@@ -90,6 +90,8 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
                 result = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
             elif op == "version":
                 result = receiver.version
+            elif op == "num_parameters":
+                result = sum(p.numel() for p in model.parameters())
             else:
                 raise ConfigError(f"unknown rollout worker request {op!r}")
             conn.send(("ok", result))
@@ -194,6 +196,10 @@ class HFRolloutWorker:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A cpu copy of the worker model's state dict."""
         return self._call("state_dict")  # type: ignore[no-any-return]
+
+    def num_parameters(self) -> int:
+        """Parameters of the worker model (tied ones once)."""
+        return int(self._call("num_parameters"))
 
     def close(self) -> None:
         """Stop the worker process (idempotent)."""
