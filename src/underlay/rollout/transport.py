@@ -176,6 +176,10 @@ class _RecvLink:
         """The bytes of the current bucket (valid until the next call)."""
         raise NotImplementedError  # pragma: no cover - every link overrides it
 
+    def release(self) -> None:
+        """The sink is done with the current bucket: its reads of the buffer must have finished
+        before the sender may overwrite it."""
+
     def close(self) -> None:
         """Release buffers."""
 
@@ -329,6 +333,10 @@ class _IpcRecv(_RecvLink):
         if self._buf is None or self._buf.numel() < nbytes:
             raise InvalidInput(f"bucket of {nbytes} bytes but no IPC buffer that large was announced")
         return self._buf
+
+    def release(self) -> None:
+        # the sink's copies out of the shared buffer run asynchronously on this process's stream
+        self._device.synchronize()
 
     def close(self) -> None:
         self._buf = None
@@ -821,6 +829,7 @@ class WeightReceiver:
                     n_tensors += len(metas)
                     n_bytes += sum(m.nbytes for m in metas)
                     if self._link_acks_buckets():
+                        self._link.release()
                         self._answer(i, "ok")
                     continue
                 if kind == "end":
