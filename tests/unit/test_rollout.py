@@ -189,3 +189,17 @@ def test_replay_round_trip_and_key_refusal(tmp_path: Path) -> None:
     assert config_key(cfg) == config_key(json.loads(json.dumps(cfg))) != other.key
     with pytest.raises(ConfigError):
         RolloutReplay(tmp_path, cfg, mode="rewind")  # type: ignore[arg-type]
+
+
+def test_rollout_imports_stay_light() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, underlay.rollout as r\n"
+        "from underlay.rollout import adapters, codec, hf_worker, payload, sinks, trace, transport\n"
+        "r.WeightSender, r.HFRolloutWorker, r.RolloutReplay\n"
+        "print([m for m in ('transformers', 'peft', 'safetensors', 'vllm', 'sglang') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
