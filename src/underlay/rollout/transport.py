@@ -610,9 +610,10 @@ class WeightSender:
             self.version = v
             return SyncReport(v, 0, 0, 0, time.perf_counter() - t0, 0)
         n_buckets = n_tensors = n_bytes = 0
-        self._exchange({"type": "begin", "version": v, "header": dict(header or {})})
+        it = iter(buckets)
         try:
-            for bucket in buckets:
+            self._exchange({"type": "begin", "version": v, "header": dict(header or {})})
+            for bucket in it:
                 metas, nbytes = plan(bucket)
                 for setup in self._link.setup_messages(nbytes):
                     self._exchange(setup)
@@ -636,6 +637,10 @@ class WeightSender:
                 n_bytes += sum(m.nbytes for m in metas)
             self._link.finish()
         except WeightSyncError:
+            # a receiver is gone: finish the engine's collective iteration so the other trainer
+            # ranks are not left waiting, then report
+            for _ in it:
+                pass
             raise
         except BaseException as exc:
             self._abort(f"sender failed during the sync: {type(exc).__name__}: {exc}")
@@ -702,8 +707,9 @@ class WeightReceiver:
 
     ``version`` is the last version committed (``None`` before the first). Raises ``WeightSyncError``
     from ``receive`` when the sync is refused (not newer than ``version``), partial, or the link
-    breaks; the sink is aborted and the previous weights stay live. After a link failure the
-    receiver is unusable (``receive`` raises at once); after a refusal it stays in step.
+    breaks; the sink is aborted and the previous weights stay live. After a failure in the middle of a
+    sync (sender killed, link broken) the receiver is unusable (``receive`` raises at once; connect a
+    new one to the restarted sender); after a refusal, or a timeout while idle, it stays in step.
     """
 
     def __init__(self, control: _Control, link: _RecvLink, rank: int, store: Store) -> None:
@@ -786,11 +792,12 @@ class WeightReceiver:
                 f"weight sync receiver is unusable after an earlier failure: {self._broken}"
             )
         problem: str | None = None
-        started = False
+        started = consumed = False
         version = -1
         try:
             while True:
                 i, msg = self._next()
+                consumed = True
                 kind = msg.get("type")
                 if kind == "buffer":
                     self._link.on_setup(msg)
@@ -857,7 +864,8 @@ class WeightReceiver:
             raise
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            self._broken = reason
+            if consumed:  # mid-sync: the message sequence is lost; waiting idle for a sync is not fatal
+                self._broken = reason
             if started:
                 sink.abort(reason)
             raise WeightSyncError(
