@@ -551,7 +551,13 @@ class WeightSender:
     ) -> WeightSender:
         """Sender that broadcasts to ``num_receivers`` processes (other devices or hosts) over a group
         of its own: this rank is rank 0, hosts the rendezvous store on ``address`` and blocks until
-        every receiver joined. ``backend`` defaults to ``device.dist_backend``."""
+        every receiver joined. ``backend`` defaults to ``device.dist_backend``. ``address`` needs a
+        fixed port (the receivers must know it before this call returns): port 0 is a ``ConfigError``."""
+        if address[1] == 0:
+            raise ConfigError(
+                "WeightSender.disaggregated: address port 0 cannot be told to the receivers before the group "
+                "forms; pass a fixed free port (e.g. underlay.parallel.distributed.free_port())"
+            )
         backend = backend or device.dist_backend
         store, control = cls._open(address, num_receivers, timeout_s)
         control.post("session", {"link": "broadcast", "receivers": num_receivers, "backend": backend})
