@@ -36,7 +36,7 @@ step() {  # name, seconds, command...
   tail -n "${TAIL:-30}" "$LOGS/$name.log"
 }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench demo)
+[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench demo weightsync)
 for s in "${steps[@]}"; do
   case $s in
     env) step env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"; git log -1 --format=%H 2>/dev/null || true' ;;
@@ -53,6 +53,7 @@ for s in "${steps[@]}"; do
     fsdp2check) step fsdp2check 240 python3 benchmarks/gpu/check_fsdp2_cuda.py ;;
     fsdp2bench) step fsdp2bench "${FSDP2_SECS:-330}" python3 benchmarks/gpu/bench_fsdp2.py ${FSDP2_ARGS:-} ;;
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
+    weightsync) step weightsync 300 python3 benchmarks/gpu/bench_weight_sync.py ${WEIGHTSYNC_ARGS:-} ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done

@@ -1,9 +1,10 @@
 """The per-process body of ``underlay demo``: a miniature GRPO loop over the whole library.
 
-Every rank holds a shard of the policy in the parallel engine and a plain Hugging Face copy of the same
-model as its "rollout engine". One step:
+Every rank holds a shard of the policy in the parallel engine and starts a rollout worker process
+(``underlay.rollout.HFRolloutWorker``: a plain Hugging Face copy of the same model) as its "rollout
+engine", fed through a colocated ``WeightSender`` (shared memory on cpu, CUDA IPC on cuda). One step:
 
-1. ``sync``: stream the engine's full HF-named weights (``engine.iter_weights``) into the rollout copy;
+1. ``sync``: stream the engine's full HF-named weights (``engine.iter_weights``) into the worker;
 2. ``gen``: sample ``responses_per_prompt`` responses for this rank's share of the prompts;
 3. score them with the echo task's rule-based reward and turn scores into GRPO advantages with
    ``ops.group_normalize`` over the responses of each prompt;
@@ -223,12 +224,26 @@ class _Trainer:
                 with_entropy=True,
             )
         )
-        import transformers
+        from underlay.rollout import HFRolloutWorker, WeightSender
 
-        auto: Any = transformers.AutoModelForCausalLM
         self.torch_device = self.engine.device.torch_device()
-        self.rollout: Any = auto.from_config(self.hf_config, dtype=self.dtype).to(self.torch_device)
-        self.rollout.eval()
+        # the rollout engine lives in a process of its own, kept in step by the weight-sync receiver
+        self.sender = WeightSender.colocated(device, bucket_bytes=1 << 22, wait=False)
+        self.rollout = HFRolloutWorker(
+            tiny_hf_config(
+                cfg.model_size,
+                len(self.tok),
+                self.tok.pad_token_id,
+                self.tok.bos_token_id,
+                self.tok.eos_token_id,
+            ),
+            dtype=self.dtype,
+            device=device.name,
+            device_index=device.current_index() if accel else None,
+            port=self.sender.port,
+        )
+        self.rollout.wait_ready()
+        self.sender.wait_for_receivers()
         self.loss_fn = PolicyLoss(cfg.clip_eps)
         from underlay.ops import FlopsCounter
 
@@ -247,25 +262,17 @@ class _Trainer:
             yield
 
     def sync_rollout(self) -> int:
-        """Copy the engine's full weights into the rollout copy; returns the bytes moved. Raises
-        ``CheckpointError`` when the engine's names do not cover the rollout model's parameters."""
-        params = dict(self.rollout.named_parameters(remove_duplicate=False))
-        seen: set[int] = set()
-        moved = 0
-        with torch.no_grad():
-            for bucket in self.engine.iter_weights(bucket_bytes=1 << 22):
-                for name, tensor in bucket:
-                    if name not in params:
-                        raise CheckpointError(
-                            f"iter_weights yielded {name!r}, which the rollout model does not have"
-                        )
-                    params[name].copy_(tensor)
-                    seen.add(id(params[name]))
-                    moved += tensor.numel() * tensor.element_size()
-        missing = [n for n, p in params.items() if id(p) not in seen]
-        if missing:
-            raise CheckpointError(f"iter_weights did not yield {missing}; the rollout copy would be stale")
-        return moved
+        """Send the engine's full weights to the rollout worker; returns the bytes moved. Raises
+        ``RolloutWorkerError`` when the worker refused the sync (its weights then stay as they were)."""
+        self.rollout.start_receive()
+        report = self.sender.sync(self.engine)
+        self.rollout.finish_receive()
+        return report.nbytes
+
+    def close(self) -> None:
+        """Stop the rollout worker and release the sync buffer."""
+        self.rollout.close()
+        self.sender.close()
 
     def prompts(self) -> PromptBatch:
         """This rank's share of the next step's prompts, drawn from the sampler (advances it)."""
@@ -279,21 +286,20 @@ class _Trainer:
         pb = self.prompts()
         n = cfg.responses_per_prompt
         answers = [f["ground_truth"] for f in pb.fields for _ in range(n)]
-        ids = pb.batch.input_ids.repeat_interleave(n, dim=0).to(self.torch_device)
-        am = pb.batch.attention_mask.repeat_interleave(n, dim=0).to(self.torch_device)
-        self.device.manual_seed(cfg.seed * 100_003 + step * self.world + self.rank)
-        with torch.no_grad():
-            out = self.rollout.generate(
-                input_ids=ids,
-                attention_mask=am,
-                do_sample=True,
-                temperature=cfg.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=cfg.max_new_tokens,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
+        ids = pb.batch.input_ids.repeat_interleave(n, dim=0)
+        am = pb.batch.attention_mask.repeat_interleave(n, dim=0)
+        out = self.rollout.generate(
+            ids,
+            am,
+            seed=cfg.seed * 100_003 + step * self.world + self.rank,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         from underlay.ops import response_mask
 
         resp = out[:, ids.shape[1] :].cpu()
@@ -412,7 +418,7 @@ class _Trainer:
             reloaded = reloaded.to(self.torch_device).eval()
             tok2: Any = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             with torch.no_grad():
-                a = self.rollout(input_ids=probe.input_ids, attention_mask=probe.attention_mask).logits
+                a = self.rollout.logits(probe.input_ids, probe.attention_mask).to(self.torch_device)
                 b = reloaded(input_ids=probe.input_ids, attention_mask=probe.attention_mask).logits
             mask = probe.attention_mask.bool()
             logit_diff = float((a.float() - b.float()).abs()[mask].max())
@@ -552,7 +558,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             "engine": tr.engine.name,
             "kernels": _kernel_names(),
             "param_dtype": tr.param_dtype,
-            "parameters": sum(p.numel() for p in tr.rollout.parameters()),
+            "parameters": tr.rollout.num_parameters(),
             "history": history,
             "learning": learning_summary(history),
             "data": {
@@ -571,6 +577,7 @@ def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
             "wall_s": time.perf_counter() - t_start,
         }
         _write_json(out / "summary.json", summary)
+    tr.close()  # (on an exception the worker, a daemon process, ends with this process)
     if not resume["ok"]:
         raise CheckpointError(
             f"resume check failed: step {redo_step} after reloading {ckpt_path} gave loss "

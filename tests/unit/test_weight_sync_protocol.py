@@ -1,0 +1,125 @@
+"""The weight-sync protocol in one process (sender and receiver on two threads, real TCPStore and
+shared-memory bucket): aborts, refusals, sink errors and buffer growth keep the receiver consistent."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import free_port
+from underlay.interfaces import ConfigError, InvalidInput
+from underlay.registry import get_device
+from underlay.rollout import StagingSink, WeightReceiver, WeightSender, WeightSyncError
+
+
+class _Run:
+    """``receiver.receive(sink)`` on a thread; ``result()`` returns the version or the exception."""
+
+    def __init__(self, receiver: WeightReceiver, sink: Any) -> None:
+        self.out: Any = None
+        self._t = threading.Thread(target=self._go, args=(receiver, sink), daemon=True)
+        self._t.start()
+
+    def _go(self, receiver: WeightReceiver, sink: Any) -> None:
+        try:
+            self.out = receiver.receive(sink)
+        except Exception as exc:
+            self.out = exc
+
+    def result(self) -> Any:
+        self._t.join(timeout=60)
+        assert not self._t.is_alive()
+        return self.out
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(30, 20, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c": torch.randn(64, 64, generator=g),
+    }
+
+
+def _buckets(
+    w: dict[str, torch.Tensor], fail_after: int | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    for i, (name, t) in enumerate(w.items()):
+        if fail_after is not None and i == fail_after:
+            raise RuntimeError("engine failed mid-sync")
+        yield [(name, t)]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[WeightSender, WeightReceiver]]:
+    dev = get_device("cpu")
+    sender = WeightSender.colocated(dev, bucket_bytes=1024, timeout_s=30, wait=False)
+    receiver = WeightReceiver.colocated(dev, ("127.0.0.1", sender.port), timeout_s=30)
+    sender.wait_for_receivers()
+    yield sender, receiver
+    receiver.close()
+    sender.close()
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_protocol_edge_cases(pair: tuple[WeightSender, WeightReceiver]) -> None:
+    sender, receiver = pair
+    sink = StagingSink()
+    w1, w2, w3 = _weights(1), _weights(2), _weights(3)
+
+    run = _Run(receiver, sink)
+    report = sender.send(_buckets(w1), {"payload": "full"})
+    assert run.result() == 1 and _equal(sink.tensors, w1)
+    # the 64x64 tensor (16 KiB) outgrew the 1 KiB bucket: the buffer grew once to the largest tensor
+    assert report.buckets == 3 and report.buffer_bytes == 64 * 64 * 4
+
+    # the sender's engine fails mid-sync: receivers abort, the previous version stays
+    run = _Run(receiver, sink)
+    with pytest.raises(RuntimeError, match="mid-sync"):
+        sender.send(_buckets(w2, fail_after=2), {"payload": "full"})
+    err = run.result()
+    assert isinstance(err, WeightSyncError) and "aborted" in str(err)
+    assert receiver.version == 1 and sink.version == 1 and _equal(sink.tensors, w1)
+
+    # an out-of-order version is refused; the receiver stays in step for the next sync
+    run = _Run(receiver, sink)
+    with pytest.raises(WeightSyncError, match="not newer"):
+        sender.send(_buckets(w2), {"payload": "full"}, version=1)
+    assert isinstance(run.result(), WeightSyncError) and _equal(sink.tensors, w1)
+
+    # a sink that rejects a tensor: refused as a whole, nothing applied
+    class Picky(StagingSink):
+        def stage(self, name: str, tensor: torch.Tensor) -> None:
+            if name == "c":
+                raise InvalidInput("no room for c")
+            super().stage(name, tensor)
+
+    picky = Picky()
+    run = _Run(receiver, picky)
+    with pytest.raises(WeightSyncError, match="no room for c"):
+        sender.send(_buckets(w2), {"payload": "full"}, version=5)
+    assert isinstance(run.result(), WeightSyncError) and picky.version is None and receiver.version == 1
+
+    run = _Run(receiver, sink)
+    sender.send(_buckets(w3), {"payload": "full"}, version=6)
+    assert run.result() == 6 and _equal(sink.tensors, w3) and sink.header == {"payload": "full"}
+
+
+def test_constructor_validation() -> None:
+    dev = get_device("cpu")
+    with pytest.raises(ConfigError, match="port 0"):
+        WeightSender.disaggregated(dev, ("127.0.0.1", 0))
+    with pytest.raises(ConfigError, match="at least one"):
+        WeightSender.colocated(dev, num_receivers=0, wait=False)
+    with pytest.raises(ConfigError, match="rank"):
+        WeightReceiver.colocated(dev, ("127.0.0.1", 1), rank=0)
+    port = free_port()
+    with pytest.raises(WeightSyncError, match="no sender reachable"):
+        WeightReceiver.colocated(dev, ("127.0.0.1", port), timeout_s=1)
