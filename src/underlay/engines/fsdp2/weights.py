@@ -14,7 +14,16 @@ import torch.distributed as dist
 
 from underlay.engines.fsdp2 import _build
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
+from underlay.parallel.agree import agree
 from underlay.parallel.rank import current_rank
+from underlay.utils.safe_files import (
+    abort_directory,
+    atomic_directory,
+    begin_directory,
+    commit_directory,
+    iter_safetensors,
+    read_safetensors_dir,
+)
 
 __all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader"]
 
@@ -57,33 +66,16 @@ class FSDP2WeightLoader:
         """``"fsdp2"``."""
         return "fsdp2"
 
-    def _index(self, path: Path) -> tuple[list[Path], dict[str, tuple[Path, tuple[int, ...]]]]:
-        from safetensors import safe_open
-
-        if not path.is_dir():
-            raise CheckpointError(f"load_hf: {path} is not a directory; give a local HF model directory")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(
-                f"load_hf: no *.safetensors in {path}; convert the weights to safetensors first"
-            )
-        where: dict[str, tuple[Path, tuple[int, ...]]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                    shape = tuple(handle.get_slice(key).get_shape())
-                    where[key] = (f, shape)
-        return files, where
-
     def load_hf(self, engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
         """Load every base-model tensor of ``path`` into ``engine``'s shards (LoRA adapters are not
-        part of HF files and are left alone). Names and shapes are all checked from the file headers
-        before any parameter changes: a shape mismatch always raises ``CheckpointError``; missing or
-        unexpected names raise it with ``strict``. Collective (each rank reads the files itself)."""
-        from safetensors import safe_open
-
+        part of HF files and are left alone). Before any parameter changes, every file header is
+        validated (``utils.safe_files.read_safetensors_dir``: the index is followed and a directory
+        whose files disagree with it is refused, a truncated file is refused) and every name, shape
+        and dtype kind is checked: a shape mismatch or an int/bool tensor for a float parameter always
+        raises ``CheckpointError``; missing or unexpected names raise it with ``strict``. Collective
+        (each rank reads the files itself)."""
         eng = _engine(engine)
-        files, where = self._index(Path(path))
+        where = read_safetensors_dir(Path(path))
         targets: dict[str, torch.Tensor] = {}
         for name, param in eng.model.named_parameters(remove_duplicate=False):
             if "lora_" not in name:
@@ -93,13 +85,18 @@ class FSDP2WeightLoader:
         missing = tuple(n for n, p in targets.items() if id(p) not in present and n in uniq)
         unexpected = tuple(sorted(n for n in where if n not in targets))
         bad = [
-            f"{n}: file {where[n][1]} != model {tuple(targets[n].shape)}"
+            f"{n}: file {where[n].shape} != model {tuple(targets[n].shape)}"
             for n in where
-            if n in targets and where[n][1] != tuple(targets[n].shape)
+            if n in targets and where[n].shape != tuple(targets[n].shape)
+        ]
+        bad += [
+            f"{n}: file dtype {where[n].dtype} for a {targets[n].dtype} parameter"
+            for n in where
+            if n in targets and targets[n].is_floating_point() and not where[n].dtype.is_floating_point
         ]
         if bad:
             raise CheckpointError(
-                f"load_hf({path}): shape mismatch for {len(bad)} tensors, e.g. {bad[:3]}; the weights "
+                f"load_hf({path}): {len(bad)} tensors do not fit the model, e.g. {bad[:3]}; the weights "
                 "belong to another model configuration"
             )
         if strict and (missing or unexpected):
@@ -109,18 +106,15 @@ class FSDP2WeightLoader:
             )
         loaded, nbytes = 0, 0
         done: set[int] = set()
-        for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                    param = targets.get(key)
-                    if param is None or id(param) in done:
-                        continue
-                    tensor = handle.get_tensor(key)
-                    nbytes += tensor.numel() * tensor.element_size()
-                    _build.copy_into_param(param, tensor, key)
-                    del tensor
-                    done.add(id(param))
-                    loaded += 1
+        for key, tensor in iter_safetensors(where, lambda n: n in targets):
+            param = targets[key]
+            if id(param) in done:
+                continue
+            nbytes += tensor.numel() * tensor.element_size()
+            _build.copy_into_param(param, tensor, key)
+            del tensor
+            done.add(id(param))
+            loaded += 1
         if dist.is_initialized():
             dist.barrier()
         return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
@@ -147,17 +141,37 @@ class FSDP2WeightLoader:
             raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes} must be >= 1")
         out = Path(out_dir)
         dtype = dtype or eng._param_dtype
-        writer = _ShardWriter(out, max_shard_bytes) if current_rank() == 0 else None
-        for name, full in eng.named_full_tensors():
-            if writer is not None:
-                writer.add(name, full.to(dtype).cpu())
+        # rank 0 builds the export in a fresh sibling directory and swaps it in whole: an earlier
+        # export there (other sharding, other files) is replaced, never mixed with the new one
+        rank0 = current_rank() == 0
+        error: BaseException | None = None
+        tmp: Path | None = None
+        writer: _ShardWriter | None = None
+        if rank0:
+            try:
+                tmp = begin_directory(out)
+                writer = _ShardWriter(tmp, max_shard_bytes)
+            except Exception as exc:
+                error = exc
+        for name, full in eng.named_full_tensors():  # collective: every rank iterates to the end
+            if writer is not None and error is None:
+                try:
+                    writer.add(name, full.to(dtype).cpu())
+                except Exception as exc:
+                    error = exc
             del full
-        if writer is not None:
-            writer.finish()
-            self._write_config(eng, out)
-        if dist.is_initialized():
-            dist.barrier()
-        return out if writer is not None else None
+        if writer is not None and tmp is not None:
+            try:
+                if error is None:
+                    writer.finish()
+                    self._write_config(eng, tmp)
+                    commit_directory(tmp, out)
+            except Exception as exc:
+                error = exc
+            if error is not None:
+                abort_directory(tmp)
+        agree(error is None, repr(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error)
+        return out if rank0 else None
 
     def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
         """Rank 0 writes the LoRA adapters alone in peft's format (``adapter_model.safetensors`` +
@@ -171,12 +185,21 @@ class FSDP2WeightLoader:
             raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
         tensors = {n: t.cpu().contiguous() for n, t in eng.named_adapter_tensors()}
         out = Path(out_dir)
+        error: BaseException | None = None
         if current_rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-            peft_config["default"].save_pretrained(str(out))
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                with atomic_directory(out) as tmp:
+                    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+                    peft_config["default"].save_pretrained(str(tmp))
+            except Exception as exc:
+                error = exc
+        agree(
+            error is None,
+            repr(error),
+            what=f"export_adapters({out})",
+            error_type=CheckpointError,
+            cause=error,
+        )
         return out if current_rank() == 0 else None
 
     @staticmethod
