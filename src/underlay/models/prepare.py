@@ -71,8 +71,9 @@ def prepare_model(
     check_transformers_version()
     inner = unwrap_model(model)
     config = check_architecture(inner)
-    if attention is not None:
-        resolve("attention", attention)
+    # resolved now, also when only UNDERLAY_ATTENTION names it: a bad name fails at build, not at the
+    # first forward
+    resolve("attention", attention)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     validate_sp(heads, kv_heads, sp_world_size(sp_group))

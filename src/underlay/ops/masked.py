@@ -152,8 +152,14 @@ def response_mask(
 def clip_by_value(x: torch.Tensor, low: float | torch.Tensor, high: float | torch.Tensor) -> torch.Tensor:
     """``min(max(x, low), high)`` elementwise; bounds are numbers or tensors broadcasting to ``x``.
 
-    Raises ``InvalidInput`` when number bounds have ``low > high``. Gradient flows where unclipped.
+    Raises ``InvalidInput`` when a bound is NaN (``torch.maximum`` would turn every element into NaN)
+    or number bounds have ``low > high``; infinite bounds mean no bound on that side. Gradient flows
+    where unclipped.
     """
+    for name, b in (("low", low), ("high", high)):
+        nan = bool(torch.isnan(b).any()) if isinstance(b, torch.Tensor) else b != b
+        if nan:
+            raise InvalidInput(f"clip_by_value: {name} bound is NaN; give a number (use inf for no bound)")
     if not isinstance(low, torch.Tensor) and not isinstance(high, torch.Tensor) and low > high:
         raise InvalidInput(f"clip_by_value: low={low} > high={high}; swap the bounds")
     lo = low if isinstance(low, torch.Tensor) else torch.tensor(low, dtype=x.dtype, device=x.device)
