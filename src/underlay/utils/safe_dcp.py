@@ -83,6 +83,9 @@ def safe_dcp_load(state: dict[str, Any], directory: Path) -> None:
     ``CheckpointException`` included. Collective like ``dcp.load``."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+    # read the metadata once up front: a refused or missing file fails here with its own message
+    # (inside dcp.load torch retries a rank-local file and merges both failures into one string)
+    SafeFileSystemReader(str(directory)).read_metadata()
     try:
         dcp_load(state, storage_reader=SafeFileSystemReader(str(directory)), planner=SafeLoadPlanner())
     except CheckpointError:

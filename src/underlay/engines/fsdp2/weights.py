@@ -96,7 +96,8 @@ class FSDP2WeightLoader:
         ]
         if bad:
             raise CheckpointError(
-                f"load_hf({path}): {len(bad)} tensors do not fit the model, e.g. {bad[:3]}; the weights "
+                f"load_hf({path}): shape mismatch (or int/bool data for a float parameter) in {len(bad)} "
+                f"tensors, e.g. {bad[:3]}; the weights "
                 "belong to another model configuration"
             )
         if strict and (missing or unexpected):
