@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -210,7 +211,10 @@ class FSDP2WeightLoader:
         get_base = getattr(base, "get_base_model", None)
         if callable(get_base):
             base = get_base()
-        cfg.architectures = [type(base).__name__]
+        # fully_shard swaps the class for a generated FSDP<Name> subclass: name the model's own class
+        arch = next(c for c in type(base).__mro__ if not c.__module__.startswith("torch."))
+        cfg = copy.deepcopy(cfg)  # the engine's config stays as built
+        cfg.architectures = [arch.__name__]
         cfg.save_pretrained(str(out))
         src = eng.config.model.path
         if src is not None:
