@@ -159,7 +159,9 @@ def job_one(rank: int, world: int, root: str) -> dict[str, Any]:
         out[f"ret_{key}_grads"] = sum(p.grad is not None for p in engine.model.parameters())
 
     # masks: padding in the loss mask, values other than 0/1, infinite temperature
-    pad_loss = TokenBatch(batch.input_ids, batch.attention_mask, torch.ones_like(batch.loss_mask), batch.extras)
+    pad_loss = TokenBatch(
+        batch.input_ids, batch.attention_mask, torch.ones_like(batch.loss_mask), batch.extras
+    )
     two = TokenBatch(batch.input_ids, batch.attention_mask, batch.loss_mask * 2, batch.extras)
     out["mask_padding"] = _err(lambda: engine.forward_backward(pad_loss, H.pg_loss))
     out["mask_two"] = _err(lambda: engine.forward_backward(two, H.pg_loss))
@@ -247,7 +249,9 @@ def test_reliability_single_rank(tmp_path: Path) -> None:
     r = run_distributed(job_one, 1, str(tmp_path), timeout_s=240)[0]
     assert "CheckpointError" in r["truncated"] and ".distcp" in r["truncated"] and "bytes" in r["truncated"]
     assert "CheckpointError" in r["flipped"] and "blake2b digest differs" in r["flipped"]
-    assert "CheckpointError" in r["missing"] and ".metadata: listed in the manifest but missing" in r["missing"]
+    assert (
+        "CheckpointError" in r["missing"] and ".metadata: listed in the manifest but missing" in r["missing"]
+    )
     assert "CheckpointError" in r["tampered"] and ".metadata: refuses to unpickle" in r["tampered"]
     assert not r["tampered_ran_code"]
     assert "CheckpointError" in r["direct_truncated"] and "direct" in r["direct_truncated"]
@@ -278,7 +282,10 @@ def test_reliability_single_rank(tmp_path: Path) -> None:
     assert r["siblings"] == ["export"]  # no .tmp/.old left behind
     assert "CheckpointError" in r["mixed"] and "is in both" in r["mixed"]
     assert r["index_ok"] > 0
-    assert "CheckpointError" in r["stale_vs_index"] and "not in model.safetensors.index.json" in r["stale_vs_index"]
+    assert (
+        "CheckpointError" in r["stale_vs_index"]
+        and "not in model.safetensors.index.json" in r["stale_vs_index"]
+    )
     assert "CheckpointError" in r["int_into_float"] and "torch.int32" in r["int_into_float"]
     assert "CheckpointError" in r["truncated_hf"] and "truncated" in r["truncated_hf"]
     assert r["hf_unchanged"]

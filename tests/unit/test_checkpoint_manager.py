@@ -192,7 +192,7 @@ def test_resume_from_an_older_step_starts_a_new_lineage(tmp_path: Path) -> None:
 
 
 def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path: Path) -> None:
-    m, eng = _file_manager(tmp_path, max_to_keep=1)
+    m, _ = _file_manager(tmp_path, max_to_keep=1)
     for step in (1, 1, 2, 2):
         m.save(step, {"v": step})
         assert len(_steps(tmp_path)) == 1
@@ -200,7 +200,7 @@ def test_rotation_never_deletes_the_only_complete_checkpoint(tmp_path: Path) -> 
 
 
 def test_startup_recovers_leftover_directories(tmp_path: Path) -> None:
-    m, eng = _file_manager(tmp_path)
+    m, _ = _file_manager(tmp_path)
     m.save(1, {"v": 1})
     (tmp_path / "step_2.tmp").mkdir()  # a save that died while writing
     shutil.copytree(tmp_path / "step_1", tmp_path / "step_1.old")  # a swap that finished but not its cleanup

@@ -44,7 +44,9 @@ def _dcp_checkpoint(path: Path) -> dict[str, Any]:
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    with pytest.warns(UserWarning):  # no process group: torch says it saves in one process
+    with pytest.warns(
+        UserWarning, match="single process"
+    ):  # no process group: torch says it saves in one process
         dcp.save(state, checkpoint_id=str(path))
     return state
 
@@ -75,7 +77,7 @@ def test_safe_dcp_load_reads_real_checkpoints_and_refuses_tampered_metadata(tmp_
     ck = tmp_path / "ck"
     saved = _dcp_checkpoint(ck)
     fresh = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}}
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="single process"):
         safe_dcp_load(fresh, ck)
     assert all(torch.equal(fresh["model"][k], v) for k, v in saved["model"].items())
 
@@ -127,9 +129,13 @@ def test_atomic_directory_replaces_whole_or_not_at_all(
         (d / "model.safetensors").write_text("new")
     assert sorted(p.name for p in final.iterdir()) == ["model.safetensors"]  # nothing stale left
 
-    with pytest.raises(RuntimeError), atomic_directory(final) as d:
-        (d / "half").write_text("x")
-        raise RuntimeError("writer died")
+    def dies_midway() -> None:
+        with atomic_directory(final) as d:
+            (d / "half").write_text("x")
+            raise RuntimeError("writer died")
+
+    with pytest.raises(RuntimeError, match="writer died"):
+        dies_midway()
     assert sorted(p.name for p in final.iterdir()) == ["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
@@ -213,13 +219,16 @@ def test_safe_planner_refuses_code_in_byte_entries(tmp_path: Path) -> None:
 
     ck = tmp_path / "ck"
     victim = tmp_path / "pwned"
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="single process"):
         dcp.save({"w": torch.ones(2), "extra": _Payload(str(victim))}, checkpoint_id=str(ck))
     assert not victim.exists()
-    with pytest.raises(CheckpointError, match="checkpoint entry 'extra': refused"), pytest.warns(UserWarning):
+    with (
+        pytest.raises(CheckpointError, match="checkpoint entry 'extra': refused"),
+        pytest.warns(UserWarning, match="single process"),
+    ):
         safe_dcp_load({"w": torch.zeros(2), "extra": 0}, ck)
     assert not victim.exists()
     # the payload is real: torch's own loader runs it
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="single process"):
         dcp.load({"w": torch.zeros(2), "extra": 0}, checkpoint_id=str(ck))
     assert victim.exists()
