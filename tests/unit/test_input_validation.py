@@ -172,3 +172,47 @@ def test_tracking_reserves_step_and_time(tmp_path: Path) -> None:
         tr.log({"loss": 1.0}, step=3)
     rows = [json.loads(line) for line in io.StringIO(path.read_text())]
     assert [r["step"] for r in rows] == [3]
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "match"),
+    [
+        ("UNDERLAY_PEAK_TFLOPS", "nan", "finite number > 0"),
+        ("UNDERLAY_PEAK_TFLOPS", "inf", "finite number > 0"),
+        ("LOCAL_RANK", "-1", "LOCAL_RANK=-1"),
+        ("MASTER_PORT", "70000", "MASTER_PORT=70000"),
+        ("WORLD_SIZE", "0", "WORLD_SIZE=0"),
+    ],
+)
+def test_environment_values_are_validated(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, match: str
+) -> None:
+    from underlay.parallel.distributed import read_env
+    from underlay.utils.hardware import peak_flops_from_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError, match=match):
+        peak_flops_from_env() if env == "UNDERLAY_PEAK_TFLOPS" else read_env()
+
+
+def test_compile_backend_env_is_checked_at_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from underlay.engines.fsdp2.engine import _compile_backend
+
+    monkeypatch.setenv("UNDERLAY_COMPILE_BACKEND", "bogus")
+    with pytest.raises(ConfigError, match="UNDERLAY_COMPILE_BACKEND='bogus'"):
+        _compile_backend()
+    monkeypatch.setenv("UNDERLAY_COMPILE_BACKEND", "eager")
+    assert _compile_backend() == "eager"
+
+
+def test_schedule_and_profiler_counts() -> None:
+    from underlay.interfaces import ProfilerConfig
+
+    with pytest.raises(ConfigError, match="warmup_steps=20 exceeds total_steps=10"):
+        OptimConfig(schedule="cosine", warmup_steps=20, total_steps=10)
+    with pytest.raises(ConfigError, match="warmup=True"):
+        ProfilerConfig(warmup=True)
+    with pytest.raises(ConfigError, match=r"steps\[...\]=1.0"):
+        ProfilerConfig(steps=(1.0,))  # type: ignore[arg-type]

@@ -189,6 +189,11 @@ class OptimConfig:
         _int("OptimConfig", "warmup_steps", self.warmup_steps, 0)
         if self.total_steps is not None:
             _int("OptimConfig", "total_steps", self.total_steps, 1, " or None")
+            if self.warmup_steps > self.total_steps:
+                raise ConfigError(
+                    f"OptimConfig.warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}; "
+                    "lower the warmup or raise total_steps"
+                )
         for name in ("min_lr_ratio", "decay_ratio"):
             _real("OptimConfig", name, getattr(self, name), 0.0, 1.0)
         if self.schedule not in ("constant", "cosine", "wsd"):
@@ -293,12 +298,11 @@ class ProfilerConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if any((not isinstance(s, int)) or s < 0 for s in self.steps):
-            raise ConfigError(f"ProfilerConfig.steps={self.steps!r}: steps are ints >= 0")
-        if any((not isinstance(r, int)) or r < 0 for r in self.ranks):
-            raise ConfigError(f"ProfilerConfig.ranks={self.ranks!r}: ranks are ints >= 0")
-        if self.warmup < 0:
-            raise ConfigError(f"ProfilerConfig.warmup={self.warmup}: must be >= 0")
+        for s in self.steps:
+            _int("ProfilerConfig", "steps[...]", s, 0)
+        for r in self.ranks:
+            _int("ProfilerConfig", "ranks[...]", r, 0)
+        _int("ProfilerConfig", "warmup", self.warmup, 0)
         if self.format not in ("chrome", "tensorboard"):
             raise ConfigError(f"ProfilerConfig.format={self.format!r}: use 'chrome' or 'tensorboard'")
 

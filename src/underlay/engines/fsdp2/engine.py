@@ -137,7 +137,7 @@ class FSDP2Engine:
         if compile_opt:
             compile_layer_parts(
                 model,
-                backend=os.environ.get("UNDERLAY_COMPILE_BACKEND", "inductor"),
+                backend=_compile_backend(),
                 scope="layer_parts" if compile_opt is True else str(compile_opt),
             )
         apply_fsdp(
@@ -716,6 +716,20 @@ def signature_diff(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
     if shapes:
         problems.append(f"shape mismatch: {shapes[:3]}")
     return "; ".join(problems)
+
+
+def _compile_backend() -> str:
+    """``UNDERLAY_COMPILE_BACKEND`` (default ``inductor``), checked against torch's registered
+    backends when the engine is built, not at the first compiled forward."""
+    import torch._dynamo
+
+    name = os.environ.get("UNDERLAY_COMPILE_BACKEND", "").strip() or "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ConfigError(
+            f"UNDERLAY_COMPILE_BACKEND={name!r} is not a torch.compile backend; use one of {known}"
+        )
+    return name
 
 
 def _checked_loss(result: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
