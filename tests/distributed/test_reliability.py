@@ -166,10 +166,14 @@ def job_one(rank: int, world: int, root: str) -> dict[str, Any]:
     out["mask_padding"] = _err(lambda: engine.forward_backward(pad_loss, H.pg_loss))
     out["mask_two"] = _err(lambda: engine.forward_backward(two, H.pg_loss))
     out["infer_inf"] = _err(lambda: engine.infer(batch, temperature=float("inf")))
+    out["bucket_nan"] = _err(lambda: next(engine.iter_weights(float("nan"))))
 
     # exports: a second export with another sharding replaces the first whole
     loader = FSDP2WeightLoader()
     exp = base / "export"
+    out["export_int"] = _err(lambda: loader.export_hf(engine, exp, dtype=torch.int32))
+    out["export_frac"] = _err(lambda: loader.export_hf(engine, exp, max_shard_bytes=1.5))
+    out["export_refused_wrote"] = exp.exists()
     loader.export_hf(engine, exp, max_shard_bytes=20_000)
     out["export1"] = sorted(p.name for p in exp.iterdir())
     loader.export_hf(engine, exp)
@@ -276,6 +280,10 @@ def test_reliability_single_rank(tmp_path: Path) -> None:
     assert r["mask_padding"].startswith("InvalidInput") and "marks padding" in r["mask_padding"]
     assert r["mask_two"].startswith("InvalidInput") and "other than 0/1 ([2])" in r["mask_two"]
     assert r["infer_inf"].startswith("InvalidInput") and "temperature=inf" in r["infer_inf"]
+    assert r["bucket_nan"].startswith("InvalidInput") and "bucket_bytes=nan" in r["bucket_nan"]
+    assert r["export_int"].startswith("InvalidInput") and "torch.int32" in r["export_int"]
+    assert r["export_frac"].startswith("InvalidInput") and "max_shard_bytes=1.5" in r["export_frac"]
+    assert not r["export_refused_wrote"]
 
     assert "model.safetensors.index.json" in r["export1"] and len(r["export1"]) > 3
     assert r["export2"] == ["config.json", "model.safetensors"]

@@ -564,8 +564,8 @@ class FSDP2Engine:
         """Buckets of ``(hf_name, full tensor)`` in ``param_dtype`` on the device, each about
         ``bucket_bytes`` (a tensor larger than that gets a bucket of its own). LoRA: merged weights.
         Collective. Raises ``InvalidInput`` for ``bucket_bytes < 1``."""
-        if bucket_bytes < 1:
-            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes} must be >= 1")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes!r} must be an int >= 1")
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, full in self.named_full_tensors():

@@ -139,8 +139,13 @@ class FSDP2WeightLoader:
         at a time in ``dtype`` (default: the engine's ``param_dtype``); LoRA models export merged
         weights. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere."""
         eng = _engine(engine)
-        if max_shard_bytes < 1:
-            raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes} must be >= 1")
+        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+            raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be an int >= 1")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise InvalidInput(
+                f"export_hf: dtype={dtype!r} is not a floating torch dtype; use torch.bfloat16, "
+                "torch.float16 or torch.float32 (or None for the engine's param_dtype)"
+            )
         out = Path(out_dir)
         dtype = dtype or eng._param_dtype
         # rank 0 builds the export in a fresh sibling directory and swaps it in whole: an earlier
