@@ -242,6 +242,14 @@ def job_pair(rank: int, world: int, root: str) -> dict[str, Any]:
     t0 = time.monotonic()
     out["save"] = _err(lambda: CheckpointManager(blocker / "ckpt", engine).save(1, {}))
     out["save_s"] = time.monotonic() - t0
+    # a load that fails validation on rank 1 only: both ranks raise, no parameter changed on rank 0
+    FSDP2WeightLoader().export_hf(engine, base / "exp")
+    before = _state(engine)
+    t0 = time.monotonic()
+    where = base / "exp" if rank == 0 else base / "nowhere"
+    out["load_hf"] = _err(lambda: FSDP2WeightLoader().load_hf(engine, where))
+    out["load_hf_s"] = time.monotonic() - t0
+    out["load_hf_unchanged"] = _same(before, _state(engine))
     # the ranks are still in step: a collective after the failures completes
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
@@ -307,5 +315,8 @@ def test_rank0_file_failure_raises_on_every_rank_promptly(tmp_path: Path) -> Non
             assert r[key].startswith("CheckpointError") and "rank 0" in r[key], (rank, key, r[key])
             assert "blocker" in r[key]
             assert r[f"{key}_s"] < 30, (rank, key, r[f"{key}_s"])  # not the 120 s group timeout
+        assert r["load_hf"].startswith("CheckpointError") and "rank 1" in r["load_hf"], r["load_hf"]
+        assert "nowhere is not a directory" in r["load_hf"] and r["load_hf_s"] < 30
+        assert r["load_hf_unchanged"]
         assert r["after"] == 3.0
     assert os.path.isfile(tmp_path / "blocker")

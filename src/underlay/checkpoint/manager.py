@@ -352,14 +352,33 @@ class CheckpointManager:
         target = Path(path) if path is not None else self.latest()
         if target is None:
             raise CheckpointError(f"no complete checkpoint under {self.root}; save one first")
-        error: BaseException | None = None
-        trainer_state: Any = None
-        if current_rank() == 0:
-            try:
-                self.verify(target)
-            except CheckpointError as exc:
-                error = exc
+        error: CheckpointError | None = None
+        trainer_state: dict[str, Any] = {}
+        rng: Any = None
+        try:
+            if current_rank() == 0:
+                self.verify(target)  # hashing once is enough: the ranks read the same files
+            trainer_state, rng = self._read_small_files(target)
+        except CheckpointError as exc:
+            error = exc
+        # every rank checked before any state changes; all raise together (one small all-reduce)
         agree(error is None, str(error), what=f"load({target})", error_type=CheckpointError, cause=error)
+        self.engine.load_checkpoint(target)
+        if rng is not None:
+            self.device.set_rng_state(rng)
+        if resume:
+            m = _STEP_RE.match(target.name)
+            step = int(m.group(1)) if m and target.parent.resolve() == self.root.resolve() else None
+            if step is not None:
+                self._parent = step
+                if current_rank() == 0:
+                    _atomic_write(self.root / LATEST_POINTER, json.dumps({"step": step}))
+        _barrier()
+        return dict(trainer_state)
+
+    def _read_small_files(self, target: Path) -> tuple[dict[str, Any], Any]:
+        """Trainer state, checked model signature and this rank's RNG state (or ``None``) of
+        ``target``; ``CheckpointError`` naming the file for anything unreadable or mismatched."""
         try:
             saved_sig = json.loads((target / "signature.json").read_text())
             trainer_state = json.loads((target / "trainer_state.json").read_text())
@@ -377,26 +396,13 @@ class CheckpointManager:
                 "same model config"
             )
         rng_file = target / f"rng_rank{current_rank()}.pt"
-        rng = None
-        if rng_file.is_file():
-            try:
-                rng = torch.load(rng_file, weights_only=True)
-            except Exception as exc:
-                raise CheckpointError(f"{rng_file}: unreadable RNG state ({exc})") from exc
-        else:
+        if not rng_file.is_file():
             log.warning("%s has no RNG state for rank %d; keeping this rank's RNG", target, current_rank())
-        self.engine.load_checkpoint(target)
-        if rng is not None:
-            self.device.set_rng_state(rng)
-        if resume:
-            m = _STEP_RE.match(target.name)
-            step = int(m.group(1)) if m and target.parent.resolve() == self.root.resolve() else None
-            if step is not None:
-                self._parent = step
-                if current_rank() == 0:
-                    _atomic_write(self.root / LATEST_POINTER, json.dumps({"step": step}))
-        _barrier()
-        return dict(trainer_state)
+            return trainer_state, None
+        try:
+            return trainer_state, torch.load(rng_file, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"{rng_file}: unreadable RNG state ({exc})") from exc
 
     def export_hf(self, out_dir: str | Path, **kwargs: Any) -> Path | None:
         """Full Hugging Face export of the engine's current weights through its weight loader

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from underlay.engines.fsdp2 import _build
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
 from underlay.parallel.agree import agree
 from underlay.parallel.rank import current_rank
 from underlay.utils.safe_files import (
+    SafetensorsEntry,
     abort_directory,
     atomic_directory,
     begin_directory,
@@ -76,7 +76,37 @@ class FSDP2WeightLoader:
         raises ``CheckpointError``; missing or unexpected names raise it with ``strict``. Collective
         (each rank reads the files itself)."""
         eng = _engine(engine)
-        where = read_safetensors_dir(Path(path))
+        error: CheckpointError | None = None
+        try:
+            where, targets, missing, unexpected = self._plan_load(eng, Path(path), strict)
+        except CheckpointError as exc:
+            error = exc
+        # each rank validated the files itself: all go on, or all raise (no rank left in a barrier)
+        agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
+        loaded, nbytes = 0, 0
+        done: set[int] = set()
+        try:
+            for key, tensor in iter_safetensors(where, lambda n: n in targets):
+                param = targets[key]
+                if id(param) in done:
+                    continue
+                nbytes += tensor.numel() * tensor.element_size()
+                _build.copy_into_param(param, tensor, key)
+                del tensor
+                done.add(id(param))
+                loaded += 1
+        except CheckpointError as exc:  # a read error after validation (the file changed under us)
+            error = exc
+        agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
+        return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
+
+    @staticmethod
+    def _plan_load(
+        eng: Any, path: Path, strict: bool
+    ) -> tuple[dict[str, SafetensorsEntry], dict[str, torch.Tensor], tuple[str, ...], tuple[str, ...]]:
+        """Validate ``path`` against ``eng``'s parameters without changing any: the file entries, the
+        targets by HF name, and the missing and unexpected names. ``CheckpointError`` otherwise."""
+        where = read_safetensors_dir(path)
         targets: dict[str, torch.Tensor] = {}
         for name, param in eng.model.named_parameters(remove_duplicate=False):
             if "lora_" not in name:
@@ -106,20 +136,7 @@ class FSDP2WeightLoader:
                 f"load_hf({path}): missing {list(missing[:5])} ({len(missing)} in all), unexpected "
                 f"{list(unexpected[:5])} ({len(unexpected)} in all); fix the model config or pass strict=False"
             )
-        loaded, nbytes = 0, 0
-        done: set[int] = set()
-        for key, tensor in iter_safetensors(where, lambda n: n in targets):
-            param = targets[key]
-            if id(param) in done:
-                continue
-            nbytes += tensor.numel() * tensor.element_size()
-            _build.copy_into_param(param, tensor, key)
-            del tensor
-            done.add(id(param))
-            loaded += 1
-        if dist.is_initialized():
-            dist.barrier()
-        return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
+        return where, targets, missing, unexpected
 
     def iter_hf_tensors(self, engine: ParallelEngine) -> Iterator[tuple[str, torch.Tensor]]:
         """Full fp32 tensors with HF names (LoRA merged), one at a time. Collective."""
