@@ -216,3 +216,18 @@ def test_schedule_and_profiler_counts() -> None:
         ProfilerConfig(warmup=True)
     with pytest.raises(ConfigError, match=r"steps\[...\]=1.0"):
         ProfilerConfig(steps=(1.0,))  # type: ignore[arg-type]
+
+
+def test_normalisation_settings_must_be_finite() -> None:
+    from underlay.ops import group_mean_std, group_normalize, masked_whiten
+
+    scores = torch.randn(6)
+    ids = [0, 0, 1, 1, 2, 3]
+    with pytest.raises(InvalidInput, match="eps=nan"):
+        group_normalize(scores, ids, eps=math.nan)
+    with pytest.raises(InvalidInput, match="single_std=inf"):
+        group_normalize(scores, ids, single_std=math.inf)
+    assert torch.isnan(group_mean_std(scores, ids, single_mean=math.nan)[0][-1])  # a documented marker
+    with pytest.raises(InvalidInput, match="eps=nan"):
+        masked_whiten(torch.randn(2, 3), torch.ones(2, 3), eps=math.nan)
+    assert torch.isfinite(group_normalize(scores, ids)).all()

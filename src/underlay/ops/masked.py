@@ -7,6 +7,7 @@ mask is 0 never reaches the result, while one where the mask is 1 does. Masks ma
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -109,8 +110,8 @@ def masked_whiten(
     With ``shift_mean=False`` the mean is added back (only the scale changes). Masked-out positions of
     the result are 0. Same shape as ``x``; float dtype. ``eps`` must be >= 0.
     """
-    if eps < 0:
-        raise InvalidInput(f"masked_whiten: eps={eps} must be >= 0")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise InvalidInput(f"masked_whiten: eps={eps!r} must be a finite number >= 0")
     keep = _keep(x, mask, "masked_whiten")
     xf = _float(x)
     mean = masked_mean(xf, keep)
