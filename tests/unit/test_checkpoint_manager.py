@@ -228,3 +228,13 @@ def test_load_verifies_the_manifest_before_the_engine_changes(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match="MANIFEST.json is missing"):
         m.load()
     assert eng.value == 99
+
+
+def test_checkpoints_without_lineage_are_kept_as_ancestors(tmp_path: Path) -> None:
+    # markers written before lineage was recorded ({} as COMPLETE): rotation keeps the newest of them
+    for step in (1, 2, 3):
+        _mk(tmp_path, f"step_{step}", True)
+    m, _ = _file_manager(tmp_path, max_to_keep=3)
+    m.save(4, {})
+    assert _steps(tmp_path) == [2, 3, 4]
+    assert m.latest() == tmp_path / "step_4"

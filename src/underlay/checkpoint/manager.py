@@ -22,7 +22,9 @@ Guarantees (docs/reliability.md):
   or the one it resumed from (``load`` moves the pointer back). Rotation after a save keeps the newest
   ``max_to_keep`` checkpoints of the lineage (the new one and its ancestors through ``parent``) and
   deletes abandoned branches (checkpoints newer than a resume point that the run no longer
-  descends from). The checkpoint just saved is never deleted, so a complete one always remains.
+  descends from). The checkpoint just saved is never deleted, so a complete one always remains. A
+  manager that has neither saved nor loaded continues the lineage ``latest()`` names; markers without
+  a ``parent`` (older underlay) continue with the next lower step.
 - ``load`` verifies the manifest (sizes always; digests unless ``check_hash=False``) and the model
   signature before the engine changes; the engine loads into fresh state; nothing is unpickled beyond
   plain data. Every failure is a ``CheckpointError`` naming the file and the cause.
@@ -229,7 +231,12 @@ class CheckpointManager:
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
         rank = current_rank()
-        parent = self._parent if self._parent is not None else _pointer(self.root)
+        if self._parent is not None:
+            parent: int | None = self._parent
+        else:  # a run that neither saved nor loaded yet continues what latest() names
+            found = latest(self.root)
+            m = _STEP_RE.match(found.name) if found is not None else None
+            parent = int(m.group(1)) if m else None
         error: BaseException | None = None
         if rank == 0:
             try:
@@ -303,12 +310,19 @@ class CheckpointManager:
             shutil.rmtree(old)
 
     def _lineage(self, step: int, done: Mapping[int, Path]) -> list[int]:
-        """``step`` and its ancestors through the ``parent`` of each COMPLETE marker, newest first."""
+        """``step`` and its ancestors through the ``parent`` of each COMPLETE marker, newest first.
+        A marker without a ``parent`` entry (written before lineage was recorded) continues with the
+        next lower complete step, so upgrading never turns old checkpoints into an abandoned branch."""
         chain: list[int] = []
         cur: int | None = step
         while cur is not None and cur in done and cur not in chain:
             chain.append(cur)
-            parent = _marker(done[cur]).get("parent")
+            marker = _marker(done[cur])
+            if "parent" not in marker:
+                lower = [s for s in done if s < cur]
+                cur = max(lower) if lower else None
+                continue
+            parent = marker["parent"]
             cur = parent if isinstance(parent, int) and not isinstance(parent, bool) else None
         return chain
 
