@@ -47,11 +47,13 @@ import torch.distributed as dist
 
 from underlay.interfaces import CheckpointError, Device, InvalidInput, ParallelEngine
 from underlay.parallel.agree import agree
-from underlay.parallel.rank import current_rank
+from underlay.parallel.rank import current_rank, current_world_size
 from underlay.utils.safe_files import (
     MANIFEST_FILE,
+    digest_files,
     fsync_path,
     fsync_tree,
+    list_files,
     verify_manifest,
     write_manifest,
 )
@@ -78,6 +80,18 @@ def _atomic_write(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def _gather_dicts(part: dict[str, Any]) -> dict[str, Any]:
+    """The union of every rank's ``part`` (collective; the dict itself without a process group)."""
+    if not dist.is_initialized():
+        return dict(part)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    merged: dict[str, Any] = {}
+    for p in parts:
+        merged.update(p or {})
+    return merged
 
 
 def _check_step(step: object, where: str) -> int:
@@ -267,12 +281,28 @@ class CheckpointManager:
             error_type=CheckpointError,
             cause=error,
         )
+        # every file is written now: the ranks hash disjoint shares of them in parallel for the manifest
+        digests: dict[str, dict[str, Any]] = {}
+        try:
+            world = current_world_size()
+            digests = digest_files(tmp, list_files(tmp, skip=(COMPLETE_MARKER,))[rank::world])
+            error = None
+        except Exception as exc:
+            error = exc
+        agree(
+            error is None,
+            repr(error),
+            what=f"save({final}): hashing",
+            error_type=CheckpointError,
+            cause=error,
+        )
+        known = _gather_dicts(digests)
         if rank == 0:
             try:
                 (tmp / "trainer_state.json").write_text(state_text)
                 signature = json.dumps(dict(self.engine.model_signature()), sort_keys=True)
                 (tmp / "signature.json").write_text(signature)
-                write_manifest(tmp, skip=(COMPLETE_MARKER,))
+                write_manifest(tmp, skip=(COMPLETE_MARKER,), known=known)
                 _atomic_write(tmp / COMPLETE_MARKER, json.dumps({"step": step, "parent": parent}))
                 fsync_tree(tmp)
                 self._commit(tmp, final)
@@ -335,10 +365,11 @@ class CheckpointManager:
             if step not in kept:
                 shutil.rmtree(path)
 
-    def verify(self, path: str | Path) -> Path:
-        """Check the checkpoint at ``path`` without loading it: COMPLETE marker, manifest (sizes; and
-        digests when ``check_hash``), then every file's presence. Returns the path;
-        ``CheckpointError`` naming the bad file and the cause. Local (not collective)."""
+    def verify(self, path: str | Path, *, share: tuple[int, int] = (0, 1)) -> Path:
+        """Check the checkpoint at ``path`` without loading it: COMPLETE marker, manifest (sizes and
+        presence of every file; digests when ``check_hash``, of the ``share=(rank, world)`` part:
+        ``load`` splits the hashing over the ranks). Returns the path; ``CheckpointError`` naming the
+        bad file and the cause. Local (not collective)."""
         target = Path(path)
         if not (target / COMPLETE_MARKER).is_file():
             raise CheckpointError(
@@ -350,7 +381,7 @@ class CheckpointManager:
                 f"{target / MANIFEST_FILE} is missing: the checkpoint cannot be verified (written by an "
                 "older underlay, or damaged); re-save it from a run that holds the state"
             )
-        verify_manifest(target, check_hash=self.check_hash, skip=(COMPLETE_MARKER,))
+        verify_manifest(target, check_hash=self.check_hash, skip=(COMPLETE_MARKER,), share=share)
         return target
 
     def load(self, path: str | Path | None = None, *, resume: bool = True) -> dict[str, Any]:
@@ -370,8 +401,7 @@ class CheckpointManager:
         trainer_state: dict[str, Any] = {}
         rng: Any = None
         try:
-            if current_rank() == 0:
-                self.verify(target)  # hashing once is enough: the ranks read the same files
+            self.verify(target, share=(current_rank(), current_world_size()))  # disjoint hash shares
             trainer_state, rng = self._read_small_files(target)
         except CheckpointError as exc:
             error = exc

@@ -42,9 +42,11 @@ __all__ = [
     "atomic_directory",
     "begin_directory",
     "commit_directory",
+    "digest_files",
     "fsync_path",
     "fsync_tree",
     "iter_safetensors",
+    "list_files",
     "read_safetensors_dir",
     "recover_directory",
     "restricted_load",
@@ -153,15 +155,40 @@ def _files(directory: Path, skip: frozenset[str]) -> list[str]:
     return sorted(out)
 
 
-def write_manifest(directory: Path, *, skip: tuple[str, ...] = ()) -> Path:
-    """Write ``directory/MANIFEST.json``: size in bytes and blake2b-256 digest of every file under
-    ``directory`` (relative POSIX paths; ``skip`` names files written after the manifest).
-    The manifest is written to a temporary name, fsynced and renamed; returns its path."""
+def list_files(directory: Path, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Relative POSIX paths of every file under ``directory`` except the manifest and ``skip``, sorted
+    (the order ``digest_files`` shares split by rank)."""
+    return _files(Path(directory), frozenset((MANIFEST_FILE, *skip)))
+
+
+def digest_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"size": bytes, "blake2b": hex}}`` for ``names`` (relative to ``directory``): the
+    manifest entries of those files, computed where they are (ranks hash disjoint shares in parallel)."""
     directory = Path(directory)
-    files = {
-        rel: {"size": (directory / rel).stat().st_size, "blake2b": _digest(directory / rel)}
-        for rel in _files(directory, frozenset((MANIFEST_FILE, *skip)))
+    return {
+        rel: {"size": (directory / rel).stat().st_size, "blake2b": _digest(directory / rel)} for rel in names
     }
+
+
+def write_manifest(
+    directory: Path,
+    *,
+    skip: tuple[str, ...] = (),
+    known: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """Write ``directory/MANIFEST.json``: size in bytes and blake2b-256 digest of every file under
+    ``directory`` (relative POSIX paths; ``skip`` names files written after the manifest). Entries in
+    ``known`` (from ``digest_files`` on other ranks) are used as given when their file's size still
+    matches; the rest are hashed here. Written to a temporary name, fsynced and renamed; returns its
+    path."""
+    directory = Path(directory)
+    known = known or {}
+    files: dict[str, dict[str, Any]] = {}
+    for rel in list_files(directory, skip=skip):
+        entry = known.get(rel)
+        if entry is None or entry["size"] != (directory / rel).stat().st_size:
+            entry = digest_files(directory, [rel])[rel]
+        files[rel] = entry
     target = directory / MANIFEST_FILE
     tmp = directory / (MANIFEST_FILE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -172,10 +199,18 @@ def write_manifest(directory: Path, *, skip: tuple[str, ...] = ()) -> Path:
     return target
 
 
-def verify_manifest(directory: Path, *, check_hash: bool = True, skip: tuple[str, ...] = ()) -> None:
+def verify_manifest(
+    directory: Path,
+    *,
+    check_hash: bool = True,
+    skip: tuple[str, ...] = (),
+    share: tuple[int, int] = (0, 1),
+) -> None:
     """Check ``directory`` against its ``MANIFEST.json`` without loading anything else: every listed
     file exists with its recorded size and (with ``check_hash``) digest, and no unlisted file is there
-    (``skip`` excepted). Raises ``CheckpointError`` naming the first bad file and the cause."""
+    (``skip`` excepted). ``share=(rank, world)`` hashes only every ``world``-th listed file from
+    ``rank`` on (ranks verify disjoint shares in parallel; existence and sizes are checked for all).
+    Raises ``CheckpointError`` naming the first bad file and the cause."""
     directory = Path(directory)
     path = directory / MANIFEST_FILE
     try:
@@ -185,7 +220,8 @@ def verify_manifest(directory: Path, *, check_hash: bool = True, skip: tuple[str
         raise CheckpointError(
             f"{path}: missing or unreadable manifest ({exc}); the checkpoint is incomplete or corrupt"
         ) from exc
-    for rel, entry in sorted(files.items()):
+    rank, world = share
+    for i, (rel, entry) in enumerate(sorted(files.items())):
         f = directory / rel
         try:
             size = f.stat().st_size
@@ -197,9 +233,9 @@ def verify_manifest(directory: Path, *, check_hash: bool = True, skip: tuple[str
             raise CheckpointError(
                 f"{f}: {size} bytes, the manifest recorded {entry['size']} (truncated or overwritten)"
             )
-        if check_hash and _digest(f) != entry["blake2b"]:
+        if check_hash and i % world == rank and _digest(f) != entry["blake2b"]:
             raise CheckpointError(f"{f}: blake2b digest differs from the manifest (the bytes are corrupt)")
-    extra = sorted(set(_files(directory, frozenset((MANIFEST_FILE, *skip)))) - set(files))
+    extra = sorted(set(list_files(directory, skip=skip)) - set(files))
     if extra:
         raise CheckpointError(
             f"{directory}: files not in the manifest {extra[:5]}; something wrote into the checkpoint after "
