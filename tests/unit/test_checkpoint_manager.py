@@ -238,3 +238,43 @@ def test_checkpoints_without_lineage_are_kept_as_ancestors(tmp_path: Path) -> No
     m.save(4, {})
     assert _steps(tmp_path) == [2, 3, 4]
     assert m.latest() == tmp_path / "step_4"
+
+
+_KILLED_CHILD = """
+import os, sys
+from pathlib import Path
+from typing import Any, cast
+sys.path.insert(0, {tests!r})
+from unit.test_checkpoint_manager import _file_manager
+root, die_at = Path(sys.argv[1]), sys.argv[2]
+m, eng = _file_manager(root)
+eng.value = 1
+m.save(5, {{"v": 1}})
+real = os.replace
+def dying(src: Any, dst: Any) -> None:
+    if Path(dst).name == die_at:
+        os._exit(9)  # a real death: no exception handler, no cleanup runs
+    real(src, dst)
+os.replace = dying
+eng.value = 2
+m.save(5, {{"v": 2}})
+"""
+
+
+@pytest.mark.parametrize(("die_at", "expected"), [("step_5", 1), ("LATEST", 2)])
+def test_process_killed_mid_resave_leaves_a_loadable_step(tmp_path: Path, die_at: str, expected: int) -> None:
+    """A child process re-saving step 5 is killed between the two renames (old copy moved aside, new
+    not yet in place) or just before the pointer moves: the restarted manager loads a complete copy."""
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(tests).parent / "src"), tests]))
+    code = _KILLED_CHILD.format(tests=tests)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), die_at], env=env, timeout=120, check=False
+    )
+    assert proc.returncode == 9
+    m, eng = _file_manager(tmp_path)
+    assert m.load()["v"] == expected and eng.value == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_5"]
