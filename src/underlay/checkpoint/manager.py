@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.interfaces import CheckpointError, Device, InvalidInput, ParallelEngine
-from underlay.parallel.agree import agree
+from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank, current_world_size
 from underlay.utils.safe_files import (
     MANIFEST_FILE,
@@ -261,7 +261,7 @@ class CheckpointManager:
                 error = exc
         agree(
             error is None,
-            repr(error),
+            describe(error),
             what=f"save({final}): preparing",
             error_type=CheckpointError,
             cause=error,
@@ -276,7 +276,7 @@ class CheckpointManager:
             error = exc
         agree(
             error is None,
-            repr(error),
+            describe(error),
             what=f"save({final}): writing",
             error_type=CheckpointError,
             cause=error,
@@ -291,7 +291,7 @@ class CheckpointManager:
             error = exc
         agree(
             error is None,
-            repr(error),
+            describe(error),
             what=f"save({final}): hashing",
             error_type=CheckpointError,
             cause=error,
@@ -311,7 +311,7 @@ class CheckpointManager:
                 error = exc
         agree(
             error is None,
-            repr(error),
+            describe(error),
             what=f"save({final}): committing",
             error_type=CheckpointError,
             cause=error,

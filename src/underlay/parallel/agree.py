@@ -9,7 +9,7 @@ until the process-group timeout. The pattern is::
             write()
         except Exception as exc:
             error = exc
-    agree(error is None, repr(error), what="export_hf", error_type=CheckpointError, cause=error)
+    agree(error is None, describe(error), what="export_hf", error_type=CheckpointError, cause=error)
 
 ``agree`` is one small all-reduce on success and one gather of the reasons on failure.
 """
@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from underlay.interfaces import UnderlayError
 
-__all__ = ["agree"]
+__all__ = ["agree", "describe"]
+
+
+def describe(error: BaseException | None) -> str:
+    """``"Type: message"`` of ``error`` (``""`` for ``None``): the reason ``agree`` reports (``repr``
+    of an ``OSError`` drops the file name its message carries)."""
+    return "" if error is None else f"{type(error).__name__}: {error}"
 
 
 def _collective_device(group: Any) -> torch.device:

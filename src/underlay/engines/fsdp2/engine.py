@@ -58,7 +58,7 @@ from underlay.interfaces import (
     TokenBatch,
     TokenOutputs,
 )
-from underlay.parallel.agree import agree
+from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
 
 __all__ = ["FSDP2Engine"]
@@ -631,7 +631,7 @@ class FSDP2Engine:
         # rank 0 wrote alone: every rank raises its reason instead of waiting in the next collective
         agree(
             error is None,
-            repr(error),
+            describe(error),
             what=f"save_checkpoint({directory})",
             error_type=CheckpointError,
             cause=error,

@@ -14,7 +14,7 @@ import torch
 
 from underlay.engines.fsdp2 import _build
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
-from underlay.parallel.agree import agree
+from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
 from underlay.utils.safe_files import (
     SafetensorsEntry,
@@ -194,7 +194,9 @@ class FSDP2WeightLoader:
                 error = exc
             if error is not None:
                 abort_directory(tmp)
-        agree(error is None, repr(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error)
+        agree(
+            error is None, describe(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error
+        )
         return out if rank0 else None
 
     def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
@@ -219,7 +221,7 @@ class FSDP2WeightLoader:
                 error = exc
         agree(
             error is None,
-            repr(error),
+            describe(error),
             what=f"export_adapters({out})",
             error_type=CheckpointError,
             cause=error,
