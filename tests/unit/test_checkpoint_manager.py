@@ -278,3 +278,16 @@ def test_process_killed_mid_resave_leaves_a_loadable_step(tmp_path: Path, die_at
     m, eng = _file_manager(tmp_path)
     assert m.load()["v"] == expected and eng.value == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_5"]
+
+
+def test_resaving_the_latest_step_keeps_its_ancestors(tmp_path: Path) -> None:
+    m, _ = _file_manager(tmp_path, max_to_keep=3)
+    for step in (1, 2, 3):
+        m.save(step, {"v": step})
+    m.save(3, {"v": 33})
+    assert _steps(tmp_path) == [1, 2, 3]
+    m2, _ = _file_manager(tmp_path, max_to_keep=3)  # a fresh manager re-saving what latest() names
+    m2.save(3, {"v": 333})
+    m2.save(4, {"v": 4})
+    assert _steps(tmp_path) == [2, 3, 4]
+    assert m2.load()["v"] == 4

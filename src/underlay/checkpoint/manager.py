@@ -251,6 +251,8 @@ class CheckpointManager:
             found = latest(self.root)
             m = _STEP_RE.match(found.name) if found is not None else None
             parent = int(m.group(1)) if m else None
+        if parent == step:  # re-saving a step: the new copy takes the old copy's place in the lineage
+            parent = self._parent_of(step)
         error: BaseException | None = None
         if rank == 0:
             try:
@@ -338,6 +340,18 @@ class CheckpointManager:
         fsync_path(self.root)
         if old.exists():
             shutil.rmtree(old)
+
+    def _parent_of(self, step: int) -> int | None:
+        """The parent recorded by the complete copy of ``step`` (the next lower complete step for a
+        marker without one; ``None`` when there is no such copy)."""
+        done = dict(complete_checkpoints(self.root))
+        if step not in done:
+            return None
+        marker = _marker(done[step])
+        if "parent" not in marker:
+            return max((s for s in done if s < step), default=None)
+        parent = marker["parent"]
+        return parent if isinstance(parent, int) and not isinstance(parent, bool) and parent != step else None
 
     def _lineage(self, step: int, done: Mapping[int, Path]) -> list[int]:
         """``step`` and its ancestors through the ``parent`` of each COMPLETE marker, newest first.
