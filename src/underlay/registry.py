@@ -349,6 +349,7 @@ def _builtin_specs() -> list[BackendSpec]:
 class _State:
     specs: dict[str, dict[str, BackendSpec]] = field(default_factory=dict)
     plugins_loaded: bool = False
+    plugin_error: PluginError | None = None
     selections: dict[tuple[str, str | None, str], Selection] = field(default_factory=dict)
     instances: dict[tuple[str, str], Any] = field(default_factory=dict)
     overrides: list[dict[str, str]] = field(default_factory=list)
@@ -391,16 +392,27 @@ def _specs() -> dict[str, dict[str, BackendSpec]]:
             _state.specs.setdefault(s.kind, {})[s.name] = s
         for s in _state.extra:
             _state.specs.setdefault(s.kind, {})[s.name] = s
+    if _state.plugin_error is not None:
+        # a broken plugin fails every call, not only the first (until reset() after fixing it)
+        raise _state.plugin_error
     if not _state.plugins_loaded:
+        try:
+            loaded = _load_plugins()
+            seen = {kind: dict(table) for kind, table in _state.specs.items()}
+            for s in loaded:
+                table = seen.setdefault(s.kind, {})
+                if s.name in table:
+                    raise PluginError(
+                        f"plugin {s.origin!r} registers {s.kind} backend {s.name!r}, which "
+                        f"{table[s.name].origin} already provides; rename the plugin's backend"
+                    )
+                table[s.name] = s
+        except PluginError as exc:
+            _state.plugin_error = exc
+            raise
+        for s in loaded:
+            _state.specs.setdefault(s.kind, {})[s.name] = s
         _state.plugins_loaded = True
-        for s in _load_plugins():
-            table = _state.specs.setdefault(s.kind, {})
-            if s.name in table:
-                raise PluginError(
-                    f"plugin {s.origin!r} registers {s.kind} backend {s.name!r}, which {table[s.name].origin} "
-                    "already provides; rename the plugin's backend"
-                )
-            table[s.name] = s
     return _state.specs
 
 
@@ -532,7 +544,9 @@ def resolve(kind: str, name: str | None = None, *, spec: AttentionSpec | None = 
         if kind not in KINDS:
             raise ConfigError(f"unknown backend kind {kind!r}; kinds: {', '.join(KINDS)}")
         requested, source = _requested(kind)
-        if name is not None and name != "auto" and requested not in (None, "auto") and requested != name:
+        # DESIGN.md: an explicit argument beats the environment, and when both are given and differ
+        # it is an error; an explicit "auto" differs from UNDERLAY_DEVICE=npu too
+        if name is not None and requested not in (None, "auto") and requested != name:
             env = ENV_VARS.get(kind, kind)
             raise ConfigError(
                 f"{kind} backend requested as {name!r} by argument but {requested!r} by {source} ({env}); "

@@ -7,6 +7,7 @@ from plain dicts through ``from_dict`` (OmegaConf containers: pass ``OmegaConf.t
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,26 @@ __all__ = [
 T = TypeVar("T")
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _int(owner: str, name: str, value: object, low: int, fix: str = "") -> None:
+    """``ConfigError`` unless ``value`` is an int (a bool is not) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{owner}.{name}={value!r}: must be an int >= {low}{fix}")
+
+
+def _real(
+    owner: str, name: str, value: object, low: float, high: float, *, closed_high: bool = True
+) -> float:
+    """``ConfigError`` unless ``value`` is a finite real number (not a bool) in ``[low, high]``
+    (``[low, high)`` when not ``closed_high``); returns it as a float."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    v = float(value) if ok else math.nan  # type: ignore[arg-type]
+    inside = low <= v <= high if closed_high else low <= v < high
+    if not (math.isfinite(v) and inside):
+        bound = "]" if closed_high else ")"
+        raise ConfigError(f"{owner}.{name}={value!r}: must be a finite number in [{low}, {high}{bound}")
+    return v
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
@@ -63,10 +84,9 @@ class LoraConfig:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"LoraConfig.rank={self.rank}: must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"LoraConfig.dropout={self.dropout}: must be in [0, 1)")
+        _int("LoraConfig", "rank", self.rank, 1)
+        _real("LoraConfig", "alpha", self.alpha, 0.0, math.inf, closed_high=False)
+        _real("LoraConfig", "dropout", self.dropout, 0.0, 1.0, closed_high=False)
         if not self.target_modules:
             raise ConfigError("LoraConfig.target_modules is empty: name the linear layers to adapt")
 
@@ -100,8 +120,14 @@ class ModelConfig:
             )
         if self.kind not in ("causal_lm", "value"):
             raise ConfigError(f"ModelConfig.kind={self.kind!r}: use 'causal_lm' or 'value'")
-        if self.tiled_mlp_tiles is not None and self.tiled_mlp_tiles < 1:
-            raise ConfigError(f"ModelConfig.tiled_mlp_tiles={self.tiled_mlp_tiles}: must be >= 1 or None")
+        if self.tiled_mlp_tiles is not None:
+            _int("ModelConfig", "tiled_mlp_tiles", self.tiled_mlp_tiles, 1, " or None")
+        _int("ModelConfig", "seed", self.seed, 0)
+        if self.attention is not None and (not isinstance(self.attention, str) or not self.attention):
+            raise ConfigError(
+                f"ModelConfig.attention={self.attention!r}: name a registered attention backend "
+                "(underlay.list_attention()) or leave None to select one"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,8 +154,7 @@ class ParallelConfig:
             v = getattr(self, f.name)
             if f.name == "etp" and v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"ParallelConfig.{f.name}={v!r}: must be an int >= 1")
+            _int("ParallelConfig", f.name, v, 1)
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"ParallelConfig.vpp={self.vpp} needs pp > 1 (got pp={self.pp}); set vpp=1")
 
@@ -156,14 +181,35 @@ class OptimConfig:
     decay_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.lr < 0:
-            raise ConfigError(f"OptimConfig.lr={self.lr}: must be >= 0")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"OptimConfig.warmup_steps={self.warmup_steps}: must be >= 0")
+        # a NaN/inf lr or eps turns every weight into NaN while the step still reports success, and a
+        # NaN grad_clip silently disables clipping: only finite values in range enter
+        _real("OptimConfig", "lr", self.lr, 0.0, math.inf, closed_high=False)
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ConfigError(f"OptimConfig.betas={betas!r}: give two numbers (beta1, beta2) in [0, 1)")
+        for i, b in enumerate(betas):
+            _real("OptimConfig", f"betas[{i}]", b, 0.0, 1.0, closed_high=False)
+        _real("OptimConfig", "eps", self.eps, 0.0, math.inf, closed_high=False)
+        _real("OptimConfig", "weight_decay", self.weight_decay, 0.0, math.inf, closed_high=False)
+        if self.grad_clip is not None:
+            _real(
+                "OptimConfig",
+                "grad_clip (None or 0 disables clipping)",
+                self.grad_clip,
+                0.0,
+                math.inf,
+                closed_high=False,
+            )
+        _int("OptimConfig", "warmup_steps", self.warmup_steps, 0)
+        if self.total_steps is not None:
+            _int("OptimConfig", "total_steps", self.total_steps, 1, " or None")
+            if self.warmup_steps > self.total_steps:
+                raise ConfigError(
+                    f"OptimConfig.warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}; "
+                    "lower the warmup or raise total_steps"
+                )
         for name in ("min_lr_ratio", "decay_ratio"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ConfigError(f"OptimConfig.{name}={v}: must be in [0, 1]")
+            _real("OptimConfig", name, getattr(self, name), 0.0, 1.0)
         if self.schedule not in ("constant", "cosine", "wsd"):
             raise ConfigError(f"OptimConfig.schedule={self.schedule!r}: use 'constant', 'cosine' or 'wsd'")
         if self.schedule != "constant" and not self.total_steps:
@@ -204,12 +250,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v not in _DTYPES:
                 raise ConfigError(f"EngineConfig.{name}={v!r}: use one of {_DTYPES}")
-        if self.micro_batch_max_tokens < 1:
-            raise ConfigError(
-                f"EngineConfig.micro_batch_max_tokens={self.micro_batch_max_tokens}: must be >= 1"
-            )
-        if not self.temperature > 0:
-            raise ConfigError(f"EngineConfig.temperature={self.temperature}: must be > 0")
+        _int("EngineConfig", "micro_batch_max_tokens", self.micro_batch_max_tokens, 1)
+        _check_temperature("EngineConfig.temperature", self.temperature)
+        for name in ("cpu_offload", "with_entropy"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: use True or False")
         if self.recompute not in _RECOMPUTE:
             raise ConfigError(f"EngineConfig.recompute={self.recompute!r}: use one of {_RECOMPUTE}")
         ac = self.activation_checkpointing
@@ -245,6 +290,17 @@ class EngineConfig:
 
 
 _RECOMPUTE: tuple[RecomputePolicy, ...] = ("none", "full", "selective")
+
+
+def _check_temperature(where: str, value: object) -> None:
+    """``ConfigError`` unless ``value`` is a finite number > 0 (``inf`` flattens every distribution
+    to uniform and ``nan`` poisons every log-prob)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(float(value)) and float(value) > 0):  # type: ignore[arg-type]
+        raise ConfigError(
+            f"{where}={value!r}: must be a finite number > 0 (1.0 leaves the logits as they are)"
+        )
+
 
 _AC_MODES: dict[object, Literal["none", "full"]] = {
     False: "none",
@@ -286,12 +342,11 @@ class ProfilerConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if any((not isinstance(s, int)) or s < 0 for s in self.steps):
-            raise ConfigError(f"ProfilerConfig.steps={self.steps!r}: steps are ints >= 0")
-        if any((not isinstance(r, int)) or r < 0 for r in self.ranks):
-            raise ConfigError(f"ProfilerConfig.ranks={self.ranks!r}: ranks are ints >= 0")
-        if self.warmup < 0:
-            raise ConfigError(f"ProfilerConfig.warmup={self.warmup}: must be >= 0")
+        for s in self.steps:
+            _int("ProfilerConfig", "steps[...]", s, 0)
+        for r in self.ranks:
+            _int("ProfilerConfig", "ranks[...]", r, 0)
+        _int("ProfilerConfig", "warmup", self.warmup, 0)
         if self.format not in ("chrome", "tensorboard"):
             raise ConfigError(f"ProfilerConfig.format={self.format!r}: use 'chrome' or 'tensorboard'")
 

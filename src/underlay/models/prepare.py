@@ -95,8 +95,9 @@ def prepare_model(
     check_transformers_version()
     inner = unwrap_model(model)
     config = check_architecture(inner)
-    if attention is not None:
-        resolve("attention", attention)
+    # resolved now, also when only UNDERLAY_ATTENTION names it: a bad name fails at build, not at the
+    # first forward
+    resolve("attention", attention)
     text = text_config(config)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)

@@ -262,7 +262,15 @@ def _workload_fn(workload: Workload) -> Callable[[float], float]:
 
 def _seqlens(seqlens: Sequence[int] | torch.Tensor, what: str) -> list[int]:
     values = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
-    out = [int(s) for s in values]
+    out = []
+    for s in values:
+        # int(1.5) would silently plan 1 token for a 1.5-token "length": lengths are whole counts
+        if isinstance(s, bool) or not (isinstance(s, int) or (isinstance(s, float) and s.is_integer())):
+            raise InvalidInput(
+                f"{what}: sequence length {s!r} is not a whole number; pass token counts (ints), e.g. "
+                "attention_mask.sum(dim=1)"
+            )
+        out.append(int(s))
     if any(s < 0 for s in out):
         raise InvalidInput(f"{what}: sequence lengths must be >= 0, got {min(out)}")
     return out

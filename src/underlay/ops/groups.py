@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -70,6 +71,14 @@ def _out_dtype(scores: torch.Tensor) -> torch.dtype:
     return scores.dtype if scores.is_floating_point() else torch.float32
 
 
+def _finite(what: str, **values: float) -> None:
+    """``InvalidInput`` for a NaN/inf setting of an advantage (it would poison the loss silently;
+    ``group_mean_std`` itself accepts NaN fill values as markers of single-member groups)."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidInput(f"{what}: {name}={v!r} must be a finite number")
+
+
 def group_mean_std(
     scores: torch.Tensor, group_ids: GroupIds, *, single_mean: float = 0.0, single_std: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,6 +110,7 @@ def group_normalize(
 
     Raises ``InvalidInput`` for ``eps < 0`` or mismatched lengths.
     """
+    _finite("group_normalize", eps=eps, single_mean=single_mean, single_std=single_std)
     if eps < 0:
         raise InvalidInput(f"group_normalize: eps={eps} must be >= 0")
     _check(scores, len(group_ids), "group_normalize")

@@ -7,6 +7,7 @@ mask is 0 never reaches the result, while one where the mask is 1 does. Masks ma
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -109,8 +110,8 @@ def masked_whiten(
     With ``shift_mean=False`` the mean is added back (only the scale changes). Masked-out positions of
     the result are 0. Same shape as ``x``; float dtype. ``eps`` must be >= 0.
     """
-    if eps < 0:
-        raise InvalidInput(f"masked_whiten: eps={eps} must be >= 0")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise InvalidInput(f"masked_whiten: eps={eps!r} must be a finite number >= 0")
     keep = _keep(x, mask, "masked_whiten")
     xf = _float(x)
     mean = masked_mean(xf, keep)
@@ -152,8 +153,14 @@ def response_mask(
 def clip_by_value(x: torch.Tensor, low: float | torch.Tensor, high: float | torch.Tensor) -> torch.Tensor:
     """``min(max(x, low), high)`` elementwise; bounds are numbers or tensors broadcasting to ``x``.
 
-    Raises ``InvalidInput`` when number bounds have ``low > high``. Gradient flows where unclipped.
+    Raises ``InvalidInput`` when a bound is NaN (``torch.maximum`` would turn every element into NaN)
+    or number bounds have ``low > high``; infinite bounds mean no bound on that side. Gradient flows
+    where unclipped.
     """
+    for name, b in (("low", low), ("high", high)):
+        nan = bool(torch.isnan(b).any()) if isinstance(b, torch.Tensor) else b != b
+        if nan:
+            raise InvalidInput(f"clip_by_value: {name} bound is NaN; give a number (use inf for no bound)")
     if not isinstance(low, torch.Tensor) and not isinstance(high, torch.Tensor) and low > high:
         raise InvalidInput(f"clip_by_value: low={low} > high={high}; swap the bounds")
     lo = low if isinstance(low, torch.Tensor) else torch.tensor(low, dtype=x.dtype, device=x.device)

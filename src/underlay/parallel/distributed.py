@@ -56,14 +56,21 @@ def read_env() -> DistributedEnv:
     world = _int_env("WORLD_SIZE", 1)
     rank = _int_env("RANK", 0)
     local = _int_env("LOCAL_RANK", _int_env("RAY_LOCAL_RANK", rank if world == 1 else 0))
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={world} must be >= 1")
     if not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
+    if local < 0:
+        raise ConfigError(f"LOCAL_RANK={local} is negative; local ranks are >= 0")
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     if world > 1 and "MASTER_PORT" not in os.environ:
         raise ConfigError(
             "WORLD_SIZE > 1 but MASTER_PORT is not set; launch with torchrun or set MASTER_ADDR/PORT"
         )
-    port = _int_env("MASTER_PORT", 0) or free_port()
+    port = _int_env("MASTER_PORT", 0)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"MASTER_PORT={port} is not a TCP port (0..65535)")
+    port = port or free_port()
     return DistributedEnv(rank, local, world, addr, port)
 
 

@@ -41,6 +41,9 @@ def _to_float(name: str, value: Any) -> float:
     )
 
 
+_RESERVED = frozenset({"step", "time"})
+
+
 class Tracking:
     """Fan-out of per-step scalar metrics to several backends.
 
@@ -148,7 +151,7 @@ class Tracking:
 
         Values: ints, floats, bools, numpy scalars or one-element tensors (converted to float; NaN and
         inf pass through, the jsonl backend writes them as ``null``). Keys: non-empty strings. ``step``:
-        an int >= 0. Raises ``InvalidInput`` naming the bad key or value before any backend writes, and
+        an int >= 0; ``"step"`` and ``"time"`` are reserved names. Raises ``InvalidInput`` naming the bad key or value before any backend writes, and
         when called after ``close``.
         """
         if self._closed:
@@ -159,6 +162,12 @@ class Tracking:
         for k, v in metrics.items():
             if not isinstance(k, str) or not k:
                 raise InvalidInput(f"Tracking.log: metric name {k!r}; use non-empty strings")
+            if k in _RESERVED:
+                # the jsonl row is {"step": s, "time": t, **metrics}: these names would overwrite them
+                raise InvalidInput(
+                    f"Tracking.log: metric name {k!r} is reserved (the step and time of the row); rename it, "
+                    f"e.g. 'train/{k}'"
+                )
             clean[k] = _to_float(k, v)
         for b in self._backends:
             b.log(clean, step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -50,8 +51,8 @@ def peak_flops_from_env() -> float | None:
         value = float(raw)
     except ValueError as exc:
         raise ConfigError(f"UNDERLAY_PEAK_TFLOPS={raw!r} is not a number of TFLOP/s (e.g. 989.4)") from exc
-    if value <= 0:
-        raise ConfigError(f"UNDERLAY_PEAK_TFLOPS={raw!r} must be > 0")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"UNDERLAY_PEAK_TFLOPS={raw!r} must be a finite number > 0 (TFLOP/s, e.g. 989.4)")
     return value * 1e12
 
 

@@ -27,9 +27,13 @@ _PEFT_PREFIX = "base_model.model."
 
 def hf_config_of(model_cfg: ModelConfig) -> Any:
     """The ``transformers.PretrainedConfig`` to build: ``hf_config`` as given or ``config.json`` of
-    ``path`` (``ConfigError`` when the directory has none)."""
+    ``path`` (``ConfigError`` when the directory has none). A given ``hf_config`` is deep-copied: the
+    build sets fields on it (``num_labels`` of a value model, ``architectures`` at export) and the
+    caller's object must not change."""
     if model_cfg.hf_config is not None:
-        return model_cfg.hf_config
+        import copy
+
+        return copy.deepcopy(model_cfg.hf_config)
     from transformers import AutoConfig
 
     assert model_cfg.path is not None
@@ -157,6 +161,11 @@ def copy_into_param(param: torch.Tensor, full: torch.Tensor, name: str) -> int:
         raise CheckpointError(
             f"tensor {name!r}: shape {tuple(full.shape)} in the source != model shape "
             f"{tuple(param.shape)}; the weights belong to another model configuration"
+        )
+    if param.is_floating_point() and not (full.is_floating_point() or full.is_complex()):
+        raise CheckpointError(
+            f"tensor {name!r}: {full.dtype} in the source for a {param.dtype} parameter; an int/bool "
+            "tensor is not a weight (the file is not a model checkpoint or is corrupt)"
         )
     with torch.no_grad():
         if isinstance(param, DTensor):

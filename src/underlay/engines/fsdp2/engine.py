@@ -61,6 +61,7 @@ from underlay.interfaces import (
     WeightMap,
     resolve_options,
 )
+from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
 
 __all__ = ["FSDP2Engine"]
@@ -131,7 +132,7 @@ class FSDP2Engine:
         if compile_opt:
             compile_layer_parts(
                 model,
-                backend=os.environ.get("UNDERLAY_COMPILE_BACKEND", "inductor"),
+                backend=_compile_backend(),
                 scope="layer_parts" if compile_opt is True else str(compile_opt),
             )
         apply_fsdp(
@@ -297,6 +298,18 @@ class FSDP2Engine:
             raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
         if batch.batch_size < 1:
             raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
+        for name, m in (("attention_mask", mask), ("loss_mask", batch.loss_mask)):
+            if bool(((m != 0) & (m != 1)).any()):
+                raise InvalidInput(
+                    f"TokenBatch.{name} holds values other than 0/1 ({sorted(set(m[(m != 0) & (m != 1)].tolist()))[:5]}); "
+                    "masks select tokens, weight the loss in loss_fn instead"
+                )
+        if bool(((batch.loss_mask != 0) & (mask == 0)).any()):
+            rows = torch.nonzero(((batch.loss_mask != 0) & (mask == 0)).any(dim=1)).flatten().tolist()
+            raise InvalidInput(
+                f"TokenBatch.loss_mask marks padding (attention_mask 0) in rows {rows[:5]}; the loss "
+                "token count would include padding: set loss_mask = loss_mask * attention_mask"
+            )
         lengths = mask.sum(dim=1)
         if bool((lengths < 1).any()):
             rows = torch.nonzero(lengths < 1).flatten().tolist()
@@ -357,6 +370,7 @@ class FSDP2Engine:
         plan = self._plan(batch)
         self._model.train()
         sums: dict[str, torch.Tensor] = {}
+        completed = False
         try:
             for i, idx in enumerate(plan):
                 # with reshard_after_forward=False the parameters are unsharded for the whole
@@ -367,16 +381,16 @@ class FSDP2Engine:
                     continue
                 sub = batch.select(idx)
                 outputs = self._forward(sub, self._config.temperature, self._config.with_entropy)
-                loss_sum, metrics = loss_fn(outputs, sub)
-                if loss_sum.dim() != 0:
-                    raise InvalidInput(
-                        f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar"
-                    )
+                loss_sum, metrics = _checked_loss(loss_fn(outputs, sub))
                 (loss_sum * scale).backward()  # type: ignore[no-untyped-call]
                 _accumulate(sums, "loss", loss_sum.detach())
                 for key, value in metrics.items():
                     _accumulate(sums, key, torch.as_tensor(value, device=self._torch_device).detach())
+            completed = True
         finally:
+            if not completed:
+                # a failed micro-batch must not leak the earlier ones' gradients into the next step
+                self.zero_grad()
             if self._keep_unsharded:
                 self._set_reshard_after_backward(True)
                 self._reshard()  # after a failed micro-batch too: the optimizer works on the shards
@@ -409,8 +423,9 @@ class FSDP2Engine:
         batch = self._check_batch(batch)
         self._ensure_onloaded("infer")
         temp = self._config.temperature if temperature is None else temperature
-        if not temp > 0:
-            raise InvalidInput(f"infer: temperature={temp} must be > 0")
+        ok = isinstance(temp, (int, float)) and not isinstance(temp, bool)
+        if not (ok and math.isfinite(temp) and temp > 0):
+            raise InvalidInput(f"infer: temperature={temp!r} must be a finite number > 0")
         self._model.eval()
         shape = tuple(batch.input_ids.shape)
         result: dict[str, torch.Tensor] = {}
@@ -602,8 +617,8 @@ class FSDP2Engine:
         the same number of buckets, each empty. Every tensor is all-gathered by FSDP on every rank,
         so a non-receiver holds one gathered tensor at a time (dropped at once), never a bucket.
         ``InvalidInput`` for ``bucket_bytes < 1`` or a rank outside the world, before any collective."""
-        if bucket_bytes < 1:
-            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes} must be >= 1")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes!r} must be an int >= 1")
         world = self._layout.world_size
         receivers = None if ranks is None else set(ranks)
         if receivers is not None:
@@ -649,6 +664,7 @@ class FSDP2Engine:
         """Sharded model and optimizer state with ``torch.distributed.checkpoint`` (loadable at another
         world size), plus the LR schedule, ``global_step`` and the model signature (rank 0).
         ``directory`` must exist. Collective."""
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -664,12 +680,28 @@ class FSDP2Engine:
             "model": get_model_state_dict(self._model),
             "optim": get_optimizer_state_dict(self._model, self._optimizer),
         }
-        dcp_save(state, checkpoint_id=str(directory))
+        try:
+            dcp_save(state, checkpoint_id=str(directory))
+        except CheckpointException as exc:  # a BaseException: convert so callers can handle it
+            raise CheckpointError(
+                f"save_checkpoint({directory}): {str(exc).strip().splitlines()[-1]}"
+            ) from exc
+        error: BaseException | None = None
         if current_rank() == 0:
-            extra = {"global_step": self._global_step, "scheduler": self._scheduler.state_dict()}
-            torch.save(extra, directory / _STATE_FILE)
-            (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))
-        dist.barrier()
+            try:
+                extra = {"global_step": self._global_step, "scheduler": self._scheduler.state_dict()}
+                torch.save(extra, directory / _STATE_FILE)
+                (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))
+            except Exception as exc:
+                error = exc
+        # rank 0 wrote alone: every rank raises its reason instead of waiting in the next collective
+        agree(
+            error is None,
+            describe(error),
+            what=f"save_checkpoint({directory})",
+            error_type=CheckpointError,
+            cause=error,
+        )
 
     def check_signature(self, directory: Path) -> None:
         """Raise ``CheckpointError`` unless ``directory`` holds an engine checkpoint of this model
@@ -701,21 +733,33 @@ class FSDP2Engine:
             set_model_state_dict,
             set_optimizer_state_dict,
         )
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        from underlay.utils.safe_dcp import safe_dcp_load
 
         directory = Path(directory)
         self.check_signature(directory)
         self._ensure_onloaded("load_checkpoint")
-        extra = torch.load(directory / _STATE_FILE, weights_only=True)
+        try:
+            extra = torch.load(directory / _STATE_FILE, weights_only=True)
+            step = extra["global_step"]
+            scheduler_state = extra["scheduler"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"global_step={step!r} is not an int >= 0")
+            if not isinstance(scheduler_state, dict):
+                raise ValueError(f"scheduler state is a {type(scheduler_state).__name__}, not a dict")
+        except Exception as exc:
+            raise CheckpointError(f"{directory / _STATE_FILE}: unreadable engine state ({exc})") from exc
         self._reshard()
-        model_sd = get_model_state_dict(self._model)
-        optim_sd = get_optimizer_state_dict(self._model, self._optimizer)
+        # load into copies: the live weights and optimizer state change only after the whole
+        # checkpoint was read (a corrupt shard fails here with the run's state untouched)
+        model_sd = _fresh(get_model_state_dict(self._model))
+        optim_sd = _fresh(get_optimizer_state_dict(self._model, self._optimizer))
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        dcp_load(state, checkpoint_id=str(directory))
+        safe_dcp_load(state, directory)
         set_model_state_dict(self._model, model_sd)
         set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
-        self._scheduler.load_state_dict(extra["scheduler"])
-        self._global_step = int(extra["global_step"])
+        self._scheduler.load_state_dict(scheduler_state)
+        self._global_step = step
         self.zero_grad()
 
 
@@ -738,6 +782,73 @@ def signature_diff(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
     if shapes:
         problems.append(f"shape mismatch: {shapes[:3]}")
     return "; ".join(problems)
+
+
+def _compile_backend() -> str:
+    """``UNDERLAY_COMPILE_BACKEND`` (default ``inductor``), checked against torch's registered
+    backends when the engine is built, not at the first compiled forward."""
+    import torch._dynamo
+
+    name = os.environ.get("UNDERLAY_COMPILE_BACKEND", "").strip() or "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ConfigError(
+            f"UNDERLAY_COMPILE_BACKEND={name!r} is not a torch.compile backend; use one of {known}"
+        )
+    return name
+
+
+def _checked_loss(result: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
+    """Validate what a ``LossFn`` returned, before backward: ``(loss_sum, metrics)`` with ``loss_sum`` a
+    floating scalar tensor attached to the graph and every metric a number or one-element tensor
+    (not named ``"loss"``, which the engine reports itself). ``InvalidInput`` naming the problem."""
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise InvalidInput(f"loss_fn returned {type(result).__name__}; return a tuple (loss_sum, metrics)")
+    loss_sum, metrics = result
+    if not isinstance(loss_sum, torch.Tensor):
+        raise InvalidInput(
+            f"loss_fn returned loss_sum as {type(loss_sum).__name__} ({loss_sum!r}); return a scalar "
+            "tensor computed from outputs so that it has a gradient"
+        )
+    if loss_sum.dim() != 0:
+        raise InvalidInput(f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar")
+    if not loss_sum.is_floating_point():
+        raise InvalidInput(f"loss_fn returned loss_sum of dtype {loss_sum.dtype}; return a float tensor")
+    if not loss_sum.requires_grad:
+        raise InvalidInput(
+            "loss_fn returned a loss_sum without a graph (requires_grad=False: detached, computed "
+            "under no_grad, or not from outputs); compute it from the outputs tensors"
+        )
+    if not isinstance(metrics, Mapping):
+        raise InvalidInput(f"loss_fn returned metrics as {type(metrics).__name__}; return a dict")
+    for key, value in metrics.items():
+        if not isinstance(key, str) or key == "loss":
+            raise InvalidInput(
+                f"loss_fn metric name {key!r}: use a str other than 'loss' (the engine reports the loss)"
+            )
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise InvalidInput(
+                    f"loss_fn metric {key!r} has shape {tuple(value.shape)}; metrics are scalar sums"
+                )
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidInput(
+                f"loss_fn metric {key!r} is {type(value).__name__}; give a number or a scalar tensor"
+            )
+    return loss_sum, metrics
+
+
+def _fresh(tree: Any) -> Any:
+    """A copy of a (nested) state dict with every tensor cloned (DTensors stay DTensors)."""
+    if torch.is_tensor(tree):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_fresh(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_fresh(v) for v in tree)
+    return tree
 
 
 def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:

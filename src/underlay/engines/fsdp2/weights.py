@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -10,12 +11,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
+from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine, WeightMap
+from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
+from underlay.utils.safe_files import (
+    SafetensorsEntry,
+    abort_directory,
+    atomic_directory,
+    begin_directory,
+    commit_directory,
+    read_safetensors_dir,
+)
 
-__all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into", "read_hf_index"]
+__all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -30,28 +39,6 @@ TOKENIZER_FILES = (
 )
 
 
-def read_hf_index(path: Path) -> tuple[list[Path], dict[str, tuple[Path, tuple[int, ...]]]]:
-    """The safetensors files of the local HF directory ``path`` and, for every tensor name in them, the
-    file holding it and its shape (headers only, no tensor data). ``CheckpointError`` when ``path`` is
-    not a directory or has no ``*.safetensors``."""
-    from safetensors import safe_open
-
-    if not path.is_dir():
-        raise CheckpointError(f"load_hf: {path} is not a directory; give a local HF model directory")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"load_hf: no *.safetensors in {path}; convert the weights to safetensors first"
-        )
-    where: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                shape = tuple(handle.get_slice(key).get_shape())
-                where[key] = (f, shape)
-    return files, where
-
-
 def load_hf_into(engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
     """``FSDP2WeightLoader.load_hf`` as a function (the engine calls it while it materialises; it only
     uses the ``ParallelEngine`` protocol: ``weight_map`` and ``copy_full_parameter``).
@@ -63,10 +50,55 @@ def load_hf_into(engine: ParallelEngine, path: str | Path, *, strict: bool = Tru
     parameter is built from its HF tensors (``rule.from_hf``) and copied into the shards, one at a time.
     ``LoadReport.loaded`` counts HF tensors read; ``missing`` lists the expected HF names not found.
     Collective (each rank reads the files itself)."""
+    wmap = engine.weight_map
+    error: CheckpointError | None = None
+    plan: tuple[dict[str, SafetensorsEntry], dict[str, str], tuple[str, ...], tuple[str, ...]] | None = None
+    try:
+        plan = _plan_load(wmap, Path(path), strict)
+    except CheckpointError as exc:
+        error = exc
+    # each rank validated the files itself: all go on, or all raise (no rank left in a barrier)
+    agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
+    assert plan is not None
+    where, source, missing, unexpected = plan
     from safetensors import safe_open
 
-    wmap = engine.weight_map
-    files, where = read_hf_index(Path(path))
+    loaded, nbytes = 0, 0
+    try:
+        with contextlib.ExitStack() as stack:
+            files = sorted({where[src].file for src in source.values()})
+            handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files}
+            for rule in wmap.rules:
+                if any(hf not in source for hf in rule.hf_names):
+                    continue
+                tensors: dict[str, torch.Tensor] = {}
+                for hf in rule.hf_names:
+                    entry = where[source[hf]]
+                    try:
+                        tensors[hf] = handles[entry.file].get_tensor(source[hf])
+                    except Exception as exc:  # the file changed after validation
+                        raise CheckpointError(f"{entry.file}: cannot read {source[hf]!r} ({exc})") from exc
+                nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+                full = rule.from_hf(tensors)
+                del tensors
+                engine.copy_full_parameter(rule.engine_name, full)
+                del full
+                loaded += len(rule.hf_names)
+    except CheckpointError as exc:
+        error = exc
+    agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
+    return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
+
+
+def _plan_load(
+    wmap: WeightMap, path: Path, strict: bool
+) -> tuple[dict[str, SafetensorsEntry], dict[str, str], tuple[str, ...], tuple[str, ...]]:
+    """Validate the HF directory ``path`` against ``wmap`` without changing any parameter: the file
+    entries (``read_safetensors_dir``: index followed, headers and sizes checked), the file name each
+    expected HF name is read from (a tied alias stands in for its canonical name), and the missing and
+    unexpected names. ``CheckpointError`` for a shape mismatch, int/bool data for a float parameter or,
+    with ``strict``, required missing or unexpected names."""
+    where = read_safetensors_dir(path)
     expected: dict[str, tuple[int, ...]] = {}
     for rule in wmap.rules:
         expected.update(rule.hf_shapes())
@@ -85,36 +117,26 @@ def load_hf_into(engine: ParallelEngine, path: str | Path, *, strict: bool = Tru
         sorted(n for n in where if n not in expected and n not in wmap.tied and not wmap.is_ignored(n))
     )
     bad = [
-        f"{hf}: file {where[src][1]} != model {expected[hf]}"
+        f"{hf}: file {where[src].shape} != model {expected[hf]}"
         for hf, src in source.items()
-        if where[src][1] != expected[hf]
+        if where[src].shape != expected[hf]
+    ]
+    bad += [
+        f"{hf}: file dtype {where[src].dtype} for a floating-point parameter"
+        for hf, src in source.items()
+        if not where[src].dtype.is_floating_point
     ]
     if bad:
         raise CheckpointError(
-            f"load_hf({path}): shape mismatch for {len(bad)} tensors, e.g. {bad[:3]}; the weights "
-            "belong to another model configuration"
+            f"load_hf({path}): shape mismatch (or int/bool data for a float parameter) in {len(bad)} "
+            f"tensors, e.g. {bad[:3]}; the weights belong to another model configuration"
         )
     if strict and (required_missing or unexpected):
         raise CheckpointError(
             f"load_hf({path}): missing {required_missing[:5]} ({len(required_missing)} in all), unexpected "
             f"{list(unexpected[:5])} ({len(unexpected)} in all); fix the model config or pass strict=False"
         )
-    loaded, nbytes = 0, 0
-    with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files}
-        for rule in wmap.rules:
-            if any(hf not in source for hf in rule.hf_names):
-                continue
-            tensors = {hf: handles[where[source[hf]][0]].get_tensor(source[hf]) for hf in rule.hf_names}
-            nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            full = rule.from_hf(tensors)
-            del tensors
-            engine.copy_full_parameter(rule.engine_name, full)
-            del full
-            loaded += len(rule.hf_names)
-    if dist.is_initialized():
-        dist.barrier()
-    return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
+    return where, source, missing, unexpected
 
 
 class FSDP2WeightLoader:
@@ -158,21 +180,48 @@ class FSDP2WeightLoader:
         at a time in ``dtype`` (default: the engine's ``param_dtype``); LoRA models export merged
         weights. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere."""
         eng = engine
-        if max_shard_bytes < 1:
-            raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes} must be >= 1")
+        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+            raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be an int >= 1")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise InvalidInput(
+                f"export_hf: dtype={dtype!r} is not a floating torch dtype; use torch.bfloat16, "
+                "torch.float16 or torch.float32 (or None for the engine's param_dtype)"
+            )
         out = Path(out_dir)
         dtype = dtype or eng.param_dtype
-        writer = _ShardWriter(out, max_shard_bytes) if current_rank() == 0 else None
-        for name, full in self.iter_hf_tensors(eng):
-            if writer is not None:
-                writer.add(name, full.to(dtype).cpu())
+        # rank 0 builds the export in a fresh sibling directory and swaps it in whole: an earlier
+        # export there (other sharding, other files) is replaced, never mixed with the new one
+        rank0 = current_rank() == 0
+        error: BaseException | None = None
+        tmp: Path | None = None
+        writer: _ShardWriter | None = None
+        if rank0:
+            try:
+                tmp = begin_directory(out)
+                writer = _ShardWriter(tmp, max_shard_bytes)
+            except Exception as exc:
+                error = exc
+        for name, full in self.iter_hf_tensors(eng):  # collective: every rank iterates to the end
+            if writer is not None and error is None:
+                try:
+                    writer.add(name, full.to(dtype).cpu())
+                except Exception as exc:
+                    error = exc
             del full
-        if writer is not None:
-            writer.finish()
-            self._write_config(eng, out)
-        if dist.is_initialized():
-            dist.barrier()
-        return out if writer is not None else None
+        if writer is not None and tmp is not None:
+            try:
+                if error is None:
+                    writer.finish()
+                    self._write_config(eng, tmp)
+                    commit_directory(tmp, out)
+            except Exception as exc:
+                error = exc
+            if error is not None:
+                abort_directory(tmp)
+        agree(
+            error is None, describe(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error
+        )
+        return out if rank0 else None
 
     def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
         """Rank 0 writes the LoRA adapters alone in peft's format (``adapter_model.safetensors`` +
@@ -186,12 +235,21 @@ class FSDP2WeightLoader:
             raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
         tensors = {n: t.cpu().contiguous() for n, t in eng.named_adapter_tensors()}
         out = Path(out_dir)
+        error: BaseException | None = None
         if current_rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-            peft_config["default"].save_pretrained(str(out))
-        if dist.is_initialized():
-            dist.barrier()
+            try:
+                with atomic_directory(out) as tmp:
+                    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+                    peft_config["default"].save_pretrained(str(tmp))
+            except Exception as exc:
+                error = exc
+        agree(
+            error is None,
+            describe(error),
+            what=f"export_adapters({out})",
+            error_type=CheckpointError,
+            cause=error,
+        )
         return out if current_rank() == 0 else None
 
     @staticmethod
@@ -201,7 +259,10 @@ class FSDP2WeightLoader:
         get_base = getattr(base, "get_base_model", None)
         if callable(get_base):
             base = get_base()
-        cfg.architectures = [type(base).__name__]
+        # fully_shard swaps the class for a generated FSDP<Name> subclass: name the model's own class
+        arch = next(c for c in type(base).__mro__ if not c.__module__.startswith("torch."))
+        cfg = copy.deepcopy(cfg)  # the engine's config stays as built
+        cfg.architectures = [arch.__name__]
         cfg.save_pretrained(str(out))
         src = eng.config.model.path
         if src is not None:

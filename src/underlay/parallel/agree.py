@@ -1,0 +1,80 @@
+"""Collective success: operations that some ranks do alone (rank 0 writing files) fail on every rank.
+
+A rank-0-only file write that fails must not leave the other ranks waiting in the next collective
+until the process-group timeout. The pattern is::
+
+    error = None
+    if rank == 0:
+        try:
+            write()
+        except Exception as exc:
+            error = exc
+    agree(error is None, describe(error), what="export_hf", error_type=CheckpointError, cause=error)
+
+``agree`` is one small all-reduce on success and one gather of the reasons on failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from underlay.interfaces import UnderlayError
+
+__all__ = ["agree", "describe"]
+
+
+def describe(error: BaseException | None) -> str:
+    """``"Type: message"`` of ``error`` (``""`` for ``None``): the reason ``agree`` reports (``repr``
+    of an ``OSError`` drops the file name its message carries)."""
+    return "" if error is None else f"{type(error).__name__}: {error}"
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where a tensor must live for a collective on ``group``: host memory for gloo, the current
+    accelerator otherwise (nccl/hccl only reduce device tensors)."""
+    backend = str(dist.get_backend(group))
+    if backend == "gloo" or "gloo" in backend.split(","):
+        return torch.device("cpu")
+    from underlay.registry import get_device
+
+    dev = get_device()
+    return dev.torch_device(dev.current_index())
+
+
+def agree(
+    ok: bool,
+    reason: str = "",
+    *,
+    what: str = "collective operation",
+    group: Any = None,
+    error_type: type[UnderlayError] = UnderlayError,
+    cause: BaseException | None = None,
+) -> None:
+    """Agree across the ranks of ``group`` (default: the world) that ``what`` succeeded everywhere.
+
+    Every rank calls it with its own ``ok``. When all are ``True`` it returns (one all-reduce of one
+    int). When any is ``False``, EVERY rank raises ``error_type`` with the failing ranks and the first
+    failing rank's ``reason`` (rank 0's when it failed), chained to this rank's ``cause`` when given.
+    Without a process group it raises (or returns) on this rank alone. Collective: every rank of
+    ``group`` must call it, in the same order as its other collectives.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if not ok:
+            raise error_type(f"{what} failed: {reason or 'no reason given'}") from cause
+        return
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=_collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
+    failed = int(flag.item())
+    if failed == 0:
+        return
+    reasons: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, None if ok else (dist.get_rank(), reason), group=group)
+    bad = [r for r in reasons if r is not None]
+    first_rank, first_reason = bad[0]
+    others = f" (and ranks {[r for r, _ in bad[1:]]})" if len(bad) > 1 else ""
+    raise error_type(
+        f"{what} failed on rank {first_rank}{others}: {first_reason or 'no reason given'}"
+    ) from cause

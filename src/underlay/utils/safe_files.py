@@ -1,0 +1,462 @@
+"""Files that cannot run code, cannot load corrupt and cannot be half-written.
+
+Engine-neutral helpers shared by checkpointing and weight loading (engines may not import services,
+so they live here):
+
+- ``restricted_load``: unpickles only an allow-list of classes (what a ``torch.distributed.checkpoint``
+  ``.metadata`` file holds); anything else is refused with ``CheckpointError`` naming the file, and no
+  code from the file runs.
+- ``write_manifest`` / ``verify_manifest``: sizes and blake2b digests of every file of a directory,
+  written at save and verified before anything is loaded (``check_hash=False`` keeps the size check).
+- ``atomic_directory``: build a directory in a fresh sibling, fsync it, swap it in by renames;
+  ``recover_directory`` puts a crashed swap back together.
+- ``read_safetensors_dir``: the tensors of a Hugging Face directory (following
+  ``model.safetensors.index.json`` when present) with every file's header validated (names, shapes,
+  dtypes, sizes: a truncated file is refused) before one tensor is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import struct
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from underlay.interfaces import CheckpointError
+
+__all__ = [
+    "DCP_METADATA_CLASSES",
+    "MANIFEST_FILE",
+    "SafetensorsEntry",
+    "abort_directory",
+    "atomic_directory",
+    "begin_directory",
+    "commit_directory",
+    "digest_files",
+    "fsync_path",
+    "fsync_tree",
+    "iter_safetensors",
+    "list_files",
+    "read_safetensors_dir",
+    "recover_directory",
+    "restricted_load",
+    "verify_manifest",
+    "write_manifest",
+]
+
+MANIFEST_FILE = "MANIFEST.json"
+
+# (module, name) of every class a torch.distributed.checkpoint ``.metadata`` pickle may construct.
+# Their constructors only store their arguments; none reads or writes files or calls back into code.
+DCP_METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
+
+
+class _Restricted(pickle.Unpickler):
+    def __init__(self, fh: IO[bytes], allowed: frozenset[tuple[str, str]], source: str) -> None:
+        super().__init__(fh)
+        self._allowed = allowed
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in self._allowed:
+            return super().find_class(module, name)
+        raise CheckpointError(
+            f"{self._source}: refuses to unpickle {module}.{name} (not a type a checkpoint holds); the "
+            "file was tampered with or written by something else, nothing from it was run"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self._source}: holds a persistent reference {pid!r}; refused")
+
+
+def restricted_load(
+    fh: IO[bytes], *, source: str, allowed: frozenset[tuple[str, str]] = DCP_METADATA_CLASSES
+) -> Any:
+    """Unpickle ``fh`` constructing only the classes in ``allowed`` (plus torch dtypes and the
+    builtin containers and scalars pickle encodes without lookups). Anything else, and any malformed
+    pickle, raises ``CheckpointError`` naming ``source`` before any object of the file is called."""
+    try:
+        return _Restricted(fh, allowed, source).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{source}: not a readable pickle ({type(exc).__name__}: {exc})") from exc
+
+
+# ---------------------------------------------------------------------------------------- fsync
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory (its entries) so a crash after a rename cannot lose it."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (``path`` included)."""
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
+
+
+# ------------------------------------------------------------------------------------- manifest
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(directory: Path, skip: frozenset[str]) -> list[str]:
+    out = []
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(directory).as_posix()
+            if rel not in skip:
+                out.append(rel)
+    return sorted(out)
+
+
+def list_files(directory: Path, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Relative POSIX paths of every file under ``directory`` except the manifest and ``skip``, sorted
+    (the order ``digest_files`` shares split by rank)."""
+    return _files(Path(directory), frozenset((MANIFEST_FILE, *skip)))
+
+
+def digest_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"size": bytes, "blake2b": hex}}`` for ``names`` (relative to ``directory``): the
+    manifest entries of those files, computed where they are (ranks hash disjoint shares in parallel)."""
+    directory = Path(directory)
+    return {
+        rel: {"size": (directory / rel).stat().st_size, "blake2b": _digest(directory / rel)} for rel in names
+    }
+
+
+def write_manifest(
+    directory: Path,
+    *,
+    skip: tuple[str, ...] = (),
+    known: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """Write ``directory/MANIFEST.json``: size in bytes and blake2b-256 digest of every file under
+    ``directory`` (relative POSIX paths; ``skip`` names files written after the manifest). Entries in
+    ``known`` (from ``digest_files`` on other ranks) are used as given when their file's size still
+    matches; the rest are hashed here. Written to a temporary name, fsynced and renamed; returns its
+    path."""
+    directory = Path(directory)
+    known = known or {}
+    files: dict[str, dict[str, Any]] = {}
+    for rel in list_files(directory, skip=skip):
+        entry = known.get(rel)
+        if entry is None or entry["size"] != (directory / rel).stat().st_size:
+            entry = digest_files(directory, [rel])[rel]
+        files[rel] = entry
+    target = directory / MANIFEST_FILE
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"version": 1, "files": files}, fh, sort_keys=True, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    return target
+
+
+def verify_manifest(
+    directory: Path,
+    *,
+    check_hash: bool = True,
+    skip: tuple[str, ...] = (),
+    share: tuple[int, int] = (0, 1),
+) -> None:
+    """Check ``directory`` against its ``MANIFEST.json`` without loading anything else: every listed
+    file exists with its recorded size and (with ``check_hash``) digest, and no unlisted file is there
+    (``skip`` excepted). ``share=(rank, world)`` hashes only every ``world``-th listed file from
+    ``rank`` on (ranks verify disjoint shares in parallel; existence and sizes are checked for all).
+    Raises ``CheckpointError`` naming the first bad file and the cause."""
+    directory = Path(directory)
+    path = directory / MANIFEST_FILE
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        assert isinstance(files, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise CheckpointError(
+            f"{path}: missing or unreadable manifest ({exc}); the checkpoint is incomplete or corrupt"
+        ) from exc
+    rank, world = share
+    for i, (rel, entry) in enumerate(sorted(files.items())):
+        f = directory / rel
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{f}: listed in the manifest but missing; the checkpoint is corrupt"
+            ) from None
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"{f}: {size} bytes, the manifest recorded {entry['size']} (truncated or overwritten)"
+            )
+        if check_hash and i % world == rank and _digest(f) != entry["blake2b"]:
+            raise CheckpointError(f"{f}: blake2b digest differs from the manifest (the bytes are corrupt)")
+    extra = sorted(set(list_files(directory, skip=skip)) - set(files))
+    if extra:
+        raise CheckpointError(
+            f"{directory}: files not in the manifest {extra[:5]}; something wrote into the checkpoint after "
+            "it was saved"
+        )
+
+
+# ------------------------------------------------------------------------------ atomic directories
+
+
+def _sibling(final: Path, tag: str) -> Path:
+    return final.with_name(f"{final.name}.{tag}")
+
+
+def recover_directory(final: Path) -> None:
+    """Undo a swap of ``atomic_directory`` that a crash interrupted: when ``final`` is missing and
+    its ``.old`` copy exists, the old copy is renamed back; leftover ``.tmp-*`` build directories and
+    an ``.old`` next to a present ``final`` are removed. Safe to call at any time no swap runs."""
+    final = Path(final)
+    old = _sibling(final, "old")
+    if old.exists():
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+    for tmp in final.parent.glob(f"{final.name}.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def begin_directory(final: Path) -> Path:
+    """Recover ``final`` (``recover_directory``) and create a fresh empty sibling to build its new
+    contents in; finish with ``commit_directory`` or ``abort_directory``."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(final)
+    tmp = _sibling(final, f"tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    return tmp
+
+
+def commit_directory(tmp: Path, final: Path) -> None:
+    """fsync ``tmp`` and swap it in place of ``final``: rename ``final`` -> ``final.old``, rename
+    ``tmp`` -> ``final``, delete ``.old``. A crash between the renames leaves ``.old`` complete and
+    ``recover_directory(final)`` (run by the next ``begin_directory``) renames it back."""
+    fsync_tree(tmp)
+    old = _sibling(final, "old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def abort_directory(tmp: Path) -> None:
+    """Delete a build directory of ``begin_directory`` (the target is left as it was)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """``begin_directory`` / ``commit_directory`` around a block: yields a fresh empty sibling of
+    ``final`` that replaces ``final`` when the block completes; an exception in the block deletes it
+    and leaves ``final`` as it was."""
+    tmp = begin_directory(final)
+    try:
+        yield tmp
+    except BaseException:
+        abort_directory(tmp)
+        raise
+    commit_directory(tmp, Path(final))
+
+
+# ------------------------------------------------------------------------------- safetensors
+
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a safetensors directory: its file, shape and dtype (from the validated header)."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _header(path: Path) -> dict[str, SafetensorsEntry]:
+    """Parse and validate one safetensors header: JSON within the file, every tensor's byte range
+    matching its dtype and shape and lying inside the file (a truncated file fails here)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header (truncated)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{path}: header of {n} bytes exceeds the file ({size} bytes): truncated"
+                )
+            meta = json.loads(fh.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    out: dict[str, SafetensorsEntry] = {}
+    end_max = 0
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({exc})") from exc
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - start != numel * dtype.itemsize or start < 0:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} spans {end - start} bytes, {shape} {dtype} needs {numel * dtype.itemsize}"
+            )
+        end_max = max(end_max, end)
+        out[name] = SafetensorsEntry(path, shape, dtype)
+    if 8 + n + end_max > size:
+        raise CheckpointError(
+            f"{path}: {size} bytes, its header describes {8 + n + end_max}: the file is truncated"
+        )
+    return out
+
+
+def read_safetensors_dir(directory: Path) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a Hugging Face safetensors directory, validated before anything is loaded.
+
+    With ``model.safetensors.index.json``: exactly the files its ``weight_map`` names are read, each
+    must hold exactly the tensors mapped to it, and a ``*.safetensors`` file the index does not name
+    (a stale shard of an earlier export) is refused. Without an index: every ``*.safetensors`` file,
+    and a name in two files is refused. Every header is validated (``_header``). Raises
+    ``CheckpointError`` naming the file and the cause."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory; give a local HF model directory")
+    present = sorted(p.name for p in directory.glob("*.safetensors"))
+    index_path = directory / INDEX_FILE
+    where: dict[str, SafetensorsEntry] = {}
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+            raise CheckpointError(f"{index_path}: unreadable index ({exc})") from exc
+        by_file: dict[str, set[str]] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(str(fname), set()).add(str(name))
+        stale = sorted(set(present) - set(by_file))
+        if stale:
+            raise CheckpointError(
+                f"{directory}: {stale[:5]} are not in {INDEX_FILE} (left over from another export?); "
+                "remove them or re-export into an empty directory"
+            )
+        for fname, names in sorted(by_file.items()):
+            f = directory / fname
+            if not f.is_file():
+                raise CheckpointError(f"{f}: named by {INDEX_FILE} but missing")
+            header = _header(f)
+            if set(header) != names:
+                extra = sorted(set(header) - names)[:3]
+                lost = sorted(names - set(header))[:3]
+                raise CheckpointError(
+                    f"{f}: disagrees with {INDEX_FILE} (in the file only: {extra}, in the index only: "
+                    f"{lost}); the directory mixes two exports"
+                )
+            where.update(header)
+        return where
+    if not present:
+        raise CheckpointError(f"no *.safetensors in {directory}; convert the weights to safetensors first")
+    for fname in present:
+        for name, entry in _header(directory / fname).items():
+            if name in where:
+                raise CheckpointError(
+                    f"{directory}: tensor {name!r} is in both {where[name].file.name} and {fname} "
+                    f"(two exports mixed, and no {INDEX_FILE} says which is current)"
+                )
+            where[name] = entry
+    return where
+
+
+def iter_safetensors(
+    entries: Mapping[str, SafetensorsEntry], wanted: Callable[[str], bool]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read the tensors of ``entries`` that ``wanted`` accepts, one at a time, file by file.
+    Read errors raise ``CheckpointError`` naming the file."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, entry in entries.items():
+        if wanted(name):
+            by_file.setdefault(entry.file, []).append(name)
+    for f, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for name in names:
+                    yield name, handle.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{f}: reading failed ({type(exc).__name__}: {exc})") from exc
