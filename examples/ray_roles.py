@@ -117,7 +117,9 @@ def _step(roles: Mapping[str, Any], batch: TokenBatch, turn: Any) -> dict[str, f
     }
 
 
-def run(mode: str = "colocated", world_size: int = 2, steps: int = 2, device: str | None = None) -> dict[str, Any]:
+def run(
+    mode: str = "colocated", world_size: int = 2, steps: int = 2, device: str | None = None
+) -> dict[str, Any]:
     """Run ``steps`` iterations in ``mode`` (``"colocated"`` or ``"separate"``); returns per-step metrics
     and, for colocated runs, rank 0's engine-call log ``(role, method, roles resident)``. Ray must be
     running or startable (``underlay.launch.ray.ensure_ray``)."""

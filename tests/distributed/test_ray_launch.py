@@ -152,7 +152,10 @@ def _rank_env() -> dict[str, Any]:
     return {
         "rank": dist.get_rank(),
         "world": dist.get_world_size(),
-        **{k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")},
+        **{
+            k: os.environ.get(k)
+            for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+        },
     }
 
 
@@ -164,7 +167,9 @@ def test_accelerator_bundles_visible_devices_and_local_rank(resource: str, env: 
     with WorkerGroup(2, device="cpu", resources=RankResources(resource, env), name=f"acc-{resource}") as g:
         infos = g.ranks
         got = g.run(_rank_env)
-        pg_bundles = [pg["bundles"] for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+        pg_bundles = [
+            pg["bundles"] for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"
+        ]
         assert [{"CPU": 1.0, resource: 1.0}] * 2 in [list(b.values()) for b in pg_bundles]
     assert [i.rank for i in infos] == [0, 1] and {i.node_ip for i in infos} == {infos[0].node_ip}
     assert [i.local_rank for i in infos] == [0, 1]
@@ -193,8 +198,13 @@ def _torchrun_step(rank: int, world: int) -> dict[str, Any]:
     engine = underlay.get_engine(engine_config(llama_config()))
     res = engine.forward_backward(share, pg_loss)
     opt = engine.optimizer_step()
-    out = engine.infer(share)
-    return {"metrics": dict(res.metrics), "grad_norm": opt.grad_norm, "log_probs": out.log_probs, "entropy": out.entropy}
+    out = engine.infer(share, with_entropy=True)
+    return {
+        "metrics": dict(res.metrics),
+        "grad_norm": opt.grad_norm,
+        "log_probs": out.log_probs,
+        "entropy": out.entropy,
+    }
 
 
 @pytest.mark.slow
@@ -206,7 +216,7 @@ def test_fsdp2_step_through_ray_equals_torchrun_processes() -> None:
         assert actor.layout.world_size == 2 and actor.layout.dp == 2
         res = actor.forward_backward(batch, pg_loss)
         opt = actor.optimizer_step()
-        out = actor.infer(batch)
+        out = actor.infer(batch, with_entropy=True)
     assert res.metrics == ref[0]["metrics"] and opt.grad_norm == ref[0]["grad_norm"]
     want_lp = torch.cat([ref[0]["log_probs"], ref[1]["log_probs"]])
     want_ent = torch.cat([ref[0]["entropy"], ref[1]["entropy"]])
@@ -312,3 +322,41 @@ def test_colocated_roles_alternate_and_match_separate_groups() -> None:
         assert resident == (role,), (role, method, resident)
     turns = [(r, m) for r, m, _ in colo["call_log"] if m in ("offload", "onload")]
     assert ("actor", "offload") in turns and ("actor", "onload") in turns
+
+
+# ------------------------------------------------------------------------------ demo on Ray
+
+
+@pytest.mark.slow
+def test_demo_with_ray_launcher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from underlay import cli
+    from underlay.checkpoint import latest
+
+    out = tmp_path / "out"
+    argv = ["demo", "--launcher", "ray", "--steps", "2", "--world-size", "2", "--prompts-per-step", "2"]
+    argv += ["--responses-per-prompt", "2", "--max-new-tokens", "4", "--out-dir", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "ranks as Ray actors" in printed
+    assert "-> identical" in printed and "tokenizer round trip ok" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["engine"] == "fsdp2"
+    res, exp = summary["resume"], summary["export"]
+    assert res["identical"] and res["step"] == 1
+    assert latest(out / "checkpoints") == Path(res["checkpoint"])
+    assert exp["max_abs_logit_diff"] <= 1e-5 and exp["max_abs_logprob_diff_vs_engine"] <= 1e-4
+    assert _all_free() and not _live_placement_groups()
+
+
+def test_demo_ray_launcher_refuses_bad_input_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from underlay import cli
+
+    # 3 prompts do not split over 2 ranks: refused before any actor starts, as with the torch launcher
+    argv = ["demo", "--launcher", "ray", "--steps", "2", "--world-size", "2", "--prompts-per-step", "3"]
+    assert cli.main([*argv, "--out-dir", str(tmp_path)]) == 2
+    assert "does not split over 2" in capsys.readouterr().err
+    assert not _live_placement_groups()
