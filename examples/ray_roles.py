@@ -64,6 +64,9 @@ def configs(seed: int = 0) -> dict[str, EngineConfig]:
         max_position_embeddings=32,
         tie_word_embeddings=False,
     )
+    # the value head of LlamaForTokenClassification applies dropout (0.1 unless configured) in training,
+    # which draws from each rank's RNG; without it a step does not depend on how the batch is split
+    critic_hf = LlamaConfig(**{**hf.to_dict(), "classifier_dropout": 0.0})
     common: dict[str, Any] = dict(
         optim=OptimConfig(lr=1e-3, eps=1e-6, grad_clip=1.0),
         micro_batch_max_tokens=24,
@@ -73,7 +76,7 @@ def configs(seed: int = 0) -> dict[str, EngineConfig]:
     return {
         "actor": EngineConfig(model=ModelConfig(hf_config=hf, seed=seed), **common),
         "reference": EngineConfig(model=ModelConfig(hf_config=hf, seed=seed), **common),
-        "critic": EngineConfig(model=ModelConfig(hf_config=hf, seed=seed + 1, kind="value"), **common),
+        "critic": EngineConfig(model=ModelConfig(hf_config=critic_hf, seed=seed + 1, kind="value"), **common),
     }
 
 

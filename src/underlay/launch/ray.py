@@ -656,7 +656,9 @@ class WorkerGroup:
         host = "unknown host"
         if info is not None and info.node_ip != "?":
             host = f"{info.node_ip} ({info.hostname}, pid {info.pid})"
-        self.shutdown()
+        # no graceful step: the other ranks may be blocked in a collective with the failed one, and an
+        # actor runs one call at a time, so a shutdown call would only queue behind the blocked one
+        self.shutdown(graceful_timeout_s=0)
         raise RankFailure(rank, self.world_size, host, what, cause, detail)
 
     # ------------------------------------------------------------------------------- calling
