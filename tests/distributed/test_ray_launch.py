@@ -120,6 +120,23 @@ def test_dispatch_gather_preserve_order_uneven(n: int) -> None:
         split_batch(global_batch(0, n=2), 3)
 
 
+def test_object_store_transport_is_zero_copy_and_keeps_dtypes() -> None:
+    from underlay.launch.ray import _Wire, _WireBatch
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.float16):
+        t = (torch.randn(5, 7, generator=g) * 100).to(dtype)
+        wire = ray.get(ray.put(_Wire.of(t)))
+        assert not wire.array.flags.writeable  # a view of Ray's shared memory, not a pickled copy
+        back = wire.tensor()
+        assert back.dtype == dtype and torch.equal(back, t)
+        back.add_(1)  # the copy handed to an engine is private and writable
+    batch = global_batch(seed=5, n=5)
+    got = ray.get(ray.put(_WireBatch.of(batch))).batch()
+    assert torch.equal(got.input_ids, batch.input_ids) and torch.equal(got.loss_mask, batch.loss_mask)
+    assert torch.equal(got.extras["advantages"], batch.extras["advantages"])
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -420,11 +420,8 @@ class _RankWorker:
         device = engine.device.torch_device()
         args = tuple(a.batch(device) if isinstance(a, _WireBatch) else a for a in _resolve(args))
         result = getattr(engine, method)(*args, **kwargs)
-        if isinstance(result, TokenOutputs):
-            return _WireOutputs.of(result)
-        if method == "save_checkpoint" or method == "load_checkpoint":
-            return None
-        return result
+        # per-token outputs go back as numpy arrays (zero-copy through the object store)
+        return _WireOutputs.of(result) if isinstance(result, TokenOutputs) else result
 
     def call_log(self) -> list[tuple[str, str, tuple[str, ...]]]:
         return list(self.calls)
