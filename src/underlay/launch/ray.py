@@ -369,6 +369,21 @@ class _RankWorker:
         self.resident: dict[str, bool] = {}
         self.calls: list[tuple[str, str, tuple[str, ...]]] = []
         self.device: Device | None = None
+        self.failed_at: float | None = None
+
+    @contextmanager
+    def _recording(self) -> Iterator[None]:
+        # wall-clock time of the first raise, so the controller can tell the rank that failed first from
+        # the ranks whose collectives broke because of it
+        try:
+            yield
+        except BaseException:
+            if self.failed_at is None:
+                self.failed_at = time.time()
+            raise
+
+    def first_failure_time(self) -> float | None:
+        return self.failed_at
 
     def describe(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
@@ -391,23 +406,30 @@ class _RankWorker:
         from underlay.parallel.distributed import init_distributed
         from underlay.registry import get_device
 
-        self.device = get_device(device_name)
-        init_distributed(self.device, timeout_s=timeout_s)
+        with self._recording():
+            self.device = get_device(device_name)
+            init_distributed(self.device, timeout_s=timeout_s)
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return fn(*_resolve(args), **kwargs)
+        with self._recording():
+            return fn(*_resolve(args), **kwargs)
 
     def build_engine(self, role: str, config: EngineConfig, engine_name: str | None) -> dict[str, Any]:
         from underlay.registry import get_engine
 
         if role in self.engines:
             raise InvalidInput(f"role {role!r} already has an engine on this rank")
-        engine = get_engine(config, engine_name)
+        with self._recording():
+            engine = get_engine(config, engine_name)
         self.engines[role] = engine
         self.resident[role] = True
         return _layout_sizes(engine.layout)
 
     def engine_call(self, role: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._recording():
+            return self._engine_call(role, method, args, kwargs)
+
+    def _engine_call(self, role: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         engine = self.engines.get(role)
         if engine is None:
             raise InvalidInput(f"no engine for role {role!r} on this rank; built: {sorted(self.engines)}")
@@ -472,7 +494,8 @@ class WorkerGroup:
     every rank after the group starts (``engine_name`` selects the engine backend, default
     ``UNDERLAY_ENGINE``). ``env``: extra environment variables of every rank, set when its process
     starts. ``ready_timeout_s`` bounds waiting for the placement group and for the ranks to start;
-    ``collective_timeout_s`` is the process group's timeout.
+    ``collective_timeout_s`` is the process group's timeout. ``failure_grace_s``: after a rank raises,
+    how long the controller waits for the other ranks before naming the one that failed first.
 
     Raises, before any actor starts: ``InvalidInput`` for ``world_size < 1``; ``ConfigError`` when an
     engine's parallel sizes do not divide ``world_size``, when the cluster has no resource of that name,
@@ -492,6 +515,7 @@ class WorkerGroup:
         name: str = "underlay",
         ready_timeout_s: float = 180.0,
         collective_timeout_s: float = 1800.0,
+        failure_grace_s: float = 5.0,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise InvalidInput(f"WorkerGroup: world_size={world_size!r} must be an int >= 1")
@@ -503,6 +527,7 @@ class WorkerGroup:
             resources = RankResources.from_device(get_device(device))
         ensure_ray()
         self.world_size, self.name, self.resources = world_size, name, resources
+        self.failure_grace_s = failure_grace_s
         self._device_name = device
         self._engine_name = engine_name
         self._actors: list[Any] = []
@@ -628,27 +653,59 @@ class WorkerGroup:
         timeout_s: float | None = None,
         ranks: Sequence[int] | None = None,
     ) -> list[Any]:
-        """Values of ``refs`` (one per rank in ``ranks``, default every rank in order). The first failure
-        of any of them shuts the group down and raises ``RankFailure``; so does ``timeout_s`` passing
-        with some still pending (the first pending rank is named)."""
+        """Values of ``refs`` (one per rank in ``ranks``, default every rank in order).
+
+        A failure shuts the group down and raises ``RankFailure`` naming the rank that failed first:
+        a process death is reported at once (it is the cause: the others' collectives break because of
+        it); an exception waits up to ``failure_grace_s`` for the other ranks to finish, fail or die, and
+        then a death, else the exception raised earliest, is named (the others are listed as
+        consequences). ``timeout_s`` passing with some ranks still pending is a failure of the lowest
+        pending rank."""
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         rank_of = {ref: r for ref, r in zip(refs, ranks)}
         pending = list(refs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failures: dict[int, RayError] = {}
+        grace_end: float | None = None
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left if left is not None else None)
-            if not ready:
-                r = min(rank_of[p] for p in pending)
-                self._fail(r, what, f"no answer within {timeout_s:g} s", "timeout")
+            limits = [t for t in (deadline, grace_end) if t is not None]
+            left = max(0.0, min(limits) - time.monotonic()) if limits else None
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             for ref in ready:
                 try:
                     ray.get(ref)
                 except RayError as exc:
-                    self._fail(rank_of[ref], what, _cause(exc), str(exc))
+                    failures[rank_of[ref]] = exc
+            if any(isinstance(e, RayActorError) for e in failures.values()):
+                break
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + self.failure_grace_s
+            if not ready:
+                if failures:  # the grace period is over
+                    break
+                r = min(rank_of[p] for p in pending)
+                self._fail(r, what, f"no answer within {timeout_s:g} s", "timeout", {})
+        if failures:
+            rank = self._root_cause(failures)
+            others = {r: _cause(e) for r, e in failures.items() if r != rank}
+            self._fail(rank, what, _cause(failures[rank]), str(failures[rank]), others)
         return list(ray.get(list(refs)))
 
-    def _fail(self, rank: int, what: str, cause: str, detail: str) -> None:
+    def _root_cause(self, failures: Mapping[int, RayError]) -> int:
+        deaths = sorted(r for r, e in failures.items() if isinstance(e, RayActorError))
+        if deaths:
+            return deaths[0]
+        times: dict[int, float] = {}
+        for r in failures:
+            try:
+                t = ray.get(self._actors[r].first_failure_time.remote(), timeout=5.0)
+            except RayError:
+                continue
+            if t is not None:
+                times[r] = float(t)
+        return min(failures, key=lambda r: (times.get(r, float("inf")), r))
+
+    def _fail(self, rank: int, what: str, cause: str, detail: str, others: Mapping[int, str]) -> None:
         info = self._infos[rank] if rank < len(self._infos) else None
         host = "unknown host"
         if info is not None and info.node_ip != "?":
@@ -656,6 +713,8 @@ class WorkerGroup:
         # no graceful step: the other ranks may be blocked in a collective with the failed one, and an
         # actor runs one call at a time, so a shutdown call would only queue behind the blocked one
         self.shutdown(graceful_timeout_s=0)
+        if others:
+            cause += "; then " + "; ".join(f"rank {r}: {c}" for r, c in sorted(others.items()))
         raise RankFailure(rank, self.world_size, host, what, cause, detail)
 
     # ------------------------------------------------------------------------------- calling
