@@ -8,6 +8,7 @@ GPUs and NPUs are stood in for by Ray resources declared on the local node (``nu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -39,6 +40,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.distributed, pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
 CPUS = 4
+# the Ulysses size is being renamed from ``sp`` to ``ulysses``; these tests take whichever exists
+ULYSSES = "ulysses" if "ulysses" in {f.name for f in dataclasses.fields(ParallelConfig)} else "sp"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,7 +93,7 @@ def _live_placement_groups() -> list[str]:
 
 def test_dp_coordinates_follow_engine_rank_order() -> None:
     # fsdp2: data mesh (dp, ulysses), ulysses ranks consecutive
-    lay = ParallelLayout.infer(8, sp=2)
+    lay = ParallelLayout.infer(8, **{ULYSSES: 2})
     assert [dp_coordinates(r, lay) for r in range(8)] == [(r // 2, 4) for r in range(8)]
     # megatron order tp-cp-ep-dp-pp: tp fastest, then cp, then dp, pp slowest
     lay = ParallelLayout.infer(16, tp=2, cp=2, pp=2)
@@ -103,7 +106,7 @@ def test_dp_coordinates_follow_engine_rank_order() -> None:
 @pytest.mark.parametrize("n", [4, 5, 7, 8, 9])
 def test_dispatch_gather_preserve_order_uneven(n: int) -> None:
     batch = global_batch(seed=n, n=n)
-    lay = ParallelLayout.infer(6, sp=2)  # 3 shares, 2 ranks each
+    lay = ParallelLayout.infer(6, **{ULYSSES: 2})  # 3 shares, 2 ranks each
     shares = dispatch_batch(batch, lay)
     sizes = [s.batch_size for s in split_batch(batch, 3)]
     assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
@@ -148,8 +151,8 @@ def test_bad_input_refused_before_any_actor_starts() -> None:
         WorkerGroup(2, device="cpu", resources=RankResources("TPU_V9", None))
     with pytest.raises(ConfigError, match=r"GPU: needs 3, cluster has 2"):
         WorkerGroup(3, device="cpu", resources=RankResources("GPU", "CUDA_VISIBLE_DEVICES"))
-    cfg = engine_config(llama_config(), parallel=ParallelConfig(sp=3))
-    with pytest.raises(ConfigError, match=r"engine 'actor'.*sp=3"):
+    cfg = engine_config(llama_config(), parallel=ParallelConfig(**{ULYSSES: 3}))
+    with pytest.raises(ConfigError, match=r"engine 'actor'.*3"):
         WorkerGroup(2, device="cpu", engines={"actor": cfg})
     cfg = engine_config(llama_config(), parallel=ParallelConfig(dp_replicate=3))
     with pytest.raises(ConfigError, match=r"not divisible"):
