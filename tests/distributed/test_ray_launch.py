@@ -342,6 +342,9 @@ def test_colocated_roles_alternate_and_match_separate_groups() -> None:
         assert resident == (role,), (role, method, resident)
     turns = [(r, m) for r, m, _ in colo["call_log"] if m in ("offload", "onload")]
     assert ("actor", "offload") in turns and ("actor", "onload") in turns
+    for role in ("actor", "reference", "critic"):  # built on the device; then strictly off, on, off, ...
+        seq = [m for r, m in turns if r == role]
+        assert seq == ["offload", "onload"] * (len(seq) // 2) + ["offload"] * (len(seq) % 2), (role, seq)
 
 
 # ------------------------------------------------------------------------------ demo on Ray

@@ -534,6 +534,7 @@ class WorkerGroup:
         self._pg: Any = None
         self._infos: list[RankInfo] = []
         self._layouts: dict[str, ParallelLayout] = {}
+        self._resident: dict[str, bool] = {}  # role -> on the device (not offloaded), as the ranks report
         self._check_capacity()
         try:
             self._start(dict(env or {}), ready_timeout_s, collective_timeout_s)
@@ -780,6 +781,7 @@ class WorkerGroup:
         refs = [a.build_engine.remote(role, config, self._engine_name) for a in self._actors]
         sizes = self._wait(refs, f"building engine {role!r}", timeout_s)
         self._layouts[role] = ParallelLayout(**sizes[0])
+        self._resident[role] = True
         return EngineGroup(self, role)
 
     def engine(self, role: str) -> EngineGroup:
@@ -813,14 +815,15 @@ class WorkerGroup:
 
     @contextmanager
     def colocated(self, role: str, *, timeout_s: float | None = None) -> Iterator[EngineGroup]:
-        """Give the device to ``role``: offload every other resident role of this group, onload
-        ``role``, yield its handle. Roles stay where they are after the block, so consecutive turns of
+        """Give the device to ``role``: offload every other role of this group that is on the device,
+        onload ``role`` if it is off, yield its handle. Roles stay where they are after the block, so consecutive turns of
         one role cost no transfer."""
         handle = self.engine(role)
         for other in sorted(self._layouts):
-            if other != role:
-                self.get(self.submit_engine(other, "offload"), timeout_s=timeout_s, what=f"offload {other!r}")
-        self.get(self.submit_engine(role, "onload"), timeout_s=timeout_s, what=f"onload {role!r}")
+            if other != role and self._resident.get(other, False):
+                handle.group.engine(other).offload(timeout_s=timeout_s)
+        if not self._resident.get(role, False):
+            handle.onload(timeout_s=timeout_s)
         yield handle
 
     def call_log(self, rank: int = 0) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -846,6 +849,7 @@ class WorkerGroup:
                 remove_placement_group(self._pg)
             self._pg = None
         self._layouts.clear()
+        self._resident.clear()
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -909,7 +913,10 @@ class EngineGroup:
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """``engine.<method>(*args, **kwargs)`` on every rank; the per-rank results in rank order."""
         refs = self.group.submit_engine(self.role, method, [args] * self.group.world_size, **kwargs)
-        return self.group.get(refs, timeout_s=timeout_s, what=f"{self.role}.{method}")
+        out = self.group.get(refs, timeout_s=timeout_s, what=f"{self.role}.{method}")
+        if method in ("offload", "onload"):
+            self.group._resident[self.role] = method == "onload"
+        return out
 
     def forward_backward(
         self, batch: TokenBatch, loss_fn: LossFn, *, timeout_s: float | None = None
@@ -938,13 +945,13 @@ class EngineGroup:
         """Advance the LR schedule; the new learning rate."""
         return float(self.call("lr_scheduler_step")[0])
 
-    def offload(self, **kwargs: bool) -> None:
-        """``engine.offload(**kwargs)`` on every rank."""
-        self.call("offload", **kwargs)
+    def offload(self, *, timeout_s: float | None = None, **kwargs: bool) -> None:
+        """``engine.offload(**kwargs)`` on every rank; the role counts as off the device afterwards."""
+        self.call("offload", timeout_s=timeout_s, **kwargs)
 
-    def onload(self, **kwargs: bool) -> None:
-        """``engine.onload(**kwargs)`` on every rank."""
-        self.call("onload", **kwargs)
+    def onload(self, *, timeout_s: float | None = None, **kwargs: bool) -> None:
+        """``engine.onload(**kwargs)`` on every rank; the role counts as on the device afterwards."""
+        self.call("onload", timeout_s=timeout_s, **kwargs)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """``engine.save_checkpoint`` into ``directory`` (a path every rank can reach: shared storage on
