@@ -53,14 +53,22 @@ def local_ray() -> Iterator[None]:
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)] + ([old] if old else []))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(
-        num_cpus=CPUS,
-        num_gpus=2,
-        resources={"NPU": 2, "FAKE_ACCEL": 2},
-        include_dashboard=False,
-        object_store_memory=96 * 2**20,
-        log_to_driver=False,
-    )
+    for attempt in range(3):
+        try:
+            ray.init(
+                num_cpus=CPUS,
+                num_gpus=2,
+                resources={"NPU": 2, "FAKE_ACCEL": 2},
+                include_dashboard=False,
+                object_store_memory=96 * 2**20,
+                log_to_driver=False,
+            )
+            break
+        except Exception as exc:
+            # Ray gives its raylet a fixed 30 s to register; an overloaded host can miss that once
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
     try:
         yield
     finally:
