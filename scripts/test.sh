@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-echo "== ruff"; .venv/bin/ruff check src tests benchmarks
+echo "== ruff"; .venv/bin/ruff check src tests benchmarks examples
 echo "== mypy --strict src"; .venv/bin/mypy --strict src
 echo "== import contracts"; .venv/bin/lint-imports
 echo "== pytest"

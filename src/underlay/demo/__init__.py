@@ -1,7 +1,8 @@
 """``underlay demo``: a miniature GRPO run over the whole library (see ``underlay.demo.grpo``).
 
 The device comes from ``UNDERLAY_DEVICE`` (cpu: ``--world-size`` gloo processes; an accelerator: one
-process per visible device, at most ``--world-size``), the engine from ``UNDERLAY_ENGINE``. The task:
+process per visible device, at most ``--world-size``), the engine from ``UNDERLAY_ENGINE``.
+``--launcher ray`` runs the ranks as Ray actors (a local Ray started for the run, or ``RAY_ADDRESS``). The task:
 answer with the word the prompt names, from a jsonl dataset the run writes, through underlay.data (a
 BPE tokenizer trained on it, a chat template, a resumable sampler). Outputs under ``--out-dir``:
 ``data/echo_train.jsonl``, ``demo/metrics.jsonl`` and ``demo/tensorboard/``, ``profile/`` (a
@@ -47,16 +48,24 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="response length limit")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument(
+        "--launcher",
+        choices=("torch", "ray"),
+        default="torch",
+        help="torch: spawned local processes (default); ray: Ray actors on a local Ray started for the "
+        "run, or the cluster at RAY_ADDRESS (needs underlay[ray])",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_demo)
     return p
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run the demo and return its summary (the dict written to ``out_dir/summary.json``)."""
+def run_demo(cfg: DemoConfig, launcher: str = "torch") -> dict[str, Any]:
+    """Run the demo with ``launcher`` (``"torch"`` or ``"ray"``) and return its summary (the dict
+    written to ``out_dir/summary.json``)."""
     from underlay.demo.launch import launch
 
-    return launch(cfg)
+    return launch(cfg, launcher)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -74,5 +83,5 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         lr=args.lr,
         progress=not args.no_progress,
     )
-    print(format_summary(run_demo(cfg)))
+    print(format_summary(run_demo(cfg, args.launcher)))
     return 0

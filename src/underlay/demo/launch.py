@@ -14,7 +14,7 @@ from typing import Any
 from underlay.demo.config import DemoConfig
 from underlay.interfaces import ConfigError, UnderlayError
 
-__all__ = ["OUTPUTS", "format_summary", "launch", "world_size_for"]
+__all__ = ["LAUNCHERS", "OUTPUTS", "format_summary", "launch", "world_size_for"]
 
 OUTPUTS = ("demo", "data", "checkpoints", "profile", "hf_export", "summary.json", ".errors")
 """What a run writes under ``out_dir`` (and removes from an earlier run there before it starts)."""
@@ -104,22 +104,70 @@ def _raise_child_error(out: Path, exc: BaseException) -> None:
     raise exc
 
 
-def launch(cfg: DemoConfig) -> dict[str, Any]:
-    """Run the demo in ``world_size_for(cfg.world_size)`` spawned processes (gloo on the cpu, the
-    device's collective backend otherwise) and return rank 0's summary (also in
-    ``out_dir/summary.json``). Earlier demo outputs in ``out_dir`` (``OUTPUTS``) are removed first.
+LAUNCHERS = ("torch", "ray")
+"""``torch``: spawned local processes; ``ray``: Ray actors (``underlay.launch.ray.WorkerGroup``)."""
 
-    An ``UnderlayError`` in any process is re-raised here as ``UnderlayError`` naming the rank and the
-    original type and message; any other failure as ``RuntimeError`` carrying the child's traceback.
+
+def _ray_rank(cfg: DemoConfig, out_dir: str, world: int) -> dict[str, Any]:
+    """The demo on one Ray actor rank (its process group is already initialised by the group)."""
+    import torch
+    import transformers
+
+    from underlay.demo.grpo import run_rank
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    hf_logging: Any = transformers.utils.logging
+    hf_logging.disable_progress_bar()
+    return run_rank(cfg, out_dir)
+
+
+def _launch_ray(cfg: DemoConfig, out: Path) -> None:
+    """The ranks as Ray actors: joins ``RAY_ADDRESS`` or an initialised Ray, else starts a local one
+    (and stops it afterwards). ``cfg.world_size`` ranks, each reserving one device of the selected
+    backend's Ray resource (one CPU on the cpu). A failed rank raises ``RankFailure`` (an
+    ``UnderlayError``) naming the rank, its host and the cause."""
+    import ray
+
+    from underlay.launch.ray import WorkerGroup, ensure_ray
+
+    world = cfg.world_size
+    cfg.check_world(world)
+    started = ensure_ray(num_cpus=max(world, os.cpu_count() or 1))
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+    }
+    try:
+        with WorkerGroup(world, env=env, name="underlay-demo", collective_timeout_s=600.0) as group:
+            group.run(_ray_rank, cfg, str(out), world)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def launch(cfg: DemoConfig, launcher: str = "torch") -> dict[str, Any]:
+    """Run the demo and return rank 0's summary (also in ``out_dir/summary.json``). Earlier demo outputs
+    in ``out_dir`` (``OUTPUTS``) are removed first.
+
+    ``launcher="torch"``: ``world_size_for(cfg.world_size)`` spawned local processes (gloo on the cpu,
+    the device's collective backend otherwise); an ``UnderlayError`` in any process is re-raised here as
+    ``UnderlayError`` naming the rank and the original type and message, any other failure as
+    ``RuntimeError`` carrying the child's traceback. ``launcher="ray"``: ``cfg.world_size`` Ray actors
+    (see ``_launch_ray``); a failure raises ``underlay.launch.ray.RankFailure``. Raises ``ConfigError``
+    for another launcher name.
     """
     import importlib
 
     from underlay.parallel.distributed import free_port
 
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"demo --launcher={launcher!r}: use one of {LAUNCHERS}")
     # the module (``torch.multiprocessing.spawn`` as an attribute is the function of that name)
     spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
 
-    world = world_size_for(cfg.world_size)
+    world = world_size_for(cfg.world_size) if launcher == "torch" else cfg.world_size
     cfg.check_world(world)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,15 +178,23 @@ def launch(cfg: DemoConfig) -> dict[str, Any]:
         elif p.exists():
             p.unlink()
     t0 = time.perf_counter()
+    if launcher == "ray":
+        _launch_ray(cfg, out)
+    else:
+        _start_processes(spawn, cfg, world, out, free_port())
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    summary["launch_wall_s"] = time.perf_counter() - t0
+    summary["launcher"] = launcher
+    return summary
+
+
+def _start_processes(spawn: Any, cfg: DemoConfig, world: int, out: Path, port: int) -> None:
     try:
         spawn.start_processes(
-            _worker, args=(cfg, world, free_port(), str(out)), nprocs=world, join=True, start_method="spawn"
+            _worker, args=(cfg, world, port, str(out)), nprocs=world, join=True, start_method="spawn"
         )
     except (spawn.ProcessRaisedException, spawn.ProcessExitedException) as exc:
         _raise_child_error(out, exc)
-    summary: dict[str, Any] = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    summary["launch_wall_s"] = time.perf_counter() - t0
-    return summary
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:
@@ -156,6 +212,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"({summary['parameters'] / 1e6:.2f} M params), {summary['engine']} on {summary['world_size']} x "
         f"{summary['device']} ({summary['device_model']}, {summary['param_dtype']}), {summary['wall_s']:.1f} s in the workers"
         + (f", {summary['launch_wall_s']:.1f} s with process start" if "launch_wall_s" in summary else "")
+        + (" (ranks as Ray actors)" if summary.get("launcher") == "ray" else "")
     )
     cols = [
         ("step", "step", "d"),

@@ -1,0 +1,963 @@
+"""Ranks as Ray actors: worker groups, collective calls, batch dispatch, colocated roles, failures.
+
+A ``WorkerGroup`` places ``world_size`` ranks as Ray actors in one placement group (one bundle per rank:
+one accelerator of the device's Ray resource plus ``cpus_per_rank`` CPUs, ``PACK`` strategy so ranks fill
+a node before the next one), sets each rank's rendezvous (``MASTER_ADDR`` / ``MASTER_PORT`` found free on
+rank 0's node, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, the device's visible-devices variable) and runs
+``underlay.init_distributed`` there. Ranks are numbered node by node (rank 0's node first, then the others
+in the order their first bundle appears), so the ranks of one node are consecutive, as torchrun numbers
+them. The controller (the driver process) then calls functions or engine methods on every rank.
+
+Ray is found from the running driver (``ray.init`` already called) or started by ``ensure_ray``, which
+honours ``RAY_ADDRESS`` (an existing cluster) and otherwise starts a local one. ``import underlay`` does
+not import this module or Ray.
+
+Failures: every collective wait polls all ranks together; the first rank whose call raised or whose
+process died (killed, crashed, its node lost) makes the controller kill every actor of the group and
+remove its placement group, then raise ``RankFailure`` naming the rank, its host and the cause. Ranks
+blocked in a collective with the dead rank die with the group instead of waiting for the collective
+timeout. A new group can be started in the same driver afterwards.
+
+Data: ``TokenBatch`` shares and per-token outputs travel through Ray's object store as numpy arrays
+(``ray.put`` once per data-parallel share; every rank of a model-parallel group gets the same object
+ref), so a rank reads them from shared memory without a pickle copy; the rank copies a share once, onto
+its device (or into private host memory on the cpu), before an engine sees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import socket
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from underlay.interfaces import (
+    ConfigError,
+    Device,
+    EngineConfig,
+    InvalidInput,
+    LossFn,
+    OptimizerStepResult,
+    ParallelConfig,
+    ParallelEngine,
+    ParallelLayout,
+    StepResult,
+    TokenBatch,
+    TokenOutputs,
+    UnderlayError,
+)
+
+try:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as _exc:  # pragma: no cover - exercised only without ray installed
+    raise ImportError(
+        f"underlay.launch.ray needs Ray ({_exc}); install it with: pip install 'underlay[ray]'"
+    ) from _exc
+
+__all__ = [
+    "EngineGroup",
+    "PlacementTimeout",
+    "RankFailure",
+    "RankInfo",
+    "RankResources",
+    "WorkerGroup",
+    "dispatch_batch",
+    "dp_coordinates",
+    "ensure_ray",
+    "gather_outputs",
+    "split_batch",
+]
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+class RankFailure(UnderlayError, RuntimeError):
+    """A rank of a ``WorkerGroup`` failed: its call raised, or its process died (killed, crashed, node
+    lost), or it did not answer within the call's timeout. ``rank``, ``host`` (node IP and hostname) and
+    ``cause`` (one line: exception type and message, or how the process died) name it; ``detail`` holds
+    Ray's full report (the remote traceback when there is one). The group is already shut down."""
+
+    def __init__(self, rank: int, world_size: int, host: str, what: str, cause: str, detail: str) -> None:
+        self.rank, self.world_size, self.host, self.cause, self.detail = rank, world_size, host, cause, detail
+        super().__init__(
+            f"rank {rank} of {world_size} on {host} failed during {what}: {cause}; the worker group was "
+            "shut down (all its actors killed, its placement group removed)"
+        )
+
+
+class PlacementTimeout(UnderlayError, RuntimeError):
+    """The cluster has the resources a group needs, but they stayed taken (by other groups or tasks)
+    for the whole ``ready_timeout_s``; nothing of the group is left behind."""
+
+
+# ------------------------------------------------------------------------------------ resources
+
+
+@dataclass(frozen=True)
+class RankResources:
+    """What one rank reserves in Ray, and how it finds its accelerator.
+
+    ``accelerator``: the Ray resource of one device (``"GPU"``, ``"NPU"``, or any custom resource), or
+    ``None`` for cpu ranks. ``visible_devices_env``: the variable that restricts a process to devices
+    (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``), or ``None``. ``cpus_per_rank``: CPUs
+    reserved per rank (host work: data, tokenisation, the optimizer with cpu offload).
+    """
+
+    accelerator: str | None = None
+    visible_devices_env: str | None = None
+    cpus_per_rank: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.accelerator is not None and (not self.accelerator or self.accelerator == "CPU"):
+            raise ConfigError(
+                f"RankResources.accelerator={self.accelerator!r}: give a device resource such as 'GPU' "
+                "or 'NPU', or None for cpu ranks (CPUs are cpus_per_rank)"
+            )
+        if not self.cpus_per_rank >= 0 or (self.accelerator is None and self.cpus_per_rank <= 0):
+            raise ConfigError(
+                f"RankResources.cpus_per_rank={self.cpus_per_rank}: must be >= 0, and > 0 for cpu ranks"
+            )
+
+    @classmethod
+    def from_device(cls, device: Device, cpus_per_rank: float = 1.0) -> RankResources:
+        """The device backend's ``ray_resource`` and ``visible_devices_env`` (cpu: ``None`` for both)."""
+        return cls(device.ray_resource, device.visible_devices_env, cpus_per_rank)
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one rank."""
+        out: dict[str, float] = {}
+        if self.cpus_per_rank > 0:
+            out["CPU"] = float(self.cpus_per_rank)
+        if self.accelerator is not None:
+            out[self.accelerator] = 1.0
+        return out
+
+    def actor_options(self) -> dict[str, Any]:
+        """``ActorClass.options(...)`` keywords reserving exactly one bundle (GPU through ``num_gpus``,
+        which Ray requires; other accelerators through ``resources``)."""
+        opts: dict[str, Any] = {"num_cpus": self.cpus_per_rank}
+        if self.accelerator == "GPU":
+            opts["num_gpus"] = 1
+        elif self.accelerator is not None:
+            opts["resources"] = {self.accelerator: 1}
+        return opts
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank runs: global ``rank`` of ``world_size``, ``local_rank`` on its node, ``node_id``,
+    ``node_ip``, ``hostname``, ``pid``, the placement-group ``bundle`` index it holds, the accelerator ids
+    Ray gave it (``accelerator_ids``, strings, empty for cpu or id-less custom resources), and the value of
+    the visible-devices variable it was started with (``visible_devices``, ``None`` when not set)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    bundle: int
+    accelerator_ids: tuple[str, ...]
+    visible_devices: str | None
+
+
+def ensure_ray(**init_kwargs: Any) -> bool:
+    """Make sure this driver is connected to Ray: nothing when ``ray.is_initialized()``, else
+    ``ray.init(**init_kwargs)``, which joins ``RAY_ADDRESS`` when set and otherwise starts a local Ray
+    (pass ``num_cpus=``, ``num_gpus=``, ``resources=`` for it). Returns whether this call started it
+    (the caller then owns ``ray.shutdown()``)."""
+    if ray.is_initialized():
+        return False
+    init_kwargs.setdefault("include_dashboard", False)
+    init_kwargs.setdefault("log_to_driver", True)
+    if os.environ.get("RAY_ADDRESS"):  # an existing cluster: its resources are what they are
+        for key in ("num_cpus", "num_gpus", "resources", "object_store_memory"):
+            init_kwargs.pop(key, None)
+    ray.init(**init_kwargs)
+    return True
+
+
+# -------------------------------------------------------------------------------- data parallel
+
+
+def _ulysses(layout: ParallelLayout) -> int:
+    # ``ulysses`` is the sequence-parallel (Ulysses) size; older layouts call it ``sp``
+    size: Any = getattr(layout, "ulysses", None) or getattr(layout, "sp", 1)
+    return int(size)
+
+
+def dp_coordinates(rank: int, layout: ParallelLayout) -> tuple[int, int]:
+    """``(dp_rank, dp_size)`` of global ``rank``: which data-parallel share it consumes.
+
+    Computed from the layout's sizes alone, in the rank order the engines build their meshes with,
+    fastest-varying first: ``tp``, ``ulysses``, ``cp``, then data parallel (``dp_replicate * dp_shard /
+    ulysses`` shares), then ``pp``. So ``dp_rank = (rank // (tp * ulysses * cp)) % dp_size``. This is
+    fsdp2's data mesh ``("dp", "ulysses")`` (Ulysses ranks consecutive; tp = cp = pp = 1 there) and
+    Megatron-Core's default ``tp-cp-ep-dp-pp`` order (``ep`` overlaps the data ranks and does not
+    change the share; ulysses = 1 there). Ranks of one model-parallel group (same dp rank, same pp
+    stage) get the same share; every pipeline stage gets every share.
+
+    Raises ``InvalidInput`` when ``rank`` is outside ``[0, layout.world_size)``.
+    """
+    if not 0 <= rank < layout.world_size:
+        raise InvalidInput(f"dp_coordinates: rank {rank} is outside [0, world_size={layout.world_size})")
+    inner = layout.tp * _ulysses(layout) * layout.cp
+    return (rank // inner) % layout.dp, layout.dp
+
+
+def split_batch(batch: TokenBatch, parts: int) -> list[TokenBatch]:
+    """``batch`` cut into ``parts`` contiguous row ranges in order; the first ``B % parts`` shares hold one
+    row more than the rest (uneven batches are allowed). Concatenating the shares gives ``batch`` back.
+    Raises ``InvalidInput`` when ``parts < 1`` or the batch has fewer rows than ``parts`` (a rank with no
+    rows cannot take part in a step)."""
+    n = batch.batch_size
+    if parts < 1:
+        raise InvalidInput(f"split_batch: parts={parts} must be >= 1")
+    if n < parts:
+        raise InvalidInput(
+            f"split_batch: a batch of {n} rows cannot be split over {parts} data-parallel ranks; give at "
+            f"least {parts} rows"
+        )
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(batch.select(list(range(start, start + size))))
+        start += size
+    return out
+
+
+def dispatch_batch(batch: TokenBatch, layout: ParallelLayout) -> list[TokenBatch]:
+    """One share per global rank (index = rank): ``split_batch(batch, layout.dp)[dp_rank(rank)]``, the
+    same object for every rank of one model-parallel group. Raises ``InvalidInput`` as ``split_batch``."""
+    shares = split_batch(batch, layout.dp)
+    return [shares[dp_coordinates(r, layout)[0]] for r in range(layout.world_size)]
+
+
+def _first_rank_of_each_share(layout: ParallelLayout) -> list[int]:
+    first: dict[int, int] = {}
+    for r in range(layout.world_size):
+        first.setdefault(dp_coordinates(r, layout)[0], r)
+    return [first[d] for d in range(layout.dp)]
+
+
+def gather_outputs(per_rank: Sequence[TokenOutputs], layout: ParallelLayout) -> TokenOutputs:
+    """Per-token outputs of every rank (index = rank, each ``[b_r, S]`` for its share) back into one
+    ``[B, S]`` result in the order of the batch ``dispatch_batch`` split: the outputs of the first rank
+    of each data-parallel share, concatenated by share. (Every rank of a model-parallel group returns
+    its share's outputs, per the engine contract, so one per share suffices.) Raises ``InvalidInput``
+    when the number of outputs is not the world size or the shares disagree on which fields are set."""
+    if len(per_rank) != layout.world_size:
+        raise InvalidInput(f"gather_outputs: {len(per_rank)} outputs for a world of {layout.world_size}")
+    picked = [per_rank[r] for r in _first_rank_of_each_share(layout)]
+
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(o, name) for o in picked]
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            raise InvalidInput(f"gather_outputs: some shares have {name} and some do not")
+        return torch.cat(parts, dim=0)
+
+    return TokenOutputs(log_probs=cat("log_probs"), entropy=cat("entropy"), values=cat("values"))
+
+
+# ----------------------------------------------------------------------------- tensor transport
+
+# dtypes numpy has no type for travel as a same-width integer view and are viewed back on arrival
+_NP_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+@dataclass(frozen=True)
+class _Wire:
+    """A cpu tensor as a numpy array (read zero-copy from Ray's shared memory) and its torch dtype."""
+
+    array: np.ndarray[Any, Any]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Wire:
+        t = t.detach().to("cpu").contiguous()
+        view = _NP_VIEW.get(t.dtype)
+        return cls((t.view(view) if view is not None else t).numpy(), t.dtype)
+
+    def tensor(self, device: torch.device | None = None) -> torch.Tensor:
+        """A private, writable copy on ``device`` (cpu when ``None``): an array read from Ray's object
+        store is a read-only view of shared memory, so exactly one copy is made here."""
+        with warnings.catch_warnings():  # torch warns that the array is read-only; it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.from_numpy(self.array)
+        if self.dtype in _NP_VIEW:
+            src = src.view(self.dtype)
+        target = device or torch.device("cpu")
+        return src.clone() if target.type == "cpu" else src.to(target)
+
+
+@dataclass(frozen=True)
+class _WireBatch:
+    input_ids: _Wire
+    attention_mask: _Wire
+    loss_mask: _Wire
+    extras: tuple[tuple[str, _Wire], ...]
+
+    @classmethod
+    def of(cls, b: TokenBatch) -> _WireBatch:
+        return cls(
+            _Wire.of(b.input_ids),
+            _Wire.of(b.attention_mask),
+            _Wire.of(b.loss_mask),
+            tuple((k, _Wire.of(v)) for k, v in b.extras.items()),
+        )
+
+    def batch(self, device: torch.device | None = None) -> TokenBatch:
+        return TokenBatch(
+            self.input_ids.tensor(device),
+            self.attention_mask.tensor(device),
+            self.loss_mask.tensor(device),
+            {k: v.tensor(device) for k, v in self.extras},
+        )
+
+
+@dataclass(frozen=True)
+class _WireOutputs:
+    log_probs: _Wire | None
+    entropy: _Wire | None
+    values: _Wire | None
+
+    @classmethod
+    def of(cls, o: TokenOutputs) -> _WireOutputs:
+        def w(t: torch.Tensor | None) -> _Wire | None:
+            return None if t is None else _Wire.of(t)
+
+        return cls(w(o.log_probs), w(o.entropy), w(o.values))
+
+    def outputs(self) -> TokenOutputs:
+        def t(w: _Wire | None) -> torch.Tensor | None:
+            return None if w is None else w.tensor()
+
+        return TokenOutputs(t(self.log_probs), t(self.entropy), t(self.values))
+
+
+# --------------------------------------------------------------------------------- the rank actor
+
+
+def _layout_sizes(layout: ParallelLayout) -> dict[str, Any]:
+    return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name != "groups"}
+
+
+class _RankWorker:
+    """One rank (a Ray actor). Holds the engines of every role placed on it and a log of which roles
+    were resident on the device when each engine call ran (for tests and debugging)."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, ParallelEngine] = {}
+        self.resident: dict[str, bool] = {}
+        self.calls: list[tuple[str, str, tuple[str, ...]]] = []
+        self.device: Device | None = None
+        self.failed_at: float | None = None
+
+    @contextmanager
+    def _recording(self) -> Iterator[None]:
+        # wall-clock time of the first raise, so the controller can tell the rank that failed first from
+        # the ranks whose collectives broke because of it
+        try:
+            yield
+        except BaseException:
+            if self.failed_at is None:
+                self.failed_at = time.time()
+            raise
+
+    def first_failure_time(self) -> float | None:
+        return self.failed_at
+
+    def describe(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        ids = ctx.get_accelerator_ids()
+        return {
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "accelerator_ids": {k: [str(i) for i in v] for k, v in ids.items()},
+        }
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def setup(self, env: dict[str, str], device_name: str | None, timeout_s: float) -> None:
+        os.environ.update(env)
+        from underlay.parallel.distributed import init_distributed
+        from underlay.registry import get_device
+
+        with self._recording():
+            self.device = get_device(device_name)
+            init_distributed(self.device, timeout_s=timeout_s)
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._recording():
+            return fn(*_resolve(args), **kwargs)
+
+    def build_engine(self, role: str, config: EngineConfig, engine_name: str | None) -> dict[str, Any]:
+        from underlay.registry import get_engine
+
+        if role in self.engines:
+            raise InvalidInput(f"role {role!r} already has an engine on this rank")
+        with self._recording():
+            engine = get_engine(config, engine_name)
+        self.engines[role] = engine
+        self.resident[role] = True
+        return _layout_sizes(engine.layout)
+
+    def engine_call(self, role: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._recording():
+            return self._engine_call(role, method, args, kwargs)
+
+    def _engine_call(self, role: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        engine = self.engines.get(role)
+        if engine is None:
+            raise InvalidInput(f"no engine for role {role!r} on this rank; built: {sorted(self.engines)}")
+        resident = tuple(sorted(r for r, on in self.resident.items() if on))
+        self.calls.append((role, method, resident))
+        if method in ("offload", "onload"):
+            getattr(engine, method)(*args, **kwargs)
+            self.resident[role] = method == "onload"
+            return None
+        device = engine.device.torch_device()
+        args = tuple(a.batch(device) if isinstance(a, _WireBatch) else a for a in _resolve(args))
+        result = getattr(engine, method)(*args, **kwargs)
+        # per-token outputs go back as numpy arrays (zero-copy through the object store)
+        return _WireOutputs.of(result) if isinstance(result, TokenOutputs) else result
+
+    def call_log(self) -> list[tuple[str, str, tuple[str, ...]]]:
+        return list(self.calls)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        self.engines.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _resolve(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    # object refs nested one level inside a list/tuple argument are not resolved by Ray; resolve them
+    return tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
+
+
+_REMOTE: dict[str, Any] = {}
+
+
+def _remote_worker() -> Any:
+    if "worker" not in _REMOTE:
+        _REMOTE["worker"] = ray.remote(max_restarts=0, max_task_retries=0)(_RankWorker)
+    return _REMOTE["worker"]
+
+
+# ----------------------------------------------------------------------------------- the group
+
+
+def _check_parallel(parallel: ParallelConfig, world_size: int, what: str) -> ParallelLayout:
+    # pass every ParallelConfig size that ParallelLayout.infer takes, by name, so that new or renamed
+    # dimensions are checked without this code naming them
+    accepted = set(inspect.signature(ParallelLayout.infer).parameters) - {"cls", "world_size"}
+    sizes = {f.name: getattr(parallel, f.name) for f in dataclasses.fields(parallel) if f.name in accepted}
+    try:
+        return ParallelLayout.infer(world_size, **sizes)
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+class WorkerGroup:
+    """``world_size`` ranks as Ray actors with an initialised default process group.
+
+    ``device``: the underlay device name the ranks use (``"cpu"``, ``"cuda"``, ``"npu"``; ``None``: what
+    ``UNDERLAY_DEVICE``/auto selects on each rank). ``resources``: what a rank reserves; default
+    ``RankResources.from_device`` of ``device`` as the driver resolves it (give it explicitly when the
+    driver has no accelerator, e.g. a CPU-only head node). ``engines``: role -> ``EngineConfig`` built on
+    every rank after the group starts (``engine_name`` selects the engine backend, default
+    ``UNDERLAY_ENGINE``). ``env``: extra environment variables of every rank, set when its process
+    starts. ``ready_timeout_s`` bounds waiting for the placement group and for the ranks to start;
+    ``collective_timeout_s`` is the process group's timeout. ``failure_grace_s``: after a rank raises,
+    how long the controller waits for the other ranks before naming the one that failed first.
+
+    Raises, before any actor starts: ``InvalidInput`` for ``world_size < 1``; ``ConfigError`` when an
+    engine's parallel sizes do not divide ``world_size``, when the cluster has no resource of that name,
+    or fewer of it (or of CPUs) than the group needs; ``PlacementTimeout`` when the cluster has them
+    but they stay taken for ``ready_timeout_s``. ``RankFailure`` when a rank fails while starting.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        device: str | None = None,
+        resources: RankResources | None = None,
+        engines: Mapping[str, EngineConfig] | None = None,
+        engine_name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str = "underlay",
+        ready_timeout_s: float = 180.0,
+        collective_timeout_s: float = 1800.0,
+        failure_grace_s: float = 5.0,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise InvalidInput(f"WorkerGroup: world_size={world_size!r} must be an int >= 1")
+        for role, cfg in (engines or {}).items():
+            _check_parallel(cfg.parallel, world_size, f"WorkerGroup engine {role!r}")
+        if resources is None:
+            from underlay.registry import get_device
+
+            resources = RankResources.from_device(get_device(device))
+        ensure_ray()
+        self.world_size, self.name, self.resources = world_size, name, resources
+        self.failure_grace_s = failure_grace_s
+        self._device_name = device
+        self._engine_name = engine_name
+        self._actors: list[Any] = []
+        self._pg: Any = None
+        self._infos: list[RankInfo] = []
+        self._layouts: dict[str, ParallelLayout] = {}
+        self._resident: dict[str, bool] = {}  # role -> on the device (not offloaded), as the ranks report
+        self._check_capacity()
+        try:
+            self._start(dict(env or {}), ready_timeout_s, collective_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        for role, cfg in (engines or {}).items():
+            self.build_engine(role, cfg)
+
+    # ------------------------------------------------------------------------------- start-up
+
+    def _check_capacity(self) -> None:
+        total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        res = self.resources
+        need = {k: v * self.world_size for k, v in res.bundle().items()}
+        if res.accelerator is not None and res.accelerator not in total:
+            known = sorted(k for k in total if not k.startswith("node:") and k not in ("memory",))
+            raise ConfigError(
+                f"WorkerGroup: the Ray cluster has no resource {res.accelerator!r} (it has {known}); "
+                "start Ray with it (ray start --resources / ray.init(resources=...)) or choose another device"
+            )
+        short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if total.get(k, 0.0) < v}
+        if short:
+            text = ", ".join(f"{k}: needs {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            raise ConfigError(
+                f"WorkerGroup: {self.world_size} ranks need more than the cluster has ({text}); use fewer "
+                "ranks, fewer cpus_per_rank, or a larger cluster"
+            )
+
+    def _start(self, env: dict[str, str], ready_timeout_s: float, collective_timeout_s: float) -> None:
+        res = self.resources
+        self._pg = placement_group([res.bundle()] * self.world_size, strategy="PACK", name=f"{self.name}-pg")
+        try:
+            ray.get(self._pg.ready(), timeout=ready_timeout_s)
+        except GetTimeoutError as exc:
+            raise PlacementTimeout(
+                f"WorkerGroup: {self.world_size} bundles of {res.bundle()} could not be reserved within "
+                f"{ready_timeout_s:g} s (available now: {_available()}); other groups hold "
+                "them: shut those down or raise ready_timeout_s"
+            ) from exc
+        node_of_bundle = placement_group_table(self._pg)["bundles_to_node_id"]
+        nodes: list[str] = []
+        for b in range(self.world_size):
+            if node_of_bundle[b] not in nodes:
+                nodes.append(node_of_bundle[b])
+        bundles = sorted(range(self.world_size), key=lambda b: (nodes.index(node_of_bundle[b]), b))
+        remote = _remote_worker()
+        runtime_env = {"env_vars": env} if env else None
+        for b in bundles:
+            opts = res.actor_options()
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._pg, placement_group_bundle_index=b, placement_group_capture_child_tasks=True
+            )
+            if runtime_env:
+                opts["runtime_env"] = runtime_env
+            self._actors.append(remote.options(**opts).remote())
+        # provisional infos so that a failure while describing already names the rank
+        self._infos = [
+            RankInfo(r, self.world_size, -1, "?", "?", "?", -1, b, (), None) for r, b in enumerate(bundles)
+        ]
+        desc = self._wait([a.describe.remote() for a in self._actors], "start-up", ready_timeout_s)
+        infos: list[RankInfo] = []
+        local_seen: dict[str, int] = {}
+        ids_by_node: dict[str, list[str]] = {}
+        for d in desc:
+            ids = d["accelerator_ids"].get(res.accelerator, []) if res.accelerator else []
+            ids_by_node.setdefault(d["node_id"], []).extend(ids)
+        for rank, (d, b) in enumerate(zip(desc, bundles)):
+            node = d["node_id"]
+            ids = tuple(d["accelerator_ids"].get(res.accelerator, [])) if res.accelerator else ()
+            node_ids = sorted(set(ids_by_node[node]), key=_id_key)
+            if ids and res.visible_devices_env:
+                # every rank sees all of its node's devices of this group (peer access, IPC between
+                # ranks); LOCAL_RANK indexes its own device among them
+                local, visible = node_ids.index(ids[0]), ",".join(node_ids)
+            else:
+                local, visible = local_seen.get(node, 0), None
+            local_seen[node] = local_seen.get(node, 0) + 1
+            infos.append(
+                RankInfo(
+                    rank,
+                    self.world_size,
+                    local,
+                    node,
+                    d["node_ip"],
+                    d["hostname"],
+                    int(d["pid"]),
+                    b,
+                    ids,
+                    visible,
+                )
+            )
+        self._infos = infos
+        port = self._wait([self._actors[0].free_port.remote()], "start-up", ready_timeout_s, ranks=[0])[0]
+        master = infos[0].node_ip
+        setups = []
+        for info, actor in zip(infos, self._actors):
+            rank_env = {
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+                "RANK": str(info.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(info.local_rank),
+                "LOCAL_WORLD_SIZE": str(sum(1 for i in infos if i.node_id == info.node_id)),
+            }
+            if info.visible_devices is not None and res.visible_devices_env:
+                rank_env[res.visible_devices_env] = info.visible_devices
+            setups.append(actor.setup.remote(rank_env, self._device_name, collective_timeout_s))
+        self._wait(setups, "init_distributed", ready_timeout_s)
+
+    # -------------------------------------------------------------------------------- waiting
+
+    def _wait(
+        self,
+        refs: Sequence[Any],
+        what: str,
+        timeout_s: float | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """Values of ``refs`` (one per rank in ``ranks``, default every rank in order).
+
+        A failure shuts the group down and raises ``RankFailure`` naming the rank that failed first:
+        a process death is reported at once (it is the cause: the others' collectives break because of
+        it); an exception waits up to ``failure_grace_s`` for the other ranks to finish, fail or die, and
+        then a death, else the exception raised earliest, is named (the others are listed as
+        consequences). ``timeout_s`` passing with some ranks still pending is a failure of the lowest
+        pending rank."""
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        rank_of = {ref: r for ref, r in zip(refs, ranks)}
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failures: dict[int, RayError] = {}
+        grace_end: float | None = None
+        while pending:
+            limits = [t for t in (deadline, grace_end) if t is not None]
+            left = max(0.0, min(limits) - time.monotonic()) if limits else None
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayError as exc:
+                    failures[rank_of[ref]] = exc
+            if any(isinstance(e, RayActorError) for e in failures.values()):
+                break
+            if failures and grace_end is None:
+                grace_end = time.monotonic() + self.failure_grace_s
+            if not ready:
+                if failures:  # the grace period is over
+                    break
+                r = min(rank_of[p] for p in pending)
+                self._fail(r, what, f"no answer within {timeout_s:g} s", "timeout", {})
+        if failures:
+            rank = self._root_cause(failures)
+            others = {r: _cause(e) for r, e in failures.items() if r != rank}
+            self._fail(rank, what, _cause(failures[rank]), str(failures[rank]), others)
+        return list(ray.get(list(refs)))
+
+    def _root_cause(self, failures: Mapping[int, RayError]) -> int:
+        deaths = sorted(r for r, e in failures.items() if isinstance(e, RayActorError))
+        if deaths:
+            return deaths[0]
+        times: dict[int, float] = {}
+        for r in failures:
+            try:
+                t = ray.get(self._actors[r].first_failure_time.remote(), timeout=5.0)
+            except RayError:
+                continue
+            if t is not None:
+                times[r] = float(t)
+        return min(failures, key=lambda r: (times.get(r, float("inf")), r))
+
+    def _fail(self, rank: int, what: str, cause: str, detail: str, others: Mapping[int, str]) -> None:
+        info = self._infos[rank] if rank < len(self._infos) else None
+        host = "unknown host"
+        if info is not None and info.node_ip != "?":
+            host = f"{info.node_ip} ({info.hostname}, pid {info.pid})"
+        # no graceful step: the other ranks may be blocked in a collective with the failed one, and an
+        # actor runs one call at a time, so a shutdown call would only queue behind the blocked one
+        self.shutdown(graceful_timeout_s=0)
+        if others:
+            cause += "; then " + "; ".join(f"rank {r}: {c}" for r, c in sorted(others.items()))
+        raise RankFailure(rank, self.world_size, host, what, cause, detail)
+
+    # ------------------------------------------------------------------------------- calling
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        """Where each rank runs, in rank order."""
+        return list(self._infos)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the group is started and not shut down."""
+        return bool(self._actors)
+
+    def _require_alive(self) -> None:
+        if not self._actors:
+            raise InvalidInput(f"WorkerGroup {self.name!r} is shut down; start a new one")
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Start ``fn(*args, **kwargs)`` on every rank (collectively, so ``fn`` may use collectives);
+        returns one ``ObjectRef`` per rank, in rank order. ``fn`` and the arguments must pickle
+        (``fn`` defined at module level of an importable module); ``ObjectRef`` arguments, top level or
+        one level inside ``args``, arrive as their values. Wait with ``get``."""
+        return self.submit_per_rank(fn, [args] * self.world_size, **kwargs)
+
+    def submit_per_rank(
+        self, fn: Callable[..., Any], rank_args: Sequence[tuple[Any, ...]], **kwargs: Any
+    ) -> list[Any]:
+        """Like ``submit`` with rank ``r`` calling ``fn(*rank_args[r], **kwargs)``. Raises
+        ``InvalidInput`` unless there is one argument tuple per rank."""
+        self._require_alive()
+        if len(rank_args) != self.world_size:
+            raise InvalidInput(
+                f"submit_per_rank: {len(rank_args)} argument tuples for {self.world_size} ranks"
+            )
+        return [a.run.remote(fn, tuple(args), kwargs) for a, args in zip(self._actors, rank_args)]
+
+    def get(self, refs: Sequence[Any], *, timeout_s: float | None = None, what: str = "a call") -> list[Any]:
+        """The values of one ref per rank (as ``submit`` returns), waiting for all of them; raises
+        ``RankFailure`` (after shutting the group down) at the first rank that failed, or when
+        ``timeout_s`` passes first."""
+        return self._wait(refs, what, timeout_s)
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """``get(submit(fn, *args, **kwargs))``: the per-rank results as a list in rank order."""
+        return self.get(
+            self.submit(fn, *args, **kwargs), timeout_s=timeout_s, what=getattr(fn, "__name__", "a call")
+        )
+
+    # ------------------------------------------------------------------------------- engines
+
+    def build_engine(self, role: str, config: EngineConfig, *, timeout_s: float | None = None) -> EngineGroup:
+        """Build ``underlay.get_engine(config)`` on every rank under the name ``role`` (collective; the
+        same config a torchrun script would pass). Several roles may live on one group (colocated); use
+        ``colocated`` to take turns on the device. Raises ``ConfigError`` (before any rank is touched)
+        when the parallel sizes do not divide the world size, ``InvalidInput`` when ``role`` exists."""
+        self._require_alive()
+        _check_parallel(config.parallel, self.world_size, f"engine {role!r}")
+        if role in self._layouts:
+            raise InvalidInput(f"WorkerGroup {self.name!r} already has role {role!r}; pick another name")
+        refs = [a.build_engine.remote(role, config, self._engine_name) for a in self._actors]
+        sizes = self._wait(refs, f"building engine {role!r}", timeout_s)
+        self._layouts[role] = ParallelLayout(**sizes[0])
+        self._resident[role] = True
+        return EngineGroup(self, role)
+
+    def engine(self, role: str) -> EngineGroup:
+        """The handle of a built role. Raises ``InvalidInput`` for an unknown role."""
+        if role not in self._layouts:
+            raise InvalidInput(
+                f"WorkerGroup {self.name!r} has no role {role!r}; built: {sorted(self._layouts)}"
+            )
+        return EngineGroup(self, role)
+
+    def layout(self, role: str) -> ParallelLayout:
+        """The sizes of the role's engine (process groups are not carried to the controller)."""
+        self.engine(role)
+        return self._layouts[role]
+
+    def submit_engine(
+        self,
+        role: str,
+        method: str,
+        rank_args: Sequence[tuple[Any, ...]] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Start ``engine.<method>(*rank_args[r], **kwargs)`` of ``role`` on every rank (same empty args
+        when ``rank_args`` is ``None``); one ref per rank."""
+        self.engine(role)
+        self._require_alive()
+        args = rank_args if rank_args is not None else [()] * self.world_size
+        if len(args) != self.world_size:
+            raise InvalidInput(f"submit_engine: {len(args)} argument tuples for {self.world_size} ranks")
+        return [a.engine_call.remote(role, method, tuple(x), kwargs) for a, x in zip(self._actors, args)]
+
+    @contextmanager
+    def colocated(self, role: str, *, timeout_s: float | None = None) -> Iterator[EngineGroup]:
+        """Give the device to ``role``: offload every other role of this group that is on the device,
+        onload ``role`` if it is off, yield its handle. Roles stay where they are after the block, so consecutive turns of
+        one role cost no transfer."""
+        handle = self.engine(role)
+        for other in sorted(self._layouts):
+            if other != role and self._resident.get(other, False):
+                handle.group.engine(other).offload(timeout_s=timeout_s)
+        if not self._resident.get(role, False):
+            handle.onload(timeout_s=timeout_s)
+        yield handle
+
+    def call_log(self, rank: int = 0) -> list[tuple[str, str, tuple[str, ...]]]:
+        """Rank ``rank``'s engine calls so far: ``(role, method, roles resident when it ran)``."""
+        self._require_alive()
+        return list(self._wait([self._actors[rank].call_log.remote()], "call_log", ranks=[rank])[0])
+
+    # ------------------------------------------------------------------------------- shutdown
+
+    def shutdown(self, *, graceful_timeout_s: float = 10.0) -> None:
+        """Destroy the ranks' process groups where they still answer (within ``graceful_timeout_s``), kill
+        every actor and remove the placement group. Idempotent; never raises for dead actors."""
+        actors, self._actors = self._actors, []
+        if actors and graceful_timeout_s > 0:
+            refs = [a.shutdown.remote() for a in actors]
+            with suppress(RayError):
+                ray.wait(refs, num_returns=len(refs), timeout=graceful_timeout_s)
+        for a in actors:
+            with suppress(RayError):
+                ray.kill(a, no_restart=True)
+        if self._pg is not None:
+            with suppress(RayError):
+                remove_placement_group(self._pg)
+            self._pg = None
+        self._layouts.clear()
+        self._resident.clear()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown(graceful_timeout_s=0 if exc[0] is not None else 10.0)
+
+
+def _available() -> dict[str, float]:
+    free: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
+    return {k: v for k, v in free.items() if not k.startswith("node:")}
+
+
+def _id_key(i: str) -> tuple[int, str]:
+    return (int(i), i) if i.isdigit() else (1 << 30, i)
+
+
+def _cause(exc: BaseException) -> str:
+    """One line: the remote exception's type and message, or how the actor's process died."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):
+            return f"{type(cause).__name__}: {cause}".splitlines()[0]
+        return f"{exc.function_name} raised: " + str(exc).strip().splitlines()[-1]
+    if isinstance(exc, RayActorError):
+        text = str(exc)
+        for marker in ("killed", "SIGKILL", "node", "exited", "died"):
+            for line in text.splitlines():
+                if marker in line:
+                    return "the actor process died: " + line.strip()
+        return "the actor process died: " + text.strip().splitlines()[0]
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+# --------------------------------------------------------------------------------- engine handle
+
+
+class EngineGroup:
+    """A role's engine on every rank of a ``WorkerGroup``, called as one engine from the controller.
+
+    Batches go in whole (``[B, S]``); each is split over the engine's data-parallel shares
+    (``dispatch_batch``), each share ``ray.put`` once and passed by reference to the ranks that consume
+    it. Per-token outputs come back gathered in the batch's order (``gather_outputs``). Every method is
+    collective over the group and raises ``RankFailure`` as ``WorkerGroup.get`` does.
+    """
+
+    def __init__(self, group: WorkerGroup, role: str) -> None:
+        self.group, self.role = group, role
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The engine's sizes."""
+        return self.group.layout(self.role)
+
+    def _shares(self, batch: TokenBatch) -> list[tuple[Any, ...]]:
+        layout = self.layout
+        shares = split_batch(batch, layout.dp)
+        refs = [ray.put(_WireBatch.of(s)) for s in shares]
+        return [(refs[dp_coordinates(r, layout)[0]],) for r in range(layout.world_size)]
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """``engine.<method>(*args, **kwargs)`` on every rank; the per-rank results in rank order."""
+        refs = self.group.submit_engine(self.role, method, [args] * self.group.world_size, **kwargs)
+        out = self.group.get(refs, timeout_s=timeout_s, what=f"{self.role}.{method}")
+        if method in ("offload", "onload"):
+            self.group._resident[self.role] = method == "onload"
+        return out
+
+    def forward_backward(
+        self, batch: TokenBatch, loss_fn: LossFn, *, timeout_s: float | None = None
+    ) -> StepResult:
+        """Accumulate gradients of ``batch`` (split over the data-parallel ranks); rank 0's
+        ``StepResult`` (every rank reports the same metrics). ``loss_fn`` must pickle."""
+        rank_args = [(s[0], loss_fn) for s in self._shares(batch)]
+        refs = self.group.submit_engine(self.role, "forward_backward", rank_args)
+        return self.group.get(refs, timeout_s=timeout_s, what=f"{self.role}.forward_backward")[0]  # type: ignore[no-any-return]
+
+    def infer(self, batch: TokenBatch, *, timeout_s: float | None = None, **kwargs: Any) -> TokenOutputs:
+        """Per-token outputs ``[B, S]`` (fp32, on the controller's cpu) in the order of ``batch``."""
+        refs = self.group.submit_engine(self.role, "infer", self._shares(batch), **kwargs)
+        wires = self.group.get(refs, timeout_s=timeout_s, what=f"{self.role}.infer")
+        return gather_outputs([w.outputs() for w in wires], self.layout)
+
+    def optimizer_step(self, *, timeout_s: float | None = None) -> OptimizerStepResult:
+        """Step every rank's optimizer; rank 0's result (the global grad norm is the same everywhere)."""
+        return self.call("optimizer_step", timeout_s=timeout_s)[0]  # type: ignore[no-any-return]
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients on every rank."""
+        self.call("zero_grad")
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule; the new learning rate."""
+        return float(self.call("lr_scheduler_step")[0])
+
+    def offload(self, *, timeout_s: float | None = None, **kwargs: bool) -> None:
+        """``engine.offload(**kwargs)`` on every rank; the role counts as off the device afterwards."""
+        self.call("offload", timeout_s=timeout_s, **kwargs)
+
+    def onload(self, *, timeout_s: float | None = None, **kwargs: bool) -> None:
+        """``engine.onload(**kwargs)`` on every rank; the role counts as on the device afterwards."""
+        self.call("onload", timeout_s=timeout_s, **kwargs)
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """``engine.save_checkpoint`` into ``directory`` (a path every rank can reach: shared storage on
+        a multi-node cluster), which exists and is empty."""
+        self.call("save_checkpoint", Path(directory))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """``engine.load_checkpoint`` from ``directory``."""
+        self.call("load_checkpoint", Path(directory))
