@@ -84,7 +84,7 @@ def test_engine_config_refuses_bad_values(kwargs: dict[str, Any], match: str) ->
     ("build", "match"),
     [
         (lambda: ParallelConfig(tp=True), "tp=True"),
-        (lambda: ParallelConfig(sp=2.0), "sp=2.0"),
+        (lambda: ParallelConfig(ulysses=2.0), "ulysses=2.0"),
         (lambda: LoraConfig(rank=2.5), "rank=2.5"),
         (lambda: LoraConfig(alpha=math.nan), "alpha=nan"),
         (lambda: LoraConfig(dropout=math.nan), "dropout=nan"),

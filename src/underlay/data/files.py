@@ -12,7 +12,7 @@ Guarantees of :func:`copy_to_local`:
   paths, links pointing out) raise ``InvalidInput`` before anything is written.
 
 :func:`upload_dir` / :func:`download_dir` move a directory (a checkpoint, an HF export) to and from a
-URL with the same rule: the remote copy is complete only once its manifest ``UNDERLAY_MANIFEST.json``
+URL with the same rule: the remote copy is complete only once its manifest ``underlay-manifest.json``
 (relative path -> size) exists, and it is uploaded last.
 """
 
@@ -43,7 +43,7 @@ __all__ = [
     "upload_dir",
 ]
 
-MANIFEST = "UNDERLAY_MANIFEST.json"
+MANIFEST = "underlay-manifest.json"
 """Written last by :func:`upload_dir`; a remote directory without it is incomplete."""
 
 _PACKAGES = {

@@ -33,6 +33,12 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("UNDERLAY_DEVICE", "auto, cpu, cuda, npu, plugin names", "auto", "the Device backend"),
         EnvVar("UNDERLAY_ENGINE", "fsdp2", "fsdp2", "the ParallelEngine and its WeightLoader"),
         EnvVar(
+            "UNDERLAY_CACHE",
+            "a directory",
+            "~/.cache/underlay/files",
+            "where underlay.data.files.copy_to_local keeps local copies of remote files",
+        ),
+        EnvVar(
             "UNDERLAY_ATTENTION",
             "auto, flash_attn, npu, torch, eager",
             "auto",
