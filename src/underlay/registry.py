@@ -194,7 +194,8 @@ def _probe_mcore() -> ProbeResult:
     """megatron-core importable and an accelerator present (megatron calls CUDA directly)."""
     if not _has_module("megatron.core"):
         return ProbeResult.fail(
-            "the Python package 'megatron-core' is not installed", "install it with `pip install underlay[mcore]`"
+            "the Python package 'megatron-core' is not installed",
+            "install it with `pip install underlay[mcore]`",
         )
     if _current_accelerator() is None:
         return ProbeResult.fail(

@@ -116,7 +116,8 @@ def install() -> None:
     _INSTALLED = True
     os.environ["UNDERLAY_MCORE_CPU_FIXTURE"] = "1"
     cuda = torch.cuda
-    cuda.current_device = lambda: 0  # type: ignore[assignment]
+    # a device object, not an index: autograd backward functions run outside the torch-function mode
+    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
     cuda.device_count = lambda: 1  # type: ignore[assignment]
     cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
@@ -140,5 +141,6 @@ def install() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(  # type: ignore[assignment]
         new_state
     )
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
     mode = _CudaToCpu()
     mode.__enter__()

@@ -91,7 +91,9 @@ def pg_loss(outputs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, to
     return loss, {"entropy": (outputs.entropy * m).sum().detach()}
 
 
-def hf_reference(hf_config: Any, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def hf_reference(
+    hf_config: Any, batch: TokenBatch
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """float64 HF model (seed 0): per-token log-probs ``[B, S]`` (token aligned), the token-mean
     pg loss, and the gradients of that loss by HF parameter name (per-expert names)."""
     from underlay.engines.fsdp2._build import build_model
@@ -105,6 +107,9 @@ def hf_reference(hf_config: Any, batch: TokenBatch) -> tuple[torch.Tensor, torch
     loss = -(batch.extras["adv"].double()[:, None] * lp * m).sum() / m.sum()
     loss.backward()
     grads = per_expert_names(
-        {n: p.grad.detach() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+        {
+            n: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            for n, p in model.named_parameters()
+        }
     )
     return lp.detach(), loss.detach(), grads

@@ -22,7 +22,9 @@ def grad_by_hf_name(eng: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_forward_grads(rank: int, world: int, family: str, tp: int, pp: int, ep: int, opts: dict[str, Any]) -> dict[str, float]:
+def check_forward_grads(
+    rank: int, world: int, family: str, tp: int, pp: int, ep: int, opts: dict[str, Any]
+) -> dict[str, float]:
     """Log-probs (infer), loss and gradients of one forward_backward against the float64 HF model."""
     cfg = H.tiny_config(family)
     eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp, ep=ep, **opts))

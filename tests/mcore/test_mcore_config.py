@@ -110,7 +110,11 @@ def test_rules_shard_unshard_roundtrip(family: str) -> None:
     arch = arch_of(tiny_config(family))
     shapes = hf_shapes(arch)
     rules = stage_rules(
-        arch, first_layer=0, num_layers=arch.num_layers, pre_process=True, post_process=True,
+        arch,
+        first_layer=0,
+        num_layers=arch.num_layers,
+        pre_process=True,
+        post_process=True,
         local_experts=arch.num_experts,
     )
     covered = {n for r in rules for n in r.hf}
@@ -131,8 +135,9 @@ def test_registry_refuses_mcore_on_cpu() -> None:
     result = probe("engine", "mcore")
     assert not result.available
     assert "accelerator" in result.reason and "_cpu_fixture" in result.hint
-    with pytest.raises(BackendUnavailable):
-        from underlay.interfaces import EngineConfig, ModelConfig
-        from underlay.registry import get_engine
+    from underlay.interfaces import EngineConfig, ModelConfig
+    from underlay.registry import get_engine
 
-        get_engine(EngineConfig(model=ModelConfig(hf_config=tiny_config("llama"))), "mcore")
+    cfg = EngineConfig(model=ModelConfig(hf_config=tiny_config("llama")))
+    with pytest.raises(BackendUnavailable, match="accelerator"):
+        get_engine(cfg, "mcore")

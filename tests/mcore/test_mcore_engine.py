@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests._dist import run_distributed  # noqa: E402
-from tests.mcore import _workers as W  # noqa: E402
+from tests._dist import run_distributed
+from tests.mcore import _workers as W
 
 pytestmark = [pytest.mark.mcore, pytest.mark.distributed, pytest.mark.slow]
 

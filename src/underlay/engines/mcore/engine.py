@@ -54,7 +54,7 @@ from underlay.interfaces import (
 )
 from underlay.parallel.rank import current_rank
 
-__all__ = ["MCoreEngine", "MCoreOptions", "CPU_FIXTURE_ENV"]
+__all__ = ["CPU_FIXTURE_ENV", "MCoreEngine", "MCoreOptions"]
 
 CPU_FIXTURE_ENV = "UNDERLAY_MCORE_CPU_FIXTURE"
 _STATE_FILE = "engine_state.pt"
@@ -89,14 +89,18 @@ class MCoreOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
-            raise ConfigError(f"EngineConfig.options: unknown mcore option(s) {unknown}; mcore accepts {sorted(names)}")
+            raise ConfigError(
+                f"EngineConfig.options: unknown mcore option(s) {unknown}; mcore accepts {sorted(names)}"
+            )
         out = cls(**dict(options))
         for name in ("vpp", "etp"):
             v = getattr(out, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"EngineConfig.options {name}={v!r}: must be an int >= 1")
         if out.recompute not in ("none", "full", "selective"):
-            raise ConfigError(f"EngineConfig.options recompute={out.recompute!r}: use 'none', 'full' or 'selective'")
+            raise ConfigError(
+                f"EngineConfig.options recompute={out.recompute!r}: use 'none', 'full' or 'selective'"
+            )
         return out
 
 
@@ -148,9 +152,13 @@ class MCoreEngine:
                 "attention; use cp=1"
             )
         if par.sp > 1:
-            raise ConfigError(f"mcore: sp={par.sp} (Ulysses) is an fsdp2 feature; use options sequence_parallel")
+            raise ConfigError(
+                f"mcore: sp={par.sp} (Ulysses) is an fsdp2 feature; use options sequence_parallel"
+            )
         if par.dp_replicate != 1:
-            raise ConfigError(f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves")
+            raise ConfigError(
+                f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
+            )
         from underlay.engines.fsdp2._build import hf_config_of
 
         self._hf_config = hf_config_of(mc)
@@ -182,6 +190,7 @@ class MCoreEngine:
         gloo = dist.get_backend() == "gloo"
         batch_p2p = (not gloo) if opts.batch_p2p_comm is None else bool(opts.batch_p2p_comm)
         self._init_parallel_state(par.tp, par.pp, opts.vpp, par.cp, par.ep, opts.etp)
+        _compat_shims()
         from megatron.core import parallel_state as ps
         from megatron.core.transformer import TransformerConfig
 
@@ -369,7 +378,9 @@ class MCoreEngine:
         state = seeded_hf_state(mc, self._hf_config)
         _, missing = self.load_tensors(chunks, state.get)
         if missing:
-            raise CheckpointError(f"mcore: the seeded model lacks {sorted(set(missing))[:5]} (conversion bug)")
+            raise CheckpointError(
+                f"mcore: the seeded model lacks {sorted(set(missing))[:5]} (conversion bug)"
+            )
 
     def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -387,7 +398,9 @@ class MCoreEngine:
             for i, c in enumerate(chunks)
         ]
         self._tf_config.finalize_model_grads_func = finalize_model_grads
-        self._tf_config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+        self._tf_config.no_sync_func = (
+            [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+        )
         self._tf_config.grad_scale_func = None
         return list(wrapped)
 
@@ -479,7 +492,9 @@ class MCoreEngine:
         lengths = mask.sum(dim=1)
         if bool((lengths < 1).any()):
             rows = torch.nonzero(lengths < 1).flatten().tolist()
-            raise InvalidInput(f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences")
+            raise InvalidInput(
+                f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
+            )
         vocab = self._arch.vocab
         if int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise InvalidInput(
@@ -538,13 +553,19 @@ class MCoreEngine:
         )
         return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real)
 
-    def _head_outputs(self, model: Any, hidden: torch.Tensor, mb: _MicroBatch, temperature: float, with_entropy: bool) -> TokenOutputs:
+    def _head_outputs(
+        self, model: Any, hidden: torch.Tensor, mb: _MicroBatch, temperature: float, with_entropy: bool
+    ) -> TokenOutputs:
         """Token-aligned ``[b, S]`` log-probs (and entropy) of one micro-batch from the last stage's
         final hidden states ``[1, T', H]`` through the vocab-parallel log-prob kernel."""
         from underlay.ops import pad
 
         inner = _unwrap(model)
-        weight = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights else inner.output_layer.weight
+        weight = (
+            inner.shared_embedding_or_output_weight()
+            if inner.share_embeddings_and_output_weights
+            else inner.output_layer.weight
+        )
         h = hidden.reshape(-1, hidden.shape[-1])
         group = self._layout.groups["tp"] if self._layout.tp > 1 else None
         out = self._logprob_kernel(
@@ -613,7 +634,9 @@ class MCoreEngine:
             outputs = self._head_outputs(model, hidden, mb, temperature, with_entropy)
             loss_sum, metrics = loss_fn(outputs, mb.sub)
             if loss_sum.dim() != 0:
-                raise InvalidInput(f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar")
+                raise InvalidInput(
+                    f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar"
+                )
             _accumulate(sums, "loss", loss_sum.detach())
             for key, value in metrics.items():
                 _accumulate(sums, key, torch.as_tensor(value, device=hidden.device).detach())
@@ -637,7 +660,11 @@ class MCoreEngine:
             dist.broadcast_object_list(keys, src=src, group=pp_group)
         names: list[str] = keys[0] or []
         if last:
-            stacked = torch.stack([sums[k].to(torch.float64).reshape(()) for k in names]) if names else torch.zeros(0, dtype=torch.float64)
+            stacked = (
+                torch.stack([sums[k].to(torch.float64).reshape(()) for k in names])
+                if names
+                else torch.zeros(0, dtype=torch.float64)
+            )
             stacked = stacked.to(self._torch_device)
             dist.all_reduce(stacked, group=self._layout.groups["dp"])
         else:
@@ -648,7 +675,9 @@ class MCoreEngine:
         return dict(zip(names, (stacked / denom).tolist()))
 
     @torch.no_grad()
-    def infer(self, batch: TokenBatch, *, temperature: float | None = None, with_entropy: bool = False) -> TokenOutputs:
+    def infer(
+        self, batch: TokenBatch, *, temperature: float | None = None, with_entropy: bool = False
+    ) -> TokenOutputs:
         """Per-token log-probs (and entropy when ``with_entropy``), ``[B, S]`` fp32 on the device, rows
         in the order of ``batch``, 0 at position 0 and padding, on every rank (broadcast from the last
         pipeline stage)."""
@@ -723,7 +752,9 @@ class MCoreEngine:
 
     def _ensure_onloaded(self, what: str) -> None:
         if self._offloaded:
-            raise InvalidInput(f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first")
+            raise InvalidInput(
+                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
+            )
 
     def _param_tensors(self) -> list[torch.Tensor]:
         return [p for c in self._chunks for p in c.parameters()]
@@ -815,7 +846,11 @@ class MCoreEngine:
             fulls: list[torch.Tensor] | None = None
             if stage == my_pp and (not rule.expert or e == my_ep):
                 local = params[v][rule.name].detach()
-                group = ps.get_expert_tensor_parallel_group() if rule.expert else ps.get_tensor_model_parallel_group()
+                group = (
+                    ps.get_expert_tensor_parallel_group()
+                    if rule.expert
+                    else ps.get_tensor_model_parallel_group()
+                )
                 size = dist.get_world_size(group) if rule.kind != "replicated" else 1
                 pieces = [torch.empty_like(local) for _ in range(size)]
                 if size > 1:
@@ -825,8 +860,12 @@ class MCoreEngine:
                 fulls = rule.unshard(pieces)
             src = self._owner_rank(stage, e, rule.expert)
             for i, name in enumerate(rule.hf):
-                t = fulls[i].contiguous() if fulls is not None and owner else torch.empty(
-                    shapes[name], dtype=next(iter(params[0].values())).dtype, device=self._torch_device
+                t = (
+                    fulls[i].contiguous()
+                    if fulls is not None and owner
+                    else torch.empty(
+                        shapes[name], dtype=next(iter(params[0].values())).dtype, device=self._torch_device
+                    )
                 )
                 if dist.get_world_size() > 1:
                     dist.broadcast(t, src=src, group=world)
@@ -839,7 +878,10 @@ class MCoreEngine:
 
         if not hasattr(self, "_rank_table"):
             mine = torch.tensor(
-                [ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0],
+                [
+                    ps.get_pipeline_model_parallel_rank(),
+                    ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0,
+                ],
                 dtype=torch.int64,
             )
             table = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -995,6 +1037,16 @@ def per_expert_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _compat_shims() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: ``moe_utils`` refers to ``te_general_gemm``
+    that its failed TE import never bound (``NameError`` in the MoE router; fixed in 0.19). Binding the
+    missing name to ``None`` selects its plain ``torch.mm`` path. Touches nothing when the name exists."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def _return_hidden(output_layer: Any, sequence_parallel: bool) -> None:
     """Make ``output_layer`` return the final hidden states (gathered along the sequence under sequence
     parallelism) instead of logits: the engine computes log-probs from them with the vocab-parallel
@@ -1003,7 +1055,9 @@ def _return_hidden(output_layer: Any, sequence_parallel: bool) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    def forward(hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
         if sequence_parallel:
             hidden = gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=False, group=ps.get_tensor_model_parallel_group()

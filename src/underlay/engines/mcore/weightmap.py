@@ -177,7 +177,9 @@ def stage_rules(
         qkv = tuple(f"{h}self_attn.{x}_proj.weight" for x in "qkv")
         rules.append(Rule(att + "linear_qkv.weight", qkv, "qkv", a))
         if a.qkv_bias:
-            rules.append(Rule(att + "linear_qkv.bias", tuple(n[: -len("weight")] + "bias" for n in qkv), "qkv", a))
+            rules.append(
+                Rule(att + "linear_qkv.bias", tuple(n[: -len("weight")] + "bias" for n in qkv), "qkv", a)
+            )
         if a.qk_norm:
             rules.append(Rule(att + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), "replicated", a))
             rules.append(Rule(att + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), "replicated", a))

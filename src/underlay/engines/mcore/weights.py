@@ -47,7 +47,7 @@ class SafetensorsReader:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where: dict[str, Any] = {}
         for h in self._handles:
-            for k in h.keys():
+            for k in h.keys():  # noqa: SIM118 (safetensors handles are not iterable)
                 self._where[k] = h
         self.bytes_read = 0
 
@@ -77,7 +77,9 @@ class SafetensorsReader:
 
 def _engine(engine: ParallelEngine) -> Any:
     if getattr(engine, "name", None) != "mcore" or not hasattr(engine, "load_tensors"):
-        raise InvalidInput(f"MCoreWeightLoader needs an mcore engine, got {getattr(engine, 'name', type(engine))!r}")
+        raise InvalidInput(
+            f"MCoreWeightLoader needs an mcore engine, got {getattr(engine, 'name', type(engine))!r}"
+        )
     return engine
 
 
