@@ -146,3 +146,68 @@ def load_roundtrip(rank: int, world: int, family: str, tp: int, pp: int, src: st
     out = eng.infer(batch)
     ref_lp, _, _ = H.hf_reference(cfg, batch)
     return float((out.log_probs.double() - ref_lp).abs().max())
+
+
+def ckpt_save(rank: int, world: int, family: str, tp: int, pp: int, directory: str) -> dict[str, Any]:
+    """Step once, save, step again: the weights after each step (every rank gets them)."""
+    from pathlib import Path
+
+    cfg = H.tiny_config(family)
+    eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp))
+    dp = eng.layout.dp_shard
+    me = eng_dp_rank(eng)
+    b1, b2 = H.make_batch(11, b=4), H.make_batch(12, b=4)
+    eng.forward_backward(b1.select(list(range(me, 4, dp))), H.pg_loss)
+    eng.optimizer_step()
+    eng.lr_scheduler_step()
+    step1 = {n: t.clone() for n, t in eng.named_full_tensors()}
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    eng.save_checkpoint(Path(directory))
+    eng.forward_backward(b2.select(list(range(me, 4, dp))), H.pg_loss)
+    eng.optimizer_step()
+    step2 = {n: t.clone() for n, t in eng.named_full_tensors()}
+    return {"step1": step1, "step2": step2, "global_step": eng.global_step}
+
+
+def ckpt_load(rank: int, world: int, family: str, tp: int, pp: int, directory: str, seed: int) -> dict[str, Any]:
+    """A fresh engine (another init seed) loads the checkpoint and takes the second step."""
+    from pathlib import Path
+
+    from underlay.interfaces import EngineConfig, ModelConfig
+
+    cfg = H.tiny_config(family)
+    base = H.engine_config(cfg, tp=tp, pp=pp)
+    ecfg = EngineConfig(
+        model=ModelConfig(hf_config=cfg, seed=seed),
+        parallel=base.parallel,
+        optim=base.optim,
+        micro_batch_max_tokens=base.micro_batch_max_tokens,
+        param_dtype="float32",
+    )
+    eng = H.make_engine(ecfg)
+    eng.load_checkpoint(Path(directory))
+    loaded = {n: t.clone() for n, t in eng.named_full_tensors()}
+    step = eng.global_step
+    dp = eng.layout.dp_shard
+    me = eng_dp_rank(eng)
+    eng.forward_backward(H.make_batch(12, b=4).select(list(range(me, 4, dp))), H.pg_loss)
+    eng.optimizer_step()
+    step2 = {n: t.clone() for n, t in eng.named_full_tensors()}
+    return {"loaded": loaded, "step2": step2, "global_step": step}
+
+
+def ckpt_wrong_model(rank: int, world: int, directory: str) -> str:
+    """Loading a qwen3 checkpoint into a llama engine: the CheckpointError message."""
+    from pathlib import Path
+
+    from underlay.interfaces import CheckpointError
+
+    eng = H.make_engine(H.engine_config(H.tiny_config("llama")))
+    before = {n: t.clone() for n, t in eng.named_full_tensors()}
+    try:
+        eng.load_checkpoint(Path(directory))
+    except CheckpointError as exc:
+        after = dict(eng.named_full_tensors())
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        return str(exc)
+    return ""

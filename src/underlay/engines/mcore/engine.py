@@ -290,7 +290,7 @@ class MCoreEngine:
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 share_embeddings_and_output_weights=arch.tied,
                 position_embedding_type="rope",
-                rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,  # type: ignore[arg-type]
+                rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
                 vp_stage=vp,
             )
             if model.post_process:
@@ -719,7 +719,7 @@ class MCoreEngine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (megatron's grad buffers are zeroed)."""
         for c in self._chunks:
-            c.zero_grad_buffer()
+            c.zero_grad_buffer()  # type: ignore[operator]
         self._optimizer.zero_grad()
 
     def optimizer_step(self) -> OptimizerStepResult:
@@ -941,6 +941,9 @@ class MCoreEngine:
         if not directory.is_dir():
             raise CheckpointError(f"save_checkpoint: {directory} is not an existing directory")
         dist_checkpointing.save(self._model_state_for_ckpt(), str(directory / "model"))
+        if self._opts.distributed_optimizer:
+            # gathered to data-parallel rank 0 of each model-parallel position (same-layout resume)
+            self._optimizer.save_parameter_state(str(directory / self._optim_file()))
         extra = {
             "global_step": self._global_step,
             "schedulers": [s.state_dict() for s in self._schedulers],
@@ -951,6 +954,13 @@ class MCoreEngine:
         if current_rank() == 0:
             (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))
         dist.barrier()
+
+    def _optim_file(self) -> str:
+        from megatron.core import parallel_state as ps
+
+        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        ep = ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0
+        return f"optim_pp{pp}_tp{tp}_ep{ep}.pt"
 
     def _model_state_for_ckpt(self) -> dict[str, Any]:
         return self._sharded_state()
@@ -996,6 +1006,8 @@ class MCoreEngine:
         same = extra.get("layout") == self._layout_key()
         if same:
             self._optimizer.load_state_dict(extra["optimizer"])
+            if self._opts.distributed_optimizer:
+                self._optimizer.load_parameter_state(str(directory / self._optim_file()))
         else:
             self._optimizer.reload_model_params()
         for s, st in zip(self._schedulers, extra["schedulers"]):

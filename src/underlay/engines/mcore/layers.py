@@ -102,14 +102,16 @@ def _core_attention_class() -> type:
                     causal=True,
                     scale=self.softmax_scale,
                 )
-                return out.reshape(out.shape[0], -1)
+                result: torch.Tensor = out.reshape(out.shape[0], -1)
+                return result
             s, b = query.shape[:2]
             q = query.transpose(0, 1).reshape(b * s, *query.shape[2:])
             k = key.transpose(0, 1).reshape(b * s, *key.shape[2:])
             v = value.transpose(0, 1).reshape(b * s, *value.shape[2:])
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
             out = kernel.varlen(q, k, v, cu, cu, s, s, causal=True, scale=self.softmax_scale)
-            return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+            result = out.reshape(b, s, -1).transpose(0, 1).contiguous()
+            return result
 
     return CoreAttentionImpl
 

@@ -47,7 +47,7 @@ class SafetensorsReader:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where: dict[str, Any] = {}
         for h in self._handles:
-            for k in h.keys():  # noqa: SIM118 (safetensors handles are not iterable)
+            for k in h.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 (handles are not iterable)
                 self._where[k] = h
         self.bytes_read = 0
 
