@@ -94,21 +94,24 @@ def pg_loss(outputs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, to
 def hf_reference(
     hf_config: Any, batch: TokenBatch
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """float64 HF model (seed 0): per-token log-probs ``[B, S]`` (token aligned), the token-mean
+    """float64 HF model (fp32 for MoE; seed 0): per-token log-probs ``[B, S]`` (token aligned), the token-mean
     pg loss, and the gradients of that loss by HF parameter name (per-expert names)."""
     from underlay.engines.fsdp2._build import build_model
-    from underlay.engines.mcore.engine import per_expert_names
+    from underlay.engines.mcore._hf import per_expert_names
 
-    model = build_model(ModelConfig(hf_config=hf_config, seed=0), hf_config, meta=False).double()
+    model = build_model(ModelConfig(hf_config=hf_config, seed=0), hf_config, meta=False)
+    # transformers' grouped expert matmul has no float64 kernel: MoE references run in fp32
+    model = model.float() if getattr(hf_config, "num_experts", 0) else model.double()
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
     lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], 1) * batch.attention_mask
+    lp = lp.double()
     m = batch.loss_mask.double()
     loss = -(batch.extras["adv"].double()[:, None] * lp * m).sum() / m.sum()
     loss.backward()
     grads = per_expert_names(
         {
-            n: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            n: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).double()
             for n, p in model.named_parameters()
         }
     )

@@ -76,7 +76,7 @@ def step_vs_fsdp2(rank: int, world: int, family: str) -> dict[str, float]:
     """One forward_backward + optimizer_step of mcore and of fsdp2 from the same seed and batch:
     the largest parameter difference after the step, the loss and grad-norm differences."""
     from underlay.engines.fsdp2.engine import FSDP2Engine
-    from underlay.engines.mcore.engine import per_expert_names
+    from underlay.engines.mcore._hf import per_expert_names
     from underlay.registry import get_device
 
     cfg = H.tiny_config(family)
@@ -169,7 +169,9 @@ def ckpt_save(rank: int, world: int, family: str, tp: int, pp: int, directory: s
     return {"step1": step1, "step2": step2, "global_step": eng.global_step}
 
 
-def ckpt_load(rank: int, world: int, family: str, tp: int, pp: int, directory: str, seed: int) -> dict[str, Any]:
+def ckpt_load(
+    rank: int, world: int, family: str, tp: int, pp: int, directory: str, seed: int
+) -> dict[str, Any]:
     """A fresh engine (another init seed) loads the checkpoint and takes the second step."""
     from pathlib import Path
 

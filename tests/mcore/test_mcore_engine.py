@@ -29,7 +29,8 @@ GRAD_TOL = 1e-4
         pytest.param("qwen3", 2, 2, 1, 4, {}, id="qwen3-tp2pp2"),
         pytest.param("qwen2", 2, 1, 1, 2, {"sequence_parallel": True}, id="qwen2-tp2-sp"),
         pytest.param("qwen3_moe", 1, 1, 1, 1, {}, id="qwen3moe-1rank"),
-        pytest.param("mistral", 1, 1, 1, 2, {}, id="mistral-dp2"),
+        # the plain DDP all-reduce: the distributed optimizer leaves each rank only its reduce-scattered shard
+        pytest.param("mistral", 1, 1, 1, 2, {"distributed_optimizer": False}, id="mistral-dp2"),
     ],
 )
 def test_logprobs_loss_grads_equal_hf(
@@ -47,10 +48,10 @@ def test_logprobs_loss_grads_equal_hf(
 
 @pytest.mark.parametrize("which", ["qkv", "gate_up"])
 def test_negative_controls_catch_wrong_fusion(which: str) -> None:
-    """A plain [q; k; v] concatenation or an [up; gate] fc1 gives log-probs far from HF's: the
-    equality tests above would catch a wrong fusion order."""
+    """A plain [q; k; v] concatenation or an [up; gate] fc1 gives log-probs over 100x the tolerance of
+    the equality tests above, which therefore catch a wrong fusion order."""
     (err,) = run_distributed(W.wrong_fusion, 1, which)
-    assert err > 1e-2, err
+    assert err > 100 * LP_TOL, err
 
 
 def test_step_equals_fsdp2() -> None:

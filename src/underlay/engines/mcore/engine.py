@@ -159,7 +159,7 @@ class MCoreEngine:
             raise ConfigError(
                 f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
             )
-        from underlay.engines.fsdp2._build import hf_config_of
+        from underlay.engines.mcore._hf import hf_config_of
 
         self._hf_config = hf_config_of(mc)
         self._arch = arch_of(self._hf_config)
@@ -375,6 +375,8 @@ class MCoreEngine:
                     f"mcore: {len(missing)} tensors missing from {mc.path}: {sorted(set(missing))[:5]}"
                 )
             return
+        from underlay.engines.mcore._hf import seeded_hf_state
+
         state = seeded_hf_state(mc, self._hf_config)
         _, missing = self.load_tensors(chunks, state.get)
         if missing:
@@ -971,7 +973,7 @@ class MCoreEngine:
 
     def check_signature(self, directory: Path) -> None:
         """Raise ``CheckpointError`` unless ``directory`` holds an mcore checkpoint of this model."""
-        from underlay.engines.fsdp2.engine import signature_diff
+        from underlay.engines.mcore._hf import signature_diff
 
         sig_path = Path(directory) / _SIGNATURE_FILE
         if not sig_path.is_file() or not (Path(directory) / "model").is_dir():
@@ -1017,36 +1019,6 @@ class MCoreEngine:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def seeded_hf_state(model_cfg: Any, hf_config: Any) -> dict[str, torch.Tensor]:
-    """The seed-initialised Hugging Face model's tensors under the names ``save_pretrained`` writes
-    (per-expert MoE names; in-memory fused experts of transformers 5 are split)."""
-    from underlay.engines.fsdp2._build import build_model
-
-    model = build_model(model_cfg, hf_config, meta=False)
-    state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
-    return per_expert_names(state)
-
-
-def per_expert_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename transformers 5's fused expert tensors (``experts.gate_up_proj [E, 2I, H]``,
-    ``experts.down_proj [E, H, I]``) to per-expert ``experts.{e}.gate_proj/up_proj/down_proj.weight``."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if name.endswith("experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                gate, up = t[e].chunk(2, 0)
-                out[f"{base}{e}.gate_proj.weight"] = gate
-                out[f"{base}{e}.up_proj.weight"] = up
-        elif name.endswith("experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
 
 
 def _compat_shims() -> None:
