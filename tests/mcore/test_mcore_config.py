@@ -141,3 +141,47 @@ def test_registry_refuses_mcore_on_cpu() -> None:
     cfg = EngineConfig(model=ModelConfig(hf_config=tiny_config("llama")))
     with pytest.raises(BackendUnavailable, match="accelerator"):
         get_engine(cfg, "mcore")
+
+
+@pytest.mark.parametrize(
+    ("over", "options", "needle"),
+    [
+        ({"parallel": {"cp": 2}}, {}, "cp=2"),
+        ({"parallel": {"ep": 2}}, {}, "ep=2"),
+        ({}, {"vpp": 2}, "vpp=2"),
+        ({}, {"vpp": 0}, "vpp=0"),
+        ({}, {"recompute": "some"}, "recompute='some'"),
+        ({}, {"tensor_parallel": 2}, "unknown mcore option"),
+        ({"model": {"kind": "value"}}, {}, "causal LMs only"),
+        ({"model": {"lora": {"rank": 4}}}, {}, "LoRA"),
+    ],
+)
+def test_engine_refuses_before_any_state(
+    over: dict[str, dict[str, object]], options: dict[str, object], needle: str
+) -> None:
+    """Bad engine configs raise ConfigError before megatron, a process group or the device is touched."""
+    from underlay.engines.mcore.engine import MCoreEngine
+    from underlay.interfaces import EngineConfig, LoraConfig, ModelConfig, ParallelConfig
+    from underlay.registry import get_device
+
+    model: dict[str, object] = {"hf_config": tiny_config("llama")}
+    model.update(over.get("model", {}))
+    if "lora" in model:
+        model["lora"] = LoraConfig(**model["lora"])  # type: ignore[arg-type]
+    cfg = EngineConfig(
+        model=ModelConfig(**model),  # type: ignore[arg-type]
+        parallel=ParallelConfig(**over.get("parallel", {})),  # type: ignore[arg-type]
+        options=options,
+    )
+    with pytest.raises(ConfigError, match=needle):
+        MCoreEngine(cfg, get_device("cpu"))
+
+
+def test_engine_on_cpu_without_fixture_is_unavailable() -> None:
+    from underlay.engines.mcore.engine import MCoreEngine
+    from underlay.interfaces import BackendUnavailable, EngineConfig, ModelConfig
+    from underlay.registry import get_device
+
+    cfg = EngineConfig(model=ModelConfig(hf_config=tiny_config("qwen3")))
+    with pytest.raises(BackendUnavailable, match="_cpu_fixture"):
+        MCoreEngine(cfg, get_device("cpu"))
