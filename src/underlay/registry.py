@@ -351,7 +351,7 @@ def _builtin_specs() -> list[BackendSpec]:
             "mcore",
             "underlay.engines.mcore.engine:MCoreEngine",
             0,
-            "Megatron-Core GPTModel: TP, PP, VPP, SP, EP; distributed optimizer",
+            "Megatron-Core GPTModel: TP, PP, DP, sequence parallel; distributed optimizer",
             _probe_mcore,
         ),
         BackendSpec(
@@ -359,7 +359,7 @@ def _builtin_specs() -> list[BackendSpec]:
             "mcore",
             "underlay.engines.mcore.weights:MCoreWeightLoader",
             0,
-            "HF safetensors <-> Megatron-Core TP/PP/EP shards",
+            "HF safetensors <-> Megatron-Core TP/PP shards",
             _probe_mcore,
         ),
     ]
