@@ -92,7 +92,24 @@ def step_vs_fsdp2(rank: int, world: int, family: str) -> dict[str, float]:
     after_m = dict(mc.named_full_tensors())
     after_f = per_expert_names(dict(fs.named_full_tensors()))
     moved = max(float((after_m[n] - before[n]).abs().max()) for n in after_m)
+    # offload/onload of parameters, gradients (after a backward) and optimizer state is exact
+    kept = {n: t.clone() for n, t in after_m.items()}
+    mc.forward_backward(batch, H.pg_loss)
+    grads = {n: t.clone() for n, t in grad_by_hf_name(mc).items()}
+    mc.offload()
+    mc.onload()
+    exact = all(torch.equal(kept[n], t) for n, t in mc.named_full_tensors())
+    exact &= all(torch.equal(grads[n], t) for n, t in grad_by_hf_name(mc).items())
+    s2 = mc.optimizer_step()
+    s3 = fs.forward_backward(batch, H.pg_loss)
+    del s3
+    s4 = fs.optimizer_step()
+    after2_m = dict(mc.named_full_tensors())
+    after2_f = per_expert_names(dict(fs.named_full_tensors()))
     return {
+        "offload_exact": float(exact),
+        "param2": max(float((after2_m[n] - after2_f[n]).abs().max()) for n in after2_m),
+        "norm2": abs(s2.grad_norm - s4.grad_norm),
         "param": max(float((after_m[n] - after_f[n]).abs().max()) for n in after_m),
         "moved": moved,
         "loss": abs(r1.metrics["loss"] - r2.metrics["loss"]),

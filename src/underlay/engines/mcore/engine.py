@@ -954,7 +954,17 @@ class MCoreEngine:
         directory = Path(directory)
         if not directory.is_dir():
             raise CheckpointError(f"save_checkpoint: {directory} is not an existing directory")
-        dist_checkpointing.save(self._model_state_for_ckpt(), str(directory / "model"))
+        (directory / "model").mkdir(exist_ok=True)
+        dist.barrier()
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        # the writer forks worker processes per rank when thread_count > 1; those deadlocked in the
+        # CPU (gloo) runs, so the host-device case writes from the rank's own process
+        threads = 2 if self._device.is_accelerator else 1
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+        dist_checkpointing.save(
+            self._model_state_for_ckpt(), str(directory / "model"), sharded_strategy=strategy
+        )
         if self._opts.distributed_optimizer:
             # gathered to data-parallel rank 0 of each model-parallel position (same-layout resume)
             self._optimizer.save_parameter_state(str(directory / self._optim_file()))
