@@ -75,23 +75,3 @@ def test_export_reload_and_load_hf(tmp_path: Path) -> None:
     assert errs[0] < 1e-9, errs
     lps = run_distributed(W.load_roundtrip, 2, "qwen3", 1, 2, out, timeout_s=300)
     assert max(lps) < LP_TOL, lps
-
-
-def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    assert set(a) == set(b)
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
-
-
-def test_checkpoint_resume_same_layout_and_reshard(tmp_path: Path) -> None:
-    """Saved at TP2xPP2 (world 4): resumed at the same layout the next step is identical; loaded at
-    TP1 (world 1) the weights are the saved ones; another model's engine refuses it unchanged."""
-    d = str(tmp_path / "ckpt")
-    saved = run_distributed(W.ckpt_save, 4, "qwen3", 2, 2, d, timeout_s=400)[0]
-    same = run_distributed(W.ckpt_load, 4, "qwen3", 2, 2, d, 3, timeout_s=400)[0]
-    assert same["global_step"] == saved["global_step"] - 1
-    assert _max_diff(same["loaded"], saved["step1"]) == 0.0
-    assert _max_diff(same["step2"], saved["step2"]) < 1e-6
-    one = run_distributed(W.ckpt_load, 1, "qwen3", 1, 1, d, 4, timeout_s=400)[0]
-    assert _max_diff(one["loaded"], saved["step1"]) < 1e-7
-    (msg,) = run_distributed(W.ckpt_wrong_model, 1, d)
-    assert "belongs to another model" in msg, msg
