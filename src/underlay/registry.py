@@ -362,6 +362,7 @@ def _builtin_specs() -> list[BackendSpec]:
             0,
             "Megatron-Core GPTModel: TP, PP, DP, sequence parallel; distributed optimizer",
             _probe_mcore,
+            options="underlay.engines.mcore.options:MCoreOptions",
         ),
         BackendSpec(
             "weight_loader",

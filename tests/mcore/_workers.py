@@ -51,7 +51,8 @@ def check_forward_grads(
 def eng_dp_rank(eng: Any) -> int:
     import torch.distributed as dist
 
-    return dist.get_rank(eng.layout.groups["dp"])
+    group = eng.layout.groups.dp
+    return dist.get_rank(group) if group is not None else 0
 
 
 def wrong_fusion(rank: int, world: int, which: str) -> float:

@@ -148,9 +148,10 @@ def test_registry_refuses_mcore_on_cpu() -> None:
     [
         ({"parallel": {"cp": 2}}, {}, "cp=2"),
         ({"parallel": {"ep": 2}}, {}, "ep=2"),
-        ({}, {"vpp": 2}, "vpp=2"),
-        ({}, {"vpp": 0}, "vpp=0"),
-        ({}, {"recompute": "some"}, "recompute='some'"),
+        ({"parallel": {"pp": 2, "vpp": 2}}, {}, "vpp=2"),
+        ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),
+        ({}, {"sequence_parallel": "yes"}, "sequence_parallel='yes'"),
+        ({}, {"vpp": 2}, "unknown mcore option"),
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),
         ({"model": {"kind": "value"}}, {}, "causal LMs only"),
         ({"model": {"lora": {"rank": 4}}}, {}, "LoRA"),
@@ -185,3 +186,14 @@ def test_engine_on_cpu_without_fixture_is_unavailable() -> None:
     cfg = EngineConfig(model=ModelConfig(hf_config=tiny_config("qwen3")))
     with pytest.raises(BackendUnavailable, match="_cpu_fixture"):
         MCoreEngine(cfg, get_device("cpu"))
+
+
+def test_options_are_registered_and_recompute_is_probed() -> None:
+    """``underlay info`` lists MCoreOptions through the registry; every recompute policy is supported."""
+    from underlay.engines.mcore.options import MCoreOptions
+    from underlay.registry import engine_options
+
+    assert engine_options("mcore") is MCoreOptions
+    for policy in ("none", "full", "selective"):
+        assert MCoreOptions.supports_recompute(policy).available  # type: ignore[arg-type]
+    assert not MCoreOptions.supports_recompute("some").available  # type: ignore[arg-type]

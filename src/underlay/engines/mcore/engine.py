@@ -21,7 +21,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -36,6 +36,7 @@ from underlay.engines.mcore.config import (
     check_layout,
     transformer_config_kwargs,
 )
+from underlay.engines.mcore.options import MCoreOptions
 from underlay.engines.mcore.weightmap import Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
     IGNORE_INDEX,
@@ -48,10 +49,15 @@ from underlay.interfaces import (
     LossFn,
     OptimizerStepResult,
     ParallelLayout,
+    ProbeResult,
+    ProcessGroups,
+    RecomputePolicy,
     StepResult,
     TokenBatch,
     TokenOutputs,
+    resolve_options,
 )
+from underlay.interfaces.weightmap import WeightMap
 from underlay.parallel.rank import current_rank
 
 __all__ = ["CPU_FIXTURE_ENV", "MCoreEngine", "MCoreOptions"]
@@ -60,49 +66,6 @@ CPU_FIXTURE_ENV = "UNDERLAY_MCORE_CPU_FIXTURE"
 _STATE_FILE = "engine_state.pt"
 _SIGNATURE_FILE = "engine_signature.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class MCoreOptions:
-    """Typed options of the mcore engine (``EngineConfig.options``).
-
-    - ``vpp``: virtual pipeline chunks per stage (interleaved 1F1B; needs ``pp > 1``). Values > 1 are
-      refused for now (the interleaved schedule did not complete in this engine's gloo tests).
-    - ``sequence_parallel``: megatron sequence parallelism over the TP group (needs ``tp > 1``).
-    - ``etp``: expert tensor-parallel size (default 1: experts are not split by TP).
-    - ``distributed_optimizer``: shard optimizer state over data-parallel ranks (default True).
-    - ``batch_p2p_comm``: batched pipeline send/recv; ``None`` = on except with gloo, where batched
-      transfers gave wrong interleaved results.
-    - ``recompute``: ``"none"``, ``"full"`` (every layer) or ``"selective"`` (core attention); when
-      ``"none"`` ``EngineConfig.activation_checkpointing`` True/"full" selects ``"full"``.
-    """
-
-    vpp: int = 1
-    sequence_parallel: bool = False
-    etp: int = 1
-    distributed_optimizer: bool = True
-    batch_p2p_comm: bool | None = None
-    recompute: str = "none"
-
-    @classmethod
-    def parse(cls, options: Mapping[str, Any]) -> MCoreOptions:
-        """Validate ``options``: unknown keys and bad values raise ``ConfigError`` naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ConfigError(
-                f"EngineConfig.options: unknown mcore option(s) {unknown}; mcore accepts {sorted(names)}"
-            )
-        out = cls(**dict(options))
-        for name in ("vpp", "etp"):
-            v = getattr(out, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"EngineConfig.options {name}={v!r}: must be an int >= 1")
-        if out.recompute not in ("none", "full", "selective"):
-            raise ConfigError(
-                f"EngineConfig.options recompute={out.recompute!r}: use 'none', 'full' or 'selective'"
-            )
-        return out
 
 
 @dataclass
@@ -129,7 +92,10 @@ class MCoreEngine:
     last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
-        opts = MCoreOptions.parse(config.options)
+        opts: MCoreOptions = resolve_options(MCoreOptions, config.options, "mcore")
+        support = MCoreOptions.supports_recompute(config.recompute)
+        if not support.available:
+            raise ConfigError(f"mcore: recompute={config.recompute!r}: {support.reason}; {support.hint}")
         mc = config.model
         if mc.lora is not None:
             raise ConfigError(
@@ -144,13 +110,14 @@ class MCoreEngine:
                 f"mcore: cp={par.cp}: context parallelism is not provided by the mcore engine's local "
                 "attention; use cp=1"
             )
-        if par.sp > 1:
+        if par.ulysses > 1:
             raise ConfigError(
-                f"mcore: sp={par.sp} (Ulysses) is an fsdp2 feature; use options sequence_parallel"
+                f"mcore: ulysses={par.ulysses}: Ulysses sequence parallelism is an fsdp2 feature; megatron "
+                "splits the sequence inside TP instead (options sequence_parallel=True with tp > 1)"
             )
-        if opts.vpp > 1:
+        if par.vpp > 1:
             raise ConfigError(
-                f"mcore: vpp={opts.vpp}: the interleaved schedule did not complete with packed "
+                f"mcore: vpp={par.vpp}: the interleaved schedule did not complete with packed "
                 "variable-length micro-batches in this engine's tests (gloo); it is not enabled. Use vpp=1"
             )
         if par.ep > 1:
@@ -175,9 +142,8 @@ class MCoreEngine:
                 "use UNDERLAY_ENGINE=fsdp2 on the CPU; tests run mcore on the CPU only under the "
                 "test fixture tests/mcore/_cpu_fixture.py",
             )
-        recompute = opts.recompute
-        if recompute == "none" and config.activation_checkpointing in (True, "full"):
-            recompute = "full"
+        recompute = config.recompute
+        etp = par.etp if par.etp is not None else 1
         if not dist.is_initialized():
             from underlay.parallel.distributed import init_distributed
 
@@ -188,10 +154,10 @@ class MCoreEngine:
             world=world,
             tp=par.tp,
             pp=par.pp,
-            vpp=opts.vpp,
+            vpp=par.vpp,
             cp=par.cp,
             ep=par.ep,
-            etp=opts.etp,
+            etp=etp,
             sequence_parallel=opts.sequence_parallel,
         )
         self._config = config
@@ -201,7 +167,7 @@ class MCoreEngine:
         self._param_dtype = _DTYPES[config.param_dtype]
         gloo = dist.get_backend() == "gloo"
         batch_p2p = (not gloo) if opts.batch_p2p_comm is None else bool(opts.batch_p2p_comm)
-        self._init_parallel_state(par.tp, par.pp, opts.vpp, par.cp, par.ep, opts.etp)
+        self._init_parallel_state(par.tp, par.pp, par.vpp, par.cp, par.ep, etp)
         _compat_shims()
         from megatron.core import parallel_state as ps
         from megatron.core.transformer import TransformerConfig
@@ -211,10 +177,10 @@ class MCoreEngine:
                 self._arch,
                 tp=par.tp,
                 pp=par.pp,
-                vpp=opts.vpp,
+                vpp=par.vpp,
                 cp=par.cp,
                 ep=par.ep,
-                etp=opts.etp,
+                etp=etp,
                 sequence_parallel=opts.sequence_parallel,
                 params_dtype=self._param_dtype,
                 recompute=recompute,
@@ -227,20 +193,23 @@ class MCoreEngine:
             dp,
             tp=par.tp,
             pp=par.pp,
+            vpp=par.vpp,
             cp=par.cp,
             ep=par.ep,
-            groups={
-                "world": dist.group.WORLD,
-                "dp": ps.get_data_parallel_group(),
-                "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
-                "tp": ps.get_tensor_model_parallel_group(),
-                "pp": ps.get_pipeline_model_parallel_group(),
-                "ep": ps.get_expert_model_parallel_group(),
-            },
+            etp=etp,
+            groups=_process_groups(ps, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=etp, dp=dp),
         )
+        # Megatron's groups as they are (also for size 1): the engine's own collectives use these, so a
+        # size-1 dimension is a one-rank group, never the world group that ``None`` would mean.
+        self._pg: dict[str, Any] = {
+            "dp": ps.get_data_parallel_group(),
+            "tp": ps.get_tensor_model_parallel_group(),
+            "pp": ps.get_pipeline_model_parallel_group(),
+        }
         chunks = self._build_chunks()
         self._fill(chunks)
         self._chunks = self._wrap_ddp(chunks)
+        self._build_weight_map()
         self._build_optimizer()
         self._global_step = 0
         self._offloaded: dict[str, Any] = {}
@@ -288,7 +257,7 @@ class MCoreEngine:
         from underlay.engines.mcore.layers import block_spec
 
         arch = self._arch
-        vpp = self._opts.vpp
+        vpp = self._layout.vpp
         chunks: list[torch.nn.Module] = []
         for v in range(vpp):
             vp = v if vpp > 1 else None
@@ -481,6 +450,11 @@ class MCoreEngine:
         return self._hf_config
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' compute dtype (``config.param_dtype``)."""
+        return self._param_dtype
+
+    @property
     def arch(self) -> MCoreArch:
         """The converted architecture facts."""
         return self._arch
@@ -521,11 +495,11 @@ class MCoreEngine:
 
         seqlens = batch.attention_mask.sum(dim=1).tolist()
         pp = self._layout.pp
-        multiple = pp if self._opts.vpp > 1 else 1
+        multiple = pp if self._layout.vpp > 1 else 1
         plan = plan_micro_batches(
             seqlens,
             self._config.micro_batch_max_tokens,
-            group=self._layout.groups["dp"],
+            group=self._pg["dp"],
             multiple_of=multiple,
         )
         return plan
@@ -581,7 +555,7 @@ class MCoreEngine:
             else inner.output_layer.weight
         )
         h = hidden.reshape(-1, hidden.shape[-1])
-        group = self._layout.groups["tp"] if self._layout.tp > 1 else None
+        group = self._pg["tp"] if self._layout.tp > 1 else None
         out = self._logprob_kernel(
             h, weight, mb.labels, temperature=temperature, with_entropy=with_entropy, vocab_group=group
         )
@@ -633,7 +607,7 @@ class MCoreEngine:
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         count = batch.loss_mask.sum().to(torch.float64)
-        dist.all_reduce(count, group=self._layout.groups["dp"])
+        dist.all_reduce(count, group=self._pg["dp"])
         n_tokens = int(count.item())
         plan = self._plan(batch)
         mbs = [self._micro_batch(batch, idx) for idx in plan]
@@ -668,7 +642,7 @@ class MCoreEngine:
         from megatron.core import parallel_state as ps
 
         keys = [sorted(sums)] if last else [None]
-        pp_group = self._layout.groups["pp"]
+        pp_group = self._pg["pp"]
         src = ps.get_pipeline_model_parallel_last_rank()
         if self._layout.pp > 1:
             dist.broadcast_object_list(keys, src=src, group=pp_group)
@@ -680,7 +654,7 @@ class MCoreEngine:
                 else torch.zeros(0, dtype=torch.float64)
             )
             stacked = stacked.to(self._torch_device)
-            dist.all_reduce(stacked, group=self._layout.groups["dp"])
+            dist.all_reduce(stacked, group=self._pg["dp"])
         else:
             stacked = torch.zeros(len(names), dtype=torch.float64, device=self._torch_device)
         if self._layout.pp > 1:
@@ -725,9 +699,9 @@ class MCoreEngine:
         self._run_schedule(mbs, loss_func, forward_only=True)
         if self._layout.pp > 1:
             src = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(lp, src=src, group=self._layout.groups["pp"])
+            dist.broadcast(lp, src=src, group=self._pg["pp"])
             if ent is not None:
-                dist.broadcast(ent, src=src, group=self._layout.groups["pp"])
+                dist.broadcast(ent, src=src, group=self._pg["pp"])
         return TokenOutputs(lp, ent, None)
 
     def zero_grad(self) -> None:
@@ -817,7 +791,7 @@ class MCoreEngine:
         """Every rule of the model with the (pp rank, virtual chunk, ep rank) that owns it, in a fixed
         order that every rank computes identically."""
         a = self._arch
-        pp, vpp = self._layout.pp, self._opts.vpp
+        pp, vpp = self._layout.pp, self._layout.vpp
         ep = self._layout.ep
         per_chunk = a.num_layers // (pp * vpp)
         local_e = a.num_experts // ep if a.is_moe else 0
@@ -844,46 +818,116 @@ class MCoreEngine:
                             out.append((stage, v, e, r))
         return out
 
-    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF tensors one at a time (fp32 as stored, on the device), gathered over TP/EP and
-        broadcast from the owning pipeline stage. Collective: every rank receives every tensor."""
+    def _build_weight_map(self) -> None:
+        """The ``WeightMap`` over global engine names (``decoder.layers.<global layer>``, experts by global
+        index), plus where each parameter lives: (pp rank, virtual chunk, ep rank, chunk-local rule)."""
+        from underlay.engines.mcore.weightmap import engine_rule
+
+        shapes = hf_shapes(self._arch)
+        rules = []
+        self._where: dict[str, tuple[int, int, int, Rule]] = {}
+        for stage, v, e, rule in self._global_rules():
+            wr = engine_rule(rule, self._arch)
+            full = wr.from_hf({n: torch.empty(shapes[n], device="meta") for n in wr.hf_names})
+            rules.append(dataclasses.replace(wr, engine_shape=tuple(full.shape)))
+            self._where[wr.engine_name] = (stage, v, e, rule)
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if self._arch.tied else {}
+        self._weight_map = WeightMap(tuple(rules), tied, ("*rotary_emb.inv_freq",))
+
+    @property
+    def weight_map(self) -> WeightMap:
+        """Megatron ``GPTModel`` parameters (global layer/expert indices) <-> HF tensors: fused q/k/v per
+        query group, fused ``[gate; up]``, vocab-split embedding/output layer."""
+        return self._weight_map
+
+    def supports_recompute(self, policy: RecomputePolicy) -> ProbeResult:
+        """``"none"``, ``"full"`` and ``"selective"`` (``MCoreOptions.supports_recompute``)."""
+        return MCoreOptions.supports_recompute(policy)
+
+    def _is_mine(self, stage: int, e: int, rule: Rule) -> bool:
         from megatron.core import parallel_state as ps
 
-        self._ensure_onloaded("weights")
-        shapes = hf_shapes(self._arch)
-        my_pp = ps.get_pipeline_model_parallel_rank()
         my_ep = ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0
+        return stage == ps.get_pipeline_model_parallel_rank() and (not rule.expert or e == my_ep)
+
+    @staticmethod
+    def _tp_group(rule: Rule) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_tensor_parallel_group() if rule.expert else ps.get_tensor_model_parallel_group()
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of ``weight_map`` in rule order, gathered over TP/ETP by its owners and
+        broadcast from the lowest owning rank (pipeline stage, expert rank): full (``tp == 1`` layout)
+        fp32 tensors on the device, on every rank. Collective."""
+        self._ensure_onloaded("weights")
         params = [dict(_unwrap(c).named_parameters()) for c in self._chunks]
-        world = dist.group.WORLD
-        for stage, v, e, rule in self._global_rules():
-            owner = stage == my_pp and (not rule.expert or e == my_ep)
-            fulls: list[torch.Tensor] | None = None
-            if stage == my_pp and (not rule.expert or e == my_ep):
-                local = params[v][rule.name].detach()
-                group = (
-                    ps.get_expert_tensor_parallel_group()
-                    if rule.expert
-                    else ps.get_tensor_model_parallel_group()
-                )
-                size = dist.get_world_size(group) if rule.kind != "replicated" else 1
-                pieces = [torch.empty_like(local) for _ in range(size)]
+        for wr in self._weight_map.rules:
+            stage, v, e, rule = self._where[wr.engine_name]
+            full: torch.Tensor | None = None
+            if self._is_mine(stage, e, rule):
+                local = params[v][rule.name].detach().float()
+                group = self._tp_group(rule)
+                size = dist.get_world_size(group) if wr.tp_dim is not None else 1
                 if size > 1:
+                    pieces = [torch.empty_like(local) for _ in range(size)]
                     dist.all_gather(pieces, local.contiguous(), group=group)
+                    full = wr.tp_unshard(pieces)
                 else:
-                    pieces = [local]
-                fulls = rule.unshard(pieces)
-            src = self._owner_rank(stage, e, rule.expert)
-            for i, name in enumerate(rule.hf):
-                t = (
-                    fulls[i].contiguous()
-                    if fulls is not None and owner
-                    else torch.empty(
-                        shapes[name], dtype=next(iter(params[0].values())).dtype, device=self._torch_device
-                    )
-                )
-                if dist.get_world_size() > 1:
-                    dist.broadcast(t, src=src, group=world)
-                yield name, t
+                    full = local
+            if dist.get_world_size() > 1:
+                if full is None:
+                    assert wr.engine_shape is not None
+                    full = torch.empty(wr.engine_shape, dtype=torch.float32, device=self._torch_device)
+                full = full.contiguous()
+                dist.broadcast(full, src=self._owner_rank(stage, e, rule.expert))
+            assert full is not None
+            yield wr.engine_name, full
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full fp32 HF tensors one at a time (``weight_map.to_hf(named_full_parameters())``). Collective."""
+        return self._weight_map.to_hf(self.named_full_parameters())
+
+    def copy_full_parameter(self, engine_name: str, full: torch.Tensor) -> int:
+        """Write this rank's TP shard of ``full`` into ``engine_name`` when this rank holds it (its
+        pipeline stage and expert rank); no communication. Returns bytes written here (0 elsewhere).
+        ``InvalidInput`` for an unknown name, ``CheckpointError`` for a shape mismatch, before writing."""
+        from megatron.core import parallel_state as ps
+
+        wr = self._weight_map.rule(engine_name)
+        if wr.engine_shape is not None and tuple(full.shape) != wr.engine_shape:
+            raise CheckpointError(
+                f"copy_full_parameter {engine_name}: shape {tuple(full.shape)} != {wr.engine_shape}"
+            )
+        stage, v, e, rule = self._where[engine_name]
+        targets: list[tuple[int, str]] = []
+        if self._is_mine(stage, e, rule):
+            targets.append((v, rule.name))
+        last = self._layout.pp - 1
+        if (
+            self._arch.tied
+            and last > 0
+            and engine_name == "embedding.word_embeddings.weight"
+            and ps.get_pipeline_model_parallel_rank() == last
+        ):
+            # the last stage's output layer is megatron's copy of the tied embedding
+            targets.append((len(self._chunks) - 1, "output_layer.weight"))
+        if rule.expert:
+            rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        else:
+            rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        written = 0
+        for chunk, local_name in targets:
+            piece = wr.tp_shard(full, rank, size)
+            param = dict(_unwrap(self._chunks[chunk]).named_parameters())[local_name]
+            with torch.no_grad():
+                param.copy_(piece.to(param.device, param.dtype))
+            written += param.numel() * param.element_size()
+        return written
+
+    def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The mcore engine has no LoRA adapters: always empty."""
+        return iter(())
 
     def _owner_rank(self, stage: int, e: int, expert: bool) -> int:
         """The global rank that broadcasts a tensor owned by pipeline ``stage`` (and expert rank ``e``):
@@ -906,22 +950,34 @@ class MCoreEngine:
                 return r
         raise CheckpointError(f"no rank owns pipeline stage {stage} / expert rank {e}")
 
-    def iter_weights(self, bucket_bytes: int = 1 << 29) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_weights(
+        self, bucket_bytes: int = 1 << 29, *, ranks: Collection[int] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of ``(hf_name, full tensor)`` in ``param_dtype`` on the device, about ``bucket_bytes``
-        each. Collective; every rank receives every tensor. ``InvalidInput`` for ``bucket_bytes < 1``."""
+        each, on the ranks in ``ranks`` (default: all); other ranks take part and get empty buckets
+        (the bucket count is the same everywhere: bucket boundaries depend on shapes only). Collective.
+        ``InvalidInput`` for ``bucket_bytes < 1`` or a rank outside ``[0, world_size)``, before any
+        collective."""
         if bucket_bytes < 1:
             raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes} must be >= 1")
+        world = self._layout.world_size
+        if ranks is not None:
+            bad = sorted(r for r in ranks if not (isinstance(r, int) and 0 <= r < world))
+            if bad:
+                raise InvalidInput(f"iter_weights: ranks {bad} are outside [0, {world}); pass global ranks")
+        receiver = ranks is None or current_rank() in set(ranks)
+        elem = torch.empty((), dtype=self._param_dtype).element_size()
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, full in self.named_full_tensors():
-            t = full.to(self._param_dtype)
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
+            nbytes = full.numel() * elem
+            if size and size + nbytes > bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
-            bucket.append((name, t))
+            if receiver:
+                bucket.append((name, full.to(self._param_dtype)))
             size += nbytes
-        if bucket:
+        if size:
             yield bucket
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -991,7 +1047,7 @@ class MCoreEngine:
 
     def _layout_key(self) -> list[int]:
         lay = self._layout
-        return [lay.world_size, lay.tp, lay.pp, self._opts.vpp, lay.cp, lay.ep, self._opts.etp]
+        return [lay.world_size, lay.tp, lay.pp, self._layout.vpp, lay.cp, lay.ep, self._layout.etp]
 
     def check_signature(self, directory: Path) -> None:
         """Raise ``CheckpointError`` unless ``directory`` holds an mcore checkpoint of this model."""
@@ -1071,6 +1127,29 @@ def _return_hidden(output_layer: Any, sequence_parallel: bool) -> None:
         return hidden, None
 
     output_layer.forward = forward
+
+
+def _process_groups(ps: Any, *, tp: int, pp: int, cp: int, ep: int, etp: int, dp: int) -> ProcessGroups:
+    """The typed groups of the layout from megatron's ``parallel_state`` (``None`` for size-1
+    dimensions, as ``ProcessGroups`` specifies; ``mp`` is megatron's model-parallel group tp x pp)."""
+
+    def pick(size: int, get: Any) -> Any:
+        return get() if size > 1 else None
+
+    world = dist.get_world_size()
+    return ProcessGroups(
+        world=dist.group.WORLD,
+        dp=pick(dp, ps.get_data_parallel_group),
+        dp_cp=pick(dp * cp, lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        tp=pick(tp, ps.get_tensor_model_parallel_group),
+        pp=pick(pp, ps.get_pipeline_model_parallel_group),
+        cp=pick(cp, ps.get_context_parallel_group),
+        ep=pick(ep, ps.get_expert_model_parallel_group),
+        etp=pick(etp, ps.get_expert_tensor_parallel_group),
+        edp=pick(world // (pp * ep * etp), ps.get_expert_data_parallel_group),
+        ulysses=None,
+        mp=pick(tp * pp * cp, ps.get_model_parallel_group),
+    )
 
 
 def _unwrap(module: Any) -> Any:

@@ -23,10 +23,15 @@ from typing import Literal
 
 import torch
 
+from underlay.engines._weightmap import fuse_gate_up as _wm_gate_up
+from underlay.engines._weightmap import fuse_qkv as _wm_qkv
+from underlay.engines._weightmap import rename
 from underlay.engines.mcore.config import MCoreArch
+from underlay.interfaces.weightmap import WeightRule
 
 __all__ = [
     "Rule",
+    "engine_rule",
     "fuse_gate_up",
     "fuse_qkv",
     "hf_shapes",
@@ -206,3 +211,35 @@ def stage_rules(
         elif not pre_process:
             rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "column", a))
     return rules
+
+
+def _global_name(rule: Rule) -> str:
+    """The chunk-local name of ``rule`` with the global layer index (from its HF name) and, for an
+    expert, the global expert index: ``decoder.layers.<g>.`` / ``local_experts.<e>.``."""
+    name = rule.name
+    hf = rule.hf[0]
+    if name.startswith("decoder.layers."):
+        g = hf.split(".")[2]
+        rest = name.split(".", 3)[3]
+        name = f"decoder.layers.{g}.{rest}"
+        if rule.expert:
+            e = hf.split("mlp.experts.")[1].split(".")[0]
+            head, tail = name.split("mlp.experts.local_experts.")
+            name = f"{head}mlp.experts.local_experts.{e}.{tail.split('.', 1)[1]}"
+    return name
+
+
+def engine_rule(rule: Rule, arch: MCoreArch) -> WeightRule:
+    """The contract-v2 ``WeightRule`` of ``rule`` under its global engine name (the full, ``tp == 1``
+    tensor; TP split as megatron does: column = dim 0, row = dim 1, q/k/v in whole query groups,
+    ``[gate; up]`` in two blocks)."""
+    name = _global_name(rule)
+    if rule.kind == "qkv":
+        q, k, v = rule.hf
+        return _wm_qkv(
+            name, q, k, v, num_heads=arch.heads, num_kv_heads=arch.num_query_groups, head_dim=arch.head_dim
+        )
+    if rule.kind == "gate_up":
+        return _wm_gate_up(name, rule.hf[0], rule.hf[1])
+    tp_dim = {"replicated": None, "column": 0, "row": 1}[rule.kind]
+    return rename(name, rule.hf[0], tp_dim=tp_dim)
