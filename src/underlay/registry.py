@@ -205,7 +205,9 @@ def _probe_mcore() -> ProbeResult:
             "the Python package 'megatron-core' is not installed",
             "install it with `pip install underlay[mcore]`",
         )
-    if _current_accelerator() is None:
+    # UNDERLAY_MCORE_CPU_FIXTURE=1 is set only by the test fixture tests/mcore/_cpu_fixture.py, which
+    # maps megatron's CUDA calls to the CPU in its own processes (the engine checks the same variable)
+    if _current_accelerator() is None and os.environ.get("UNDERLAY_MCORE_CPU_FIXTURE") != "1":
         return ProbeResult.fail(
             "megatron-core calls CUDA directly and needs an accelerator device; none is available",
             "use UNDERLAY_ENGINE=fsdp2 on the CPU (tests run mcore on the CPU only under the test-only "

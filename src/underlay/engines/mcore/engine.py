@@ -1086,8 +1086,30 @@ class MCoreEngine:
         same = extra.get("layout") == self._layout_key()
         if same:
             self._optimizer.load_state_dict(extra["optimizer"])
+            # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE tensor
+            # shared by every parameter's state; torch's foreach Adam increments each in place, so a
+            # shared tensor would advance once per parameter per step: give each state its own copy
+            for o in _torch_optimizers(self._optimizer):
+                for st in o.state.values():
+                    if "step" in st:
+                        st["step"] = st["step"].clone()
             if self._opts.distributed_optimizer:
-                self._optimizer.load_parameter_state(str(directory / self._optim_file()))
+                # with fp32 parameters megatron's "main" params are the model params themselves (leaves
+                # that require grad): its in-place copies must not be recorded by autograd
+                # torch's Adam keeps a per-parameter "step" that megatron's parameter-state file does not
+                # hold (its loader copies every state key): set it aside; load_state_dict restored it
+                steps = [
+                    (st, st.pop("step"))
+                    for o in _torch_optimizers(self._optimizer)
+                    for st in o.state.values()
+                    if "step" in st
+                ]
+                try:
+                    with torch.no_grad():
+                        self._optimizer.load_parameter_state(str(directory / self._optim_file()))
+                finally:
+                    for st, step in steps:
+                        st["step"] = step
         else:
             self._optimizer.reload_model_params()
         for s, st in zip(self._schedulers, extra["schedulers"]):

@@ -56,6 +56,13 @@ class SafetensorsReader:
         """Every tensor name in the files."""
         return set(self._where)
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The stored shape of ``name`` from the file header (no tensor data read), or ``None``."""
+        h = self._where.get(name)
+        if h is None:
+            return None
+        return tuple(int(x) for x in h.get_slice(name).get_shape())
+
     def get(self, name: str) -> torch.Tensor | None:
         """The full tensor ``name``, or ``None`` when no file holds it."""
         h = self._where.get(name)
@@ -112,6 +119,14 @@ class MCoreWeightLoader:
                     f"load_hf {path}: missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} "
                     f"({len(unexpected)}); pass strict=False to load what matches"
                 )
+            shapes = hf_shapes(eng.arch)
+            for n in sorted(expected & names):
+                stored = reader.shape(n)
+                if stored != shapes[n]:
+                    raise CheckpointError(
+                        f"{n}: shape mismatch: {stored} in the files != {shapes[n]} of the model config; load a "
+                        "checkpoint of this architecture"
+                    )
             from underlay.engines.mcore.engine import _unwrap
 
             loaded, _ = eng.load_tensors([_unwrap(c) for c in eng.chunks], reader.get)
