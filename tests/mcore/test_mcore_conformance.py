@@ -3,8 +3,9 @@ fixture: each spawned rank installs ``tests/mcore/_cpu_fixture.py`` before the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -31,3 +32,9 @@ def fixture_launcher(fn: Callable[..., Any], world: int, *args: Any) -> list[Any
 @pytest.mark.parametrize("world", [1, 2])
 def test_engine_contract_mcore(world: int, tmp_path: Path) -> None:
     C.run_engine_contract("mcore", world, tmp_path, fixture_launcher)
+
+
+@pytest.mark.parametrize("model", sorted(C.MODELS))
+@pytest.mark.parametrize("world", [1, 2])
+def test_weight_loader_contract_mcore(world: int, model: str, tmp_path: Path) -> None:
+    C.run_loader_contract("mcore", world, tmp_path, model, fixture_launcher)
