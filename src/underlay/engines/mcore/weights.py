@@ -129,7 +129,9 @@ class MCoreWeightLoader:
                     )
             from underlay.engines.mcore.engine import _unwrap
 
-            loaded, _ = eng.load_tensors([_unwrap(c) for c in eng.chunks], reader.get)
+            eng.load_tensors([_unwrap(c) for c in eng.chunks], reader.get)
+            # HF tensors of the files the model consumed (over all ranks: every rank reads its shards)
+            loaded = len(expected & names)
             read = reader.bytes_read
         dist.barrier()
         return LoadReport(loaded, tuple(missing), tuple(unexpected), read)
