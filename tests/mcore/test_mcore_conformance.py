@@ -35,6 +35,6 @@ def test_engine_contract_mcore(world: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("model", sorted(C.MODELS))
-@pytest.mark.parametrize("world", [1, 2])
-def test_weight_loader_contract_mcore(world: int, model: str, tmp_path: Path) -> None:
-    C.run_loader_contract("mcore", world, tmp_path, model, fixture_launcher)
+def test_weight_loader_contract_mcore(model: str, tmp_path: Path) -> None:
+    """At 2 ranks only (1 rank passes too; dropped to keep the mcore group near 3 min of CI)."""
+    C.run_loader_contract("mcore", 2, tmp_path, model, fixture_launcher)
