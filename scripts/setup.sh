@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Set up .venv for underlay on a fresh machine. Usage: scripts/setup.sh [EXTRAS]  (default: hf,config,tracking)
+# Set up .venv for underlay on a fresh machine. Usage: scripts/setup.sh [EXTRAS]  (default: hf,config,tracking,mcore)
 # torch is installed first and pinned (the CPU build on local disk); an unpinned torch would pull a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-hf,config,tracking}"
+extras="${1:-hf,config,tracking,mcore}"
 py="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

@@ -198,6 +198,24 @@ def _probe_cuda() -> ProbeResult:
     return ProbeResult.ok()
 
 
+def _probe_mcore() -> ProbeResult:
+    """megatron-core importable and an accelerator present (megatron calls CUDA directly)."""
+    if not _has_module("megatron.core"):
+        return ProbeResult.fail(
+            "the Python package 'megatron-core' is not installed",
+            "install it with `pip install underlay[mcore]`",
+        )
+    # UNDERLAY_MCORE_CPU_FIXTURE=1 is set only by the test fixture tests/mcore/_cpu_fixture.py, which
+    # maps megatron's CUDA calls to the CPU in its own processes (the engine checks the same variable)
+    if _current_accelerator() is None and os.environ.get("UNDERLAY_MCORE_CPU_FIXTURE") != "1":
+        return ProbeResult.fail(
+            "megatron-core calls CUDA directly and needs an accelerator device; none is available",
+            "use UNDERLAY_ENGINE=fsdp2 on the CPU (tests run mcore on the CPU only under the test-only "
+            "fixture tests/mcore/_cpu_fixture.py, constructing MCoreEngine directly)",
+        )
+    return ProbeResult.ok()
+
+
 def _probe_npu() -> ProbeResult:
     if not _has_module("torch_npu"):
         return ProbeResult.fail(
@@ -338,6 +356,23 @@ def _builtin_specs() -> list[BackendSpec]:
             "underlay.engines.fsdp2.weights:FSDP2WeightLoader",
             10,
             "HF safetensors <-> FSDP2 shards",
+        ),
+        BackendSpec(
+            "engine",
+            "mcore",
+            "underlay.engines.mcore.engine:MCoreEngine",
+            0,
+            "Megatron-Core GPTModel: TP, PP, DP, sequence parallel; distributed optimizer",
+            _probe_mcore,
+            options="underlay.engines.mcore.options:MCoreOptions",
+        ),
+        BackendSpec(
+            "weight_loader",
+            "mcore",
+            "underlay.engines.mcore.weights:MCoreWeightLoader",
+            0,
+            "HF safetensors <-> Megatron-Core TP/PP shards",
+            _probe_mcore,
         ),
     ]
 

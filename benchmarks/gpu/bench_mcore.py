@@ -1,0 +1,103 @@
+"""mcore vs fsdp2 training throughput on ``bench_fsdp2.py``'s workload, in the same run (issue 17).
+
+The Qwen2-shaped 1.5B model and GRPO-like length mix of ``bench_fsdp2.py``; both engines bf16 compute /
+fp32 master weights, packed micro-batches of at most 16384 tokens, the same sequences. mcore runs at
+TP=1 (world size 1) with megatron's DDP + distributed optimizer; fsdp2 with its benchmark settings
+(``--fsdp2-variant``, default ``none+layer@0.85``). Prints tokens/s of both and the ratio (goal:
+mcore >= 0.9x fsdp2); writes ``$OUT/mcore_bench.json``. Needs megatron-core (the lead installs the
+0.19.2 wheel from ``.whl/``); nothing else beyond torch/transformers/numpy.
+
+    PYTHONPATH=src python benchmarks/gpu/bench_mcore.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_fsdp2 as bf
+
+from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig
+
+
+def bench_mcore(cfg: Any, work: list[Any], args: Any, dev: Any) -> dict[str, Any]:
+    """Time ``forward_backward`` + ``optimizer_step`` of the mcore engine over ``work``."""
+    from underlay.registry import get_engine
+
+    ec = EngineConfig(
+        model=ModelConfig(hf_config=cfg, seed=0),
+        optim=OptimConfig(lr=1e-6, grad_clip=1.0),
+        micro_batch_max_tokens=bf.MAX_TOKENS if not args.quick else 256,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        with_entropy=False,
+        options={"recompute": args.mcore_recompute},
+    )
+    t0 = time.perf_counter()
+    engine = get_engine(ec, "mcore")
+    build_s = time.perf_counter() - t0
+    dev.synchronize()
+    dev.reset_peak_memory_stats()
+    times: list[float] = []
+    for i, step in enumerate(work):
+        dev.synchronize()
+        t = time.perf_counter()
+        engine.forward_backward(step.batch, bf.pg_loss)
+        engine.optimizer_step()
+        dev.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    peak = dev.memory_stats().peak_allocated
+    del engine
+    gc.collect()
+    dev.empty_cache()
+    return {"times": times, "peak": peak, "build_s": build_s}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--sequences", type=int, default=64)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--same-batch", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--fsdp2-variant", default="none+layer@0.85")
+    p.add_argument("--mcore-recompute", default="none", choices=["none", "full", "selective"])
+    args = p.parse_args()
+    from underlay.registry import get_device
+
+    dev = get_device()
+    cfg = bf.model_config(args.quick)
+    work = bf.workload(cfg, args, 0)
+    tokens = [sum(s.lens) for s in work[args.warmup :]]
+    results: dict[str, Any] = {}
+    results["mcore"] = bench_mcore(cfg, work, args, dev)
+    results["fsdp2"] = bf.bench_engine(cfg, work, args, dev, args.fsdp2_variant)
+    rows = {}
+    for name, r in results.items():
+        tps = sum(tokens) / sum(r["times"])
+        rows[name] = {"tokens_per_s": tps, "peak_gib": r["peak"] / 2**30, "build_s": r["build_s"]}
+        print(f"{name:6s} {tps:10.0f} tokens/s  peak {r['peak'] / 2**30:6.1f} GiB", flush=True)
+    ratio = rows["mcore"]["tokens_per_s"] / rows["fsdp2"]["tokens_per_s"]
+    print(f"mcore / fsdp2 tokens/s = {ratio:.3f} (goal >= 0.9)", flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "mcore_bench.json").write_text(json.dumps({"rows": rows, "ratio": ratio}, indent=1))
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""mcore engine on one CUDA GPU (issue 17): correctness against float64 and against the fsdp2 engine.
+
+1. fp32: log-probs of a packed variable-length batch (Qwen3 tiny, q/k norm, GQA) equal the float64 HF
+   model's (< 2e-4), and one step's loss / gradient norm equal the float64 ones.
+2. bf16: the same step through mcore and through fsdp2; each engine's loss and grad-norm error against
+   float64 is recorded; mcore's must be no larger than 1.5x fsdp2's (+ a small floor).
+3. A Qwen3-MoE step (bf16) runs with finite loss and grad norm.
+
+Needs megatron-core (the 0.19.2 wheel from ``.whl/``), torch, transformers. Writes
+``$OUT/check_mcore_cuda.json``::
+
+    PYTHONPATH=src python benchmarks/gpu/check_mcore_cuda.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+
+VOCAB = 512
+
+
+def tiny(family: str) -> Any:
+    import transformers as tf
+
+    kw: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_moe":
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+        return tf.Qwen3MoeConfig(**kw)
+    return tf.Qwen3Config(**kw)
+
+
+def batch(device: torch.device) -> TokenBatch:
+    g = torch.Generator().manual_seed(0)
+    b, s = 8, 200
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    lens = torch.randint(20, s + 1, (b,), generator=g)
+    mask = (torch.arange(s)[None] < lens[:, None]).long()
+    loss = mask.clone()
+    loss[:, :10] = 0
+    return TokenBatch(ids * mask, mask, loss, {"adv": torch.randn(b, generator=g)}).to(device)
+
+
+def pg_loss(out: TokenOutputs, b: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    assert out.log_probs is not None
+    m = b.loss_mask.to(torch.float32)
+    return -(b.extras["adv"][:, None].float() * out.log_probs * m).sum(), {}
+
+
+def reference(cfg: Any, b: TokenBatch) -> tuple[torch.Tensor, float, float]:
+    """float64 HF: token-aligned log-probs, token-mean loss, gradient norm."""
+    from underlay.engines.fsdp2._build import build_model
+
+    model = build_model(ModelConfig(hf_config=cfg, seed=0), cfg, meta=False).double().to(b.input_ids.device)
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], 1) * b.attention_mask
+    m = b.loss_mask.double()
+    loss = -(b.extras["adv"].double()[:, None] * lp * m).sum() / m.sum()
+    loss.backward()
+    norm = math.sqrt(
+        sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
+    )
+    return lp.detach(), float(loss), norm
+
+
+def engine_cfg(cfg: Any, dtype: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(hf_config=cfg, seed=0),
+        optim=OptimConfig(lr=1e-5, grad_clip=1e9),
+        micro_batch_max_tokens=512,
+        param_dtype=dtype,
+        reduce_dtype="float32",
+        with_entropy=False,
+    )
+
+
+def step(name: str, cfg: Any, dtype: str, b: TokenBatch) -> dict[str, Any]:
+    from underlay.registry import get_engine
+
+    eng = get_engine(engine_cfg(cfg, dtype), name)
+    lp = eng.infer(b).log_probs
+    res = eng.forward_backward(b, pg_loss)
+    opt = eng.optimizer_step()
+    out = {"loss": res.metrics["loss"], "grad_norm": opt.grad_norm, "skipped": opt.skipped, "lp": lp}
+    del eng
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    cfg = tiny("qwen3")
+    b = batch(dev)
+    ref_lp, ref_loss, ref_norm = reference(cfg, b)
+    report: dict[str, Any] = {"ref_loss": ref_loss, "ref_grad_norm": ref_norm}
+    ok = True
+    m32 = step("mcore", cfg, "float32", b)
+    lp_err = float((m32["lp"].double() - ref_lp).abs().max())
+    report["fp32"] = {
+        "lp_err": lp_err,
+        "loss_err": abs(m32["loss"] - ref_loss),
+        "norm_rel": abs(m32["grad_norm"] - ref_norm) / ref_norm,
+    }
+    ok &= lp_err < 2e-4 and report["fp32"]["loss_err"] < 1e-4 and report["fp32"]["norm_rel"] < 1e-3
+    errs = {}
+    for name in ("mcore", "fsdp2"):
+        r = step(name, cfg, "bfloat16", b)
+        errs[name] = {
+            "loss_err": abs(r["loss"] - ref_loss),
+            "norm_rel": abs(r["grad_norm"] - ref_norm) / ref_norm,
+        }
+    report["bf16"] = errs
+    for key, floor in (("loss_err", 1e-3), ("norm_rel", 1e-3)):
+        ok &= errs["mcore"][key] <= 1.5 * errs["fsdp2"][key] + floor
+    moe = step("mcore", tiny("qwen3_moe"), "bfloat16", b)
+    report["moe"] = {"loss": moe["loss"], "grad_norm": moe["grad_norm"], "skipped": moe["skipped"]}
+    ok &= math.isfinite(moe["loss"]) and math.isfinite(moe["grad_norm"]) and not moe["skipped"]
+    report["ok"] = bool(ok)
+    print(json.dumps(report, indent=1), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "check_mcore_cuda.json").write_text(json.dumps(report, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Hugging Face side of the mcore engine: the config to build and the seed-initialised reference model
+(the same construction as the fsdp2 engine's, so both engines start from identical weights)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from underlay.interfaces import ConfigError, ModelConfig
+
+__all__ = ["hf_config_of", "seeded_hf_state", "signature_diff"]
+
+
+def hf_config_of(model_cfg: ModelConfig) -> Any:
+    """``hf_config`` as given, or ``config.json`` of the local directory ``path`` (``ConfigError`` when
+    it has none; nothing is downloaded)."""
+    if model_cfg.hf_config is not None:
+        return model_cfg.hf_config
+    from transformers import AutoConfig
+
+    assert model_cfg.path is not None
+    path = Path(model_cfg.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"ModelConfig.path={model_cfg.path!r} has no config.json; give a local Hugging Face model directory"
+        )
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def seeded_hf_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.Tensor]:
+    """The fp32 causal LM built on the cpu under ``torch.manual_seed(model_cfg.seed)`` (global RNG state
+    restored afterwards), as tensors under the names ``save_pretrained`` writes (per-expert MoE names)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model_cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    return per_expert_names(state)
+
+
+def per_expert_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename transformers 5's fused in-memory experts (``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``) to ``experts.{e}.gate_proj/up_proj/down_proj.weight``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, 0)
+                out[f"{base}{e}.gate_proj.weight"] = gate
+                out[f"{base}{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def signature_diff(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
+    """First differences between two model signatures, human-readable ("" when equal)."""
+    problems = [
+        f"{k}: checkpoint {saved.get(k)!r} != model {mine.get(k)!r}"
+        for k in sorted(set(saved) | set(mine))
+        if k != "params" and saved.get(k) != mine.get(k)
+    ]
+    sp, mp = saved.get("params", {}), mine.get("params", {})
+    if set(sp) != set(mp):
+        problems.append(
+            f"tensors only in the model: {sorted(set(mp) - set(sp))[:3]}; only in the checkpoint: "
+            f"{sorted(set(sp) - set(mp))[:3]}"
+        )
+    shapes = [f"{n} {sp[n]} != {mp[n]}" for n in sorted(set(sp) & set(mp)) if sp[n] != mp[n]]
+    if shapes:
+        problems.append(f"shape mismatch: {shapes[:3]}")
+    return "; ".join(problems)

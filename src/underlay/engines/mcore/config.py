@@ -1,0 +1,301 @@
+"""Hugging Face config -> megatron-core ``TransformerConfig`` + ``GPTModel`` arguments.
+
+Supported families: ``llama``, ``mistral``, ``qwen2`` (q/k/v bias), ``qwen3`` (q/k RMSNorm, ``head_dim``
+independent of ``hidden / heads``) and ``qwen3_moe`` (softmax top-k router, routed experts on every
+layer), with or without tied embeddings. What the conversion cannot represent exactly (a RoPE scaling
+type, an activation, a bias pattern, sliding windows, shared experts, dense layers in an MoE stack) is
+refused with ``ConfigError`` naming it, so a converted model always computes what the HF model computes.
+
+The functions here are pure: they read the HF config and the requested sizes and never touch
+megatron's global parallel state (``check_layout`` runs before any process group exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from underlay.interfaces import ConfigError
+
+__all__ = ["MCoreArch", "arch_of", "check_layout", "transformer_config_kwargs"]
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MCoreArch:
+    """The architecture facts the conversion and the weight map need (all from the HF config).
+
+    ``head_dim`` is the per-head width (``kv_channels``), ``num_query_groups`` the number of k/v heads;
+    ``num_experts``/``moe_topk``/``moe_ffn`` are 0 for dense models.
+    """
+
+    model_type: str
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    rope_theta: float
+    norm_eps: float
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are routed experts."""
+        return self.num_experts > 0
+
+
+def _rope_theta(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None)
+    scaling = getattr(cfg, "rope_scaling", None)
+    rope_type = "default"
+    theta = getattr(cfg, "rope_theta", None)
+    if isinstance(params, dict):
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        theta = params.get("rope_theta", theta)
+    if isinstance(scaling, dict) and scaling:
+        rope_type = str(scaling.get("rope_type", scaling.get("type", rope_type)))
+    if rope_type != "default":
+        raise ConfigError(
+            f"mcore: rope scaling type {rope_type!r} cannot be converted (only plain RoPE, rope_type "
+            "'default'); use the fsdp2 engine for this model"
+        )
+    if theta is None:
+        raise ConfigError("mcore: the HF config has no rope_theta (rope_parameters['rope_theta'])")
+    return float(theta)
+
+
+def arch_of(hf_config: Any) -> MCoreArch:
+    """Read and validate the architecture of ``hf_config`` (a ``transformers`` config).
+
+    Raises ``ConfigError`` naming the unsupported model type, activation, bias pattern, RoPE scaling,
+    sliding window or MoE feature."""
+    cfg = hf_config
+    mt = str(getattr(cfg, "model_type", ""))
+    if mt not in SUPPORTED:
+        raise ConfigError(
+            f"mcore: model_type {mt!r} is not supported; supported: {SUPPORTED} (use the fsdp2 engine)"
+        )
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"mcore: activation {act!r} cannot be converted (only 'silu' SwiGLU MLPs)")
+    if getattr(cfg, "mlp_bias", False):
+        raise ConfigError("mcore: mlp_bias=True (bias on the MLP projections) is not supported")
+    attn_bias = bool(getattr(cfg, "attention_bias", False))
+    if mt in ("llama", "mistral", "qwen3", "qwen3_moe") and attn_bias:
+        raise ConfigError(
+            f"mcore: attention_bias=True on {mt} puts a bias on o_proj too; megatron's bias pattern "
+            "(q/k/v bias only, add_qkv_bias) cannot represent it"
+        )
+    window = getattr(cfg, "sliding_window", None)
+    use_window = bool(getattr(cfg, "use_sliding_window", mt == "mistral"))
+    max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    if window is not None and use_window and int(window) < max_pos:
+        raise ConfigError(
+            f"mcore: sliding_window={window} < max_position_embeddings={max_pos} is not supported by "
+            "the mcore engine's attention; set sliding_window=None or use the fsdp2 engine"
+        )
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"mcore: layer_types {sorted(set(layer_types))}: only full_attention layers")
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    num_experts = 0
+    topk = 0
+    moe_ffn = 0
+    norm_topk = True
+    if mt == "qwen3_moe":
+        num_experts = int(cfg.num_experts)
+        topk = int(cfg.num_experts_per_tok)
+        moe_ffn = int(cfg.moe_intermediate_size)
+        norm_topk = bool(getattr(cfg, "norm_topk_prob", True))
+        if getattr(cfg, "mlp_only_layers", None):
+            raise ConfigError(
+                f"mcore: qwen3_moe with dense mlp_only_layers={cfg.mlp_only_layers} is not supported "
+                "(every layer must be an MoE layer)"
+            )
+        if int(getattr(cfg, "decoder_sparse_step", 1)) != 1:
+            raise ConfigError(
+                f"mcore: qwen3_moe decoder_sparse_step={cfg.decoder_sparse_step}: only 1 (every layer MoE)"
+            )
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            raise ConfigError("mcore: shared experts are not supported")
+    return MCoreArch(
+        model_type=mt,
+        num_layers=int(cfg.num_hidden_layers),
+        hidden=int(cfg.hidden_size),
+        ffn=int(getattr(cfg, "intermediate_size", 0) or 0),
+        heads=heads,
+        num_query_groups=kv,
+        head_dim=head_dim,
+        vocab=int(cfg.vocab_size),
+        max_positions=max_pos or 4096,
+        rope_theta=_rope_theta(cfg),
+        norm_eps=float(cfg.rms_norm_eps),
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=mt == "qwen2" or (attn_bias and mt == "qwen2"),
+        qk_norm=mt in ("qwen3", "qwen3_moe"),
+        num_experts=num_experts,
+        moe_topk=topk,
+        moe_ffn=moe_ffn,
+        norm_topk_prob=norm_topk,
+    )
+
+
+def check_layout(
+    arch: MCoreArch,
+    *,
+    world: int,
+    tp: int,
+    pp: int,
+    vpp: int,
+    cp: int,
+    ep: int,
+    etp: int,
+    sequence_parallel: bool,
+) -> int:
+    """Validate the parallel sizes against the world size and the model; return the data-parallel size.
+
+    Raises ``ConfigError`` naming the numbers and the fix when the world size is not a multiple of
+    ``tp * pp * cp``, heads or k/v heads or the vocabulary are not divisible by ``tp``, layers by
+    ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
+    without sequence parallelism, or VPP is used without PP."""
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"mcore: {name}={value!r} must be an int >= 1")
+    mp = tp * pp * cp
+    if world % mp:
+        raise ConfigError(
+            f"mcore: world size {world} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp} = {mp}; "
+            "choose sizes whose product divides the number of processes"
+        )
+    dp = world // mp
+    if arch.heads % tp or arch.num_query_groups % tp:
+        raise ConfigError(
+            f"mcore: tp={tp} must divide the attention heads ({arch.heads}) and the k/v heads "
+            f"({arch.num_query_groups}); lower tp"
+        )
+    if arch.vocab % tp:
+        raise ConfigError(
+            f"mcore: tp={tp} must divide the vocabulary size {arch.vocab} (the embedding and output "
+            "layer are split by vocabulary rows); lower tp"
+        )
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"mcore: vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages)")
+    if arch.num_layers % (pp * vpp):
+        raise ConfigError(
+            f"mcore: the model's {arch.num_layers} layers are not divisible by pp*vpp = {pp}*{vpp} = "
+            f"{pp * vpp}; pick pp and vpp whose product divides the layer count"
+        )
+    if arch.is_moe:
+        if arch.num_experts % ep:
+            raise ConfigError(f"mcore: ep={ep} must divide the number of experts {arch.num_experts}")
+        if (dp * cp * tp) % (ep * etp):
+            raise ConfigError(
+                f"mcore: ep*etp = {ep}*{etp} must divide dp*cp*tp = {dp}*{cp}*{tp} = {dp * cp * tp} "
+                "(experts are spread over the non-pipeline ranks)"
+            )
+        if tp > 1 and not sequence_parallel:
+            raise ConfigError(
+                f"mcore: MoE with tp={tp} requires sequence parallelism; set options sequence_parallel=True"
+            )
+    elif ep != 1:
+        raise ConfigError(f"mcore: ep={ep} on a dense model (no experts); use ep=1")
+    if sequence_parallel and tp == 1:
+        raise ConfigError("mcore: sequence_parallel=True needs tp > 1 (it splits the sequence over TP)")
+    return dp
+
+
+def transformer_config_kwargs(
+    arch: MCoreArch,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int,
+    cp: int,
+    ep: int,
+    etp: int,
+    sequence_parallel: bool,
+    params_dtype: torch.dtype,
+    recompute: str = "none",
+    batch_p2p_comm: bool = True,
+) -> dict[str, Any]:
+    """Keyword arguments of megatron's ``TransformerConfig`` for ``arch`` under the given sizes.
+
+    Dropout is 0 and every fused kernel that needs TE/apex is off, so the mcore model computes the HF
+    model's function. ``recompute`` is ``"none"``, ``"full"`` (every layer, uniform) or
+    ``"selective"`` (megatron's core-attention recompute)."""
+    kw: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden,
+        ffn_hidden_size=arch.ffn if not arch.is_moe else arch.moe_ffn,
+        num_attention_heads=arch.heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        variable_seq_lengths=True,
+        batch_p2p_comm=batch_p2p_comm,
+        calculate_per_token_loss=True,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
+    if arch.is_moe:
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn,
+            moe_router_score_function="softmax",
+            # top-k of the softmax then renormalised == softmax over the top-k logits (norm_topk_prob);
+            # without renormalisation megatron takes the softmax over all experts first
+            moe_router_pre_softmax=not arch.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+        )
+    if recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        kw.update(recompute_granularity="selective")
+    elif recompute != "none":
+        raise ConfigError(f"mcore: recompute={recompute!r}; use 'none', 'full' or 'selective'")
+    return kw

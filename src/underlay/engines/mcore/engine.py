@@ -1,0 +1,1214 @@
+"""``MCoreEngine``: the ``ParallelEngine`` protocol on megatron-core (TP, PP, VPP, SP, EP).
+
+Build order: validate options and sizes (``ConfigError`` before any process group exists), initialise
+megatron's ``parallel_state``, build one ``GPTModel`` per virtual pipeline chunk (local spec with
+underlay's RMSNorm and attention core, or TE's spec), fill the parameters (streamed from the safetensors
+of ``config.model.path`` or converted from the seed-initialised Hugging Face model, so both engines start
+from the same weights), wrap each chunk in megatron's DDP, and build megatron's (distributed) optimizer.
+
+Training runs megatron's pipeline schedules (``get_forward_backward_func``) over packed THD micro-batches
+(``PackedSeqParams``); the output layer returns the final hidden states and the log-probs come from the
+vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are never built. The loss is
+``sum(loss) / N`` with ``N`` the loss tokens over dp x cp: megatron's per-token-loss mode
+(``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces.
+
+Options (``EngineConfig.options``, see ``MCoreOptions``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from underlay.engines.mcore.config import (
+    MCoreArch,
+    arch_of,
+    check_layout,
+    transformer_config_kwargs,
+)
+from underlay.engines.mcore.options import MCoreOptions
+from underlay.engines.mcore.weightmap import Rule, hf_shapes, stage_rules
+from underlay.interfaces import (
+    IGNORE_INDEX,
+    BackendUnavailable,
+    CheckpointError,
+    ConfigError,
+    Device,
+    EngineConfig,
+    InvalidInput,
+    LossFn,
+    OptimizerStepResult,
+    ParallelLayout,
+    ProbeResult,
+    ProcessGroups,
+    RecomputePolicy,
+    StepResult,
+    TokenBatch,
+    TokenOutputs,
+    resolve_options,
+)
+from underlay.interfaces.weightmap import WeightMap
+from underlay.parallel.rank import current_rank
+
+__all__ = ["CPU_FIXTURE_ENV", "MCoreEngine", "MCoreOptions"]
+
+CPU_FIXTURE_ENV = "UNDERLAY_MCORE_CPU_FIXTURE"
+_STATE_FILE = "engine_state.pt"
+_SIGNATURE_FILE = "engine_signature.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _MicroBatch:
+    """One packed micro-batch as every pipeline chunk sees it."""
+
+    sub: TokenBatch | None  # None: a one-token dummy for a rank without a sequence in this slot
+    packed: Any
+    input_ids: torch.Tensor  # [1, T'] (T' = T plus padding for sequence parallelism)
+    position_ids: torch.Tensor  # [1, T']
+    labels: torch.Tensor  # [T'] next-token ids, IGNORE_INDEX at sequence ends and padding
+    params: Any  # PackedSeqParams
+    real: int  # T
+
+
+class MCoreEngine:
+    """A Hugging Face causal LM as megatron-core ``GPTModel`` chunks with DDP and megatron's optimizer.
+
+    Collective over the default process group. Needs an accelerator device; on a CPU device it raises
+    ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
+    megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
+    Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
+    LoRA, value models, context parallelism, virtual pipelines or expert parallelism (not enabled: the
+    last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
+
+    def __init__(self, config: EngineConfig, device: Device) -> None:
+        opts: MCoreOptions = resolve_options(MCoreOptions, config.options, "mcore")
+        support = MCoreOptions.supports_recompute(config.recompute)
+        if not support.available:
+            raise ConfigError(f"mcore: recompute={config.recompute!r}: {support.reason}; {support.hint}")
+        mc = config.model
+        if mc.lora is not None:
+            raise ConfigError(
+                "mcore: LoRA is not supported by the mcore engine (megatron-core has no simple LoRA); "
+                "use the fsdp2 engine for LoRA"
+            )
+        if mc.kind != "causal_lm":
+            raise ConfigError(f"mcore: ModelConfig.kind={mc.kind!r}; the mcore engine builds causal LMs only")
+        par = config.parallel
+        if par.cp > 1:
+            raise ConfigError(
+                f"mcore: cp={par.cp}: context parallelism is not provided by the mcore engine's local "
+                "attention; use cp=1"
+            )
+        if par.ulysses > 1:
+            raise ConfigError(
+                f"mcore: ulysses={par.ulysses}: Ulysses sequence parallelism is an fsdp2 feature; megatron "
+                "splits the sequence inside TP instead (options sequence_parallel=True with tp > 1)"
+            )
+        if par.vpp > 1:
+            raise ConfigError(
+                f"mcore: vpp={par.vpp}: the interleaved schedule did not complete with packed "
+                "variable-length micro-batches in this engine's tests (gloo); it is not enabled. Use vpp=1"
+            )
+        if par.ep > 1:
+            raise ConfigError(
+                f"mcore: ep={par.ep}: expert parallelism did not complete in this engine's tests (gloo, "
+                "alltoall dispatcher); it is not enabled. Use ep=1 (experts replicated over data parallel)"
+            )
+        if par.dp_replicate != 1:
+            raise ConfigError(
+                f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
+            )
+        from underlay.engines.mcore._hf import hf_config_of
+
+        self._hf_config = hf_config_of(mc)
+        self._arch = arch_of(self._hf_config)
+        if not device.is_accelerator and os.environ.get(CPU_FIXTURE_ENV) != "1":
+            raise BackendUnavailable(
+                "engine",
+                "mcore",
+                "megatron-core calls CUDA directly and needs an accelerator device; this is a CPU device",
+                ["fsdp2"],
+                "use UNDERLAY_ENGINE=fsdp2 on the CPU; tests run mcore on the CPU only under the "
+                "test fixture tests/mcore/_cpu_fixture.py",
+            )
+        recompute = config.recompute
+        etp = par.etp if par.etp is not None else 1
+        if not dist.is_initialized():
+            from underlay.parallel.distributed import init_distributed
+
+            init_distributed(device)
+        world = dist.get_world_size()
+        dp = check_layout(
+            self._arch,
+            world=world,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            cp=par.cp,
+            ep=par.ep,
+            etp=etp,
+            sequence_parallel=opts.sequence_parallel,
+        )
+        self._config = config
+        self._device = device
+        self._opts = opts
+        self._torch_device = device.torch_device() if device.is_accelerator else torch.device("cpu")
+        self._param_dtype = _DTYPES[config.param_dtype]
+        gloo = dist.get_backend() == "gloo"
+        batch_p2p = (not gloo) if opts.batch_p2p_comm is None else bool(opts.batch_p2p_comm)
+        self._init_parallel_state(par.tp, par.pp, par.vpp, par.cp, par.ep, etp)
+        _compat_shims()
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer import TransformerConfig
+
+        self._tf_config = TransformerConfig(
+            **transformer_config_kwargs(
+                self._arch,
+                tp=par.tp,
+                pp=par.pp,
+                vpp=par.vpp,
+                cp=par.cp,
+                ep=par.ep,
+                etp=etp,
+                sequence_parallel=opts.sequence_parallel,
+                params_dtype=self._param_dtype,
+                recompute=recompute,
+                batch_p2p_comm=batch_p2p,
+            )
+        )
+        self._layout = ParallelLayout(
+            world,
+            1,
+            dp,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            cp=par.cp,
+            ep=par.ep,
+            etp=etp,
+            groups=_process_groups(ps, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=etp, dp=dp),
+        )
+        # Megatron's groups as they are (also for size 1): the engine's own collectives use these, so a
+        # size-1 dimension is a one-rank group, never the world group that ``None`` would mean.
+        self._pg: dict[str, Any] = {
+            "dp": ps.get_data_parallel_group(),
+            "tp": ps.get_tensor_model_parallel_group(),
+            "pp": ps.get_pipeline_model_parallel_group(),
+        }
+        chunks = self._build_chunks()
+        self._fill(chunks)
+        self._chunks = self._wrap_ddp(chunks)
+        self._build_weight_map()
+        self._build_optimizer()
+        self._global_step = 0
+        self._offloaded: dict[str, Any] = {}
+        from underlay.registry import get_logprob_kernel
+
+        self._logprob_kernel = get_logprob_kernel()
+
+    # ------------------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _init_parallel_state(tp: int, pp: int, vpp: int, cp: int, ep: int, etp: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            have = (
+                ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+                ps.get_context_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(),
+            )
+            if have != (tp, pp, vpp, cp, ep):
+                raise ConfigError(
+                    f"mcore: megatron's parallel state already holds tp,pp,vpp,cp,ep={have} in this process; "
+                    f"an engine with {(tp, pp, vpp, cp, ep)} cannot share it (every mcore engine of a "
+                    "process uses one layout)"
+                )
+            return
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+
+        from underlay.engines.mcore.layers import block_spec
+
+        arch = self._arch
+        vpp = self._layout.vpp
+        chunks: list[torch.nn.Module] = []
+        for v in range(vpp):
+            vp = v if vpp > 1 else None
+            spec = block_spec(arch, self._tf_config, attention=self._config.model.attention, vp_stage=vp)
+            model = GPTModel(
+                config=self._tf_config,
+                transformer_layer_spec=spec,
+                vocab_size=arch.vocab,
+                max_sequence_length=arch.max_positions,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                share_embeddings_and_output_weights=arch.tied,
+                position_embedding_type="rope",
+                rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+                vp_stage=vp,
+            )
+            if model.post_process:
+                _return_hidden(model.output_layer, self._tf_config.sequence_parallel)
+            model.to(self._torch_device)
+            chunks.append(model)
+        return chunks
+
+    def chunk_rules(self, chunk: torch.nn.Module) -> list[Rule]:
+        """The weight-map rules of one (unwrapped) pipeline chunk on this rank."""
+        from megatron.core import parallel_state as ps
+
+        inner = _unwrap(chunk)
+        layers = inner.decoder.layers
+        first = int(layers[0].layer_number) - 1 if len(layers) else 0
+        local_e = 0
+        offset = 0
+        if self._arch.is_moe:
+            local_e = self._arch.num_experts // ps.get_expert_model_parallel_world_size()
+            offset = ps.get_expert_model_parallel_rank() * local_e
+        return stage_rules(
+            self._arch,
+            first_layer=first,
+            num_layers=len(layers),
+            pre_process=bool(inner.pre_process),
+            post_process=bool(inner.post_process),
+            expert_offset=offset,
+            local_experts=local_e,
+        )
+
+    def _tp_coords(self, rule: Rule) -> tuple[int, int]:
+        from megatron.core import parallel_state as ps
+
+        if rule.expert:
+            return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+    def load_tensors(self, chunks: list[torch.nn.Module], read: Any) -> tuple[int, list[str]]:
+        """Fill every parameter of ``chunks`` through the weight map; ``read(name)`` returns the full HF
+        tensor (or ``None`` when absent). Returns ``(parameters filled, missing HF names)``; shapes
+        are checked before anything is copied into a parameter."""
+        loaded = 0
+        missing: list[str] = []
+        shapes = hf_shapes(self._arch)
+        for chunk in chunks:
+            params = dict(_unwrap(chunk).named_parameters())
+            for rule in self.chunk_rules(chunk):
+                tensors = []
+                for name in rule.hf:
+                    t = read(name)
+                    if t is None:
+                        missing.append(name)
+                        break
+                    if tuple(t.shape) != shapes[name]:
+                        raise CheckpointError(
+                            f"{name}: shape {tuple(t.shape)} in the files != {shapes[name]} of the model config"
+                        )
+                    tensors.append(t)
+                if len(tensors) != len(rule.hf):
+                    continue
+                rank, size = self._tp_coords(rule)
+                piece = rule.shard(tensors, rank, size)
+                param = params[rule.name]
+                if tuple(piece.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"{rule.name}: converted shape {tuple(piece.shape)} != parameter {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(piece.to(param.dtype))
+                loaded += 1
+        return loaded, missing
+
+    def _fill(self, chunks: list[torch.nn.Module]) -> None:
+        mc = self._config.model
+        if mc.path is not None and mc.load_weights:
+            from underlay.engines.mcore.weights import SafetensorsReader
+
+            with SafetensorsReader(Path(mc.path)) as reader:
+                _, missing = self.load_tensors(chunks, reader.get)
+            if missing:
+                raise CheckpointError(
+                    f"mcore: {len(missing)} tensors missing from {mc.path}: {sorted(set(missing))[:5]}"
+                )
+            return
+        from underlay.engines.mcore._hf import seeded_hf_state
+
+        state = seeded_hf_state(mc, self._hf_config)
+        _, missing = self.load_tensors(chunks, state.get)
+        if missing:
+            raise CheckpointError(
+                f"mcore: the seeded model lacks {sorted(set(missing))[:5]} (conversion bug)"
+            )
+
+    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self._opts.distributed_optimizer,
+        )
+        wrapped = [
+            DistributedDataParallel(
+                config=self._tf_config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0
+            )
+            for i, c in enumerate(chunks)
+        ]
+        self._tf_config.finalize_model_grads_func = finalize_model_grads
+        self._tf_config.no_sync_func = (
+            [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+        )
+        self._tf_config.grad_scale_func = None
+        return list(wrapped)
+
+    def _build_optimizer(self) -> None:
+        import inspect
+
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self._config.optim
+        clip = o.grad_clip if o.grad_clip is not None and o.grad_clip > 0 else 0.0
+        oc = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=0.0,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=clip,
+            bf16=self._param_dtype == torch.bfloat16,
+            fp16=self._param_dtype == torch.float16,
+            params_dtype=self._param_dtype,
+            use_distributed_optimizer=self._opts.distributed_optimizer,
+        )
+        kwargs: dict[str, Any] = {}
+        if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
+            # decay every parameter, as the fsdp2 engine's AdamW does (megatron skips 1-D params by default)
+            kwargs["config_overrides"] = {}
+        self._optimizer = get_megatron_optimizer(oc, self._chunks, **kwargs)
+        from underlay.ops import build_lr_scheduler
+
+        self._schedulers = [build_lr_scheduler(inner, o) for inner in _torch_optimizers(self._optimizer)]
+
+    # ------------------------------------------------------------------------------- properties
+
+    @property
+    def name(self) -> str:
+        """``"mcore"``."""
+        return "mcore"
+
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration it was built from."""
+        return self._config
+
+    @property
+    def device(self) -> Device:
+        """The device it computes on."""
+        return self._device
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """dp x tp x pp (x cp); groups ``world``, ``dp``, ``dp_cp``, ``tp``, ``pp``, ``ep``."""
+        return self._layout
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """A ``ModuleList`` of this rank's DDP-wrapped pipeline chunks."""
+        return torch.nn.ModuleList(self._chunks)
+
+    @property
+    def hf_config(self) -> Any:
+        """The ``transformers`` config of the model."""
+        return self._hf_config
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' compute dtype (``config.param_dtype``)."""
+        return self._param_dtype
+
+    @property
+    def arch(self) -> MCoreArch:
+        """The converted architecture facts."""
+        return self._arch
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        """This rank's DDP-wrapped pipeline chunks (one per virtual stage)."""
+        return self._chunks
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (skipped ones included)."""
+        return self._global_step
+
+    # --------------------------------------------------------------------------------- compute
+
+    def _check_batch(self, batch: TokenBatch) -> TokenBatch:
+        ids, mask = batch.input_ids, batch.attention_mask
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
+        if batch.batch_size < 1:
+            raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
+        lengths = mask.sum(dim=1)
+        if bool((lengths < 1).any()):
+            rows = torch.nonzero(lengths < 1).flatten().tolist()
+            raise InvalidInput(
+                f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
+            )
+        vocab = self._arch.vocab
+        if int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise InvalidInput(
+                f"TokenBatch.input_ids out of range [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}"
+            )
+        return batch.to(self._torch_device)
+
+    def _plan(self, batch: TokenBatch) -> list[list[int]]:
+        from underlay.ops import plan_micro_batches
+
+        seqlens = batch.attention_mask.sum(dim=1).tolist()
+        pp = self._layout.pp
+        multiple = pp if self._layout.vpp > 1 else 1
+        plan = plan_micro_batches(
+            seqlens,
+            self._config.micro_batch_max_tokens,
+            group=self._pg["dp"],
+            multiple_of=multiple,
+        )
+        return plan
+
+    def _micro_batch(self, batch: TokenBatch, idx: list[int]) -> _MicroBatch:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from underlay.ops import unpad
+
+        if idx:
+            sub: TokenBatch | None = batch.select(idx)
+            assert sub is not None
+            packed = unpad(sub.input_ids, sub.attention_mask)
+        else:  # a one-token stand-in: this dp rank has no sequence in this slot
+            sub = None
+            one = batch.select([0])
+            packed = unpad(one.input_ids[:, :1], torch.ones_like(one.attention_mask[:, :1]))
+        ids = packed.input_ids
+        pos = packed.position_ids
+        cu = packed.cu_seqlens.to(torch.int32)
+        real = int(ids.numel())
+        tp = self._layout.tp
+        pad = (-real) % tp if self._tf_config.sequence_parallel else 0
+        labels = torch.full((real + pad,), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+        labels[: real - 1] = ids[1:]
+        ends = (cu[1:] - 1).long()
+        labels[ends] = IGNORE_INDEX
+        if pad:
+            ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype, device=ids.device)])
+            pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)])
+            cu = torch.cat([cu, torch.tensor([real + pad], dtype=torch.int32, device=cu.device)])
+        max_len = int((cu[1:] - cu[:-1]).max())
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
+        return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real)
+
+    def _head_outputs(
+        self, model: Any, hidden: torch.Tensor, mb: _MicroBatch, temperature: float, with_entropy: bool
+    ) -> TokenOutputs:
+        """Token-aligned ``[b, S]`` log-probs (and entropy) of one micro-batch from the last stage's
+        final hidden states ``[1, T', H]`` through the vocab-parallel log-prob kernel."""
+        from underlay.ops import pad
+
+        inner = _unwrap(model)
+        weight = (
+            inner.shared_embedding_or_output_weight()
+            if inner.share_embeddings_and_output_weights
+            else inner.output_layer.weight
+        )
+        h = hidden.reshape(-1, hidden.shape[-1])
+        group = self._pg["tp"] if self._layout.tp > 1 else None
+        out = self._logprob_kernel(
+            h, weight, mb.labels, temperature=temperature, with_entropy=with_entropy, vocab_group=group
+        )
+        real = mb.real
+
+        def align(x: torch.Tensor | None) -> torch.Tensor | None:
+            if x is None:
+                return None
+            shifted = torch.cat([x.new_zeros(1), x[: real - 1]])
+            return pad(shifted.to(torch.float32), mb.packed) if mb.sub is not None else shifted
+
+        return TokenOutputs(align(out.log_probs), align(out.entropy), None)
+
+    def _run_schedule(self, mbs: list[_MicroBatch], loss_func: Any, forward_only: bool) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Any, model: Any) -> Any:
+            mb = next(data_iterator)
+            out = model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                attention_mask=None,
+                packed_seq_params=mb.params,
+            )
+            return out, partial(loss_func, model, mb)
+
+        fb = get_forward_backward_func()
+        iters: Any = [iter(mbs) for _ in self._chunks]
+        fb(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self._chunks if len(self._chunks) > 1 else self._chunks[0],
+            num_microbatches=len(mbs),
+            seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
+        """Accumulate gradients of the global token-mean loss over ``batch`` (this dp rank's share).
+
+        Micro-batches come from ``ops.plan_micro_batches`` (same count on every dp rank, a multiple of
+        pp with virtual pipelines); megatron's schedule runs them; on the last stage each micro-batch's
+        per-token outputs go to ``loss_fn``. Metrics are summed over micro-batches and dp ranks, divided
+        by the global loss-token count ``N``, and broadcast over the pipeline so every rank returns the
+        same ``StepResult``. ``InvalidInput`` on a malformed batch before any compute."""
+        from megatron.core import parallel_state as ps
+
+        batch = self._check_batch(batch)
+        self._ensure_onloaded("forward_backward")
+        count = batch.loss_mask.sum().to(torch.float64)
+        dist.all_reduce(count, group=self._pg["dp"])
+        n_tokens = int(count.item())
+        plan = self._plan(batch)
+        mbs = [self._micro_batch(batch, idx) for idx in plan]
+        sums: dict[str, torch.Tensor] = {}
+        temperature = self._config.temperature
+        with_entropy = self._config.with_entropy
+
+        def loss_func(model: Any, mb: _MicroBatch, hidden: torch.Tensor) -> Any:
+            if mb.sub is None:
+                zero = hidden.sum() * 0.0
+                return zero, torch.zeros((), dtype=torch.int, device=hidden.device), {}
+            outputs = self._head_outputs(model, hidden, mb, temperature, with_entropy)
+            loss_sum, metrics = loss_fn(outputs, mb.sub)
+            if loss_sum.dim() != 0:
+                raise InvalidInput(
+                    f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar"
+                )
+            _accumulate(sums, "loss", loss_sum.detach())
+            for key, value in metrics.items():
+                _accumulate(sums, key, torch.as_tensor(value, device=hidden.device).detach())
+            tokens = mb.sub.loss_mask.sum().to(torch.int)
+            return loss_sum, tokens, {}
+
+        for c in self._chunks:
+            c.train()
+        self._run_schedule(mbs, loss_func, forward_only=False)
+        metrics = self._share_metrics(sums, n_tokens, ps.is_pipeline_last_stage(ignore_virtual=True))
+        return StepResult(metrics, len(plan), n_tokens)
+
+    def _share_metrics(self, sums: dict[str, torch.Tensor], n_tokens: int, last: bool) -> dict[str, float]:
+        """Sum over dp on the last stage, divide by ``N``, broadcast from the last stage over pp."""
+        from megatron.core import parallel_state as ps
+
+        keys = [sorted(sums)] if last else [None]
+        pp_group = self._pg["pp"]
+        src = ps.get_pipeline_model_parallel_last_rank()
+        if self._layout.pp > 1:
+            dist.broadcast_object_list(keys, src=src, group=pp_group)
+        names: list[str] = keys[0] or []
+        if last:
+            stacked = (
+                torch.stack([sums[k].to(torch.float64).reshape(()) for k in names])
+                if names
+                else torch.zeros(0, dtype=torch.float64)
+            )
+            stacked = stacked.to(self._torch_device)
+            dist.all_reduce(stacked, group=self._pg["dp"])
+        else:
+            stacked = torch.zeros(len(names), dtype=torch.float64, device=self._torch_device)
+        if self._layout.pp > 1:
+            dist.broadcast(stacked, src=src, group=pp_group)
+        denom = float(max(n_tokens, 1))
+        return dict(zip(names, (stacked / denom).tolist()))
+
+    @torch.no_grad()
+    def infer(
+        self, batch: TokenBatch, *, temperature: float | None = None, with_entropy: bool = False
+    ) -> TokenOutputs:
+        """Per-token log-probs (and entropy when ``with_entropy``), ``[B, S]`` fp32 on the device, rows
+        in the order of ``batch``, 0 at position 0 and padding, on every rank (broadcast from the last
+        pipeline stage)."""
+        from megatron.core import parallel_state as ps
+
+        batch = self._check_batch(batch)
+        self._ensure_onloaded("infer")
+        temp = self._config.temperature if temperature is None else temperature
+        if not temp > 0:
+            raise InvalidInput(f"infer: temperature={temp} must be > 0")
+        plan = self._plan(batch)
+        mbs = [self._micro_batch(batch, idx) for idx in plan]
+        shape = tuple(batch.input_ids.shape)
+        lp = torch.zeros(shape, dtype=torch.float32, device=self._torch_device)
+        ent = torch.zeros(shape, dtype=torch.float32, device=self._torch_device) if with_entropy else None
+        rows_of = {id(mb): idx for mb, idx in zip(mbs, plan)}
+
+        def loss_func(model: Any, mb: _MicroBatch, hidden: torch.Tensor) -> Any:
+            zero = torch.zeros((), device=hidden.device)
+            if mb.sub is not None:
+                out = self._head_outputs(model, hidden, mb, temp, with_entropy)
+                rows = torch.as_tensor(rows_of[id(mb)], device=lp.device)
+                assert out.log_probs is not None
+                lp[rows] = out.log_probs
+                if ent is not None and out.entropy is not None:
+                    ent[rows] = out.entropy
+            return zero, torch.zeros((), dtype=torch.int, device=hidden.device), {}
+
+        for c in self._chunks:
+            c.eval()
+        self._run_schedule(mbs, loss_func, forward_only=True)
+        if self._layout.pp > 1:
+            src = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(lp, src=src, group=self._pg["pp"])
+            if ent is not None:
+                dist.broadcast(ent, src=src, group=self._pg["pp"])
+        return TokenOutputs(lp, ent, None)
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (megatron's grad buffers are zeroed)."""
+        for c in self._chunks:
+            c.zero_grad_buffer()  # type: ignore[operator]
+        self._optimizer.zero_grad()
+
+    def optimizer_step(self) -> OptimizerStepResult:
+        """Global grad norm over all shards (TP, PP, DP, EP); a non-finite norm skips the update
+        (parameters and optimizer state unchanged); otherwise clip to ``optim.grad_clip`` and step.
+        Gradients are zeroed in both cases; ``global_step`` grows."""
+        self._ensure_onloaded("optimizer_step")
+        opt = self._optimizer
+        lr = float(_torch_optimizers(opt)[0].param_groups[0]["lr"])
+        opt.prepare_grads()
+        norm_t = opt.get_grad_norm()
+        norm = float(norm_t)
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            clip = self._config.optim.grad_clip
+            if clip is not None and clip > 0:
+                opt.clip_grad_norm(clip)
+            opt.step_with_ready_grads()
+        self.zero_grad()
+        self._global_step += 1
+        return OptimizerStepResult(grad_norm=norm, skipped=skipped, lr=lr)
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule one step; returns the new learning rate."""
+        for s in self._schedulers:
+            s.step()
+        return float(_torch_optimizers(self._optimizer)[0].param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------------------ offloading
+
+    def _ensure_onloaded(self, what: str) -> None:
+        if self._offloaded:
+            raise InvalidInput(
+                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
+            )
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        return [p for c in self._chunks for p in c.parameters()]
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for c in self._chunks:
+            for buf in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", [])):
+                out.append(buf.grad_data)
+        return out
+
+    def _optim_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for inner in _torch_optimizers(self._optimizer):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    out.append(p)
+                    for v in inner.state.get(p, {}).values():
+                        if torch.is_tensor(v) and v.dim() > 0:
+                            out.append(v)
+        return out
+
+    def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Copy the chosen state to host memory and shrink the device storage to nothing (megatron's
+        views into its buffers stay valid: storage is swapped, not the tensors). Idempotent per kind."""
+        for kind, on, get in (
+            ("params", params, self._param_tensors),
+            ("grads", grads, self._grad_tensors),
+            ("optimizer", optimizer, self._optim_tensors),
+        ):
+            if on and kind not in self._offloaded:
+                self._offloaded[kind] = _swap_out(get(), self._device.is_accelerator)
+        self._device.synchronize()
+        self._device.empty_cache()
+
+    def onload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Bring offloaded state back; values are bit-identical to before ``offload``."""
+        for kind, on in (("params", params), ("grads", grads), ("optimizer", optimizer)):
+            if on and kind in self._offloaded:
+                _swap_in(self._offloaded.pop(kind))
+        self._device.synchronize()
+
+    # ----------------------------------------------------------------------------------- weights
+
+    def _global_rules(self) -> list[tuple[int, int, int, Rule]]:
+        """Every rule of the model with the (pp rank, virtual chunk, ep rank) that owns it, in a fixed
+        order that every rank computes identically."""
+        a = self._arch
+        pp, vpp = self._layout.pp, self._layout.vpp
+        ep = self._layout.ep
+        per_chunk = a.num_layers // (pp * vpp)
+        local_e = a.num_experts // ep if a.is_moe else 0
+        out: list[tuple[int, int, int, Rule]] = []
+        for v in range(vpp):
+            for stage in range(pp):
+                first_stage = stage == 0 and v == 0
+                last_stage = stage == pp - 1 and v == vpp - 1
+                first_layer = (v * pp + stage) * per_chunk
+                for e in range(ep):
+                    rules = stage_rules(
+                        a,
+                        first_layer=first_layer,
+                        num_layers=per_chunk,
+                        pre_process=first_stage,
+                        post_process=last_stage,
+                        expert_offset=e * local_e,
+                        local_experts=local_e,
+                    )
+                    for r in rules:
+                        if e == 0 or r.expert:
+                            if last_stage and not first_stage and r.name == "output_layer.weight" and a.tied:
+                                continue  # the copy of the embedding: exported once, from the first stage
+                            out.append((stage, v, e, r))
+        return out
+
+    def _build_weight_map(self) -> None:
+        """The ``WeightMap`` over global engine names (``decoder.layers.<global layer>``, experts by global
+        index), plus where each parameter lives: (pp rank, virtual chunk, ep rank, chunk-local rule)."""
+        from underlay.engines.mcore.weightmap import engine_rule
+
+        shapes = hf_shapes(self._arch)
+        rules = []
+        self._where: dict[str, tuple[int, int, int, Rule]] = {}
+        for stage, v, e, rule in self._global_rules():
+            wr = engine_rule(rule, self._arch)
+            full = wr.from_hf({n: torch.empty(shapes[n], device="meta") for n in wr.hf_names})
+            rules.append(dataclasses.replace(wr, engine_shape=tuple(full.shape)))
+            self._where[wr.engine_name] = (stage, v, e, rule)
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if self._arch.tied else {}
+        self._weight_map = WeightMap(tuple(rules), tied, ("*rotary_emb.inv_freq",))
+
+    @property
+    def weight_map(self) -> WeightMap:
+        """Megatron ``GPTModel`` parameters (global layer/expert indices) <-> HF tensors: fused q/k/v per
+        query group, fused ``[gate; up]``, vocab-split embedding/output layer."""
+        return self._weight_map
+
+    def supports_recompute(self, policy: RecomputePolicy) -> ProbeResult:
+        """``"none"``, ``"full"`` and ``"selective"`` (``MCoreOptions.supports_recompute``)."""
+        return MCoreOptions.supports_recompute(policy)
+
+    def _is_mine(self, stage: int, e: int, rule: Rule) -> bool:
+        from megatron.core import parallel_state as ps
+
+        my_ep = ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0
+        return stage == ps.get_pipeline_model_parallel_rank() and (not rule.expert or e == my_ep)
+
+    @staticmethod
+    def _tp_group(rule: Rule) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_tensor_parallel_group() if rule.expert else ps.get_tensor_model_parallel_group()
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of ``weight_map`` in rule order, gathered over TP/ETP by its owners and
+        broadcast from the lowest owning rank (pipeline stage, expert rank): full (``tp == 1`` layout)
+        fp32 tensors on the device, on every rank. Collective."""
+        self._ensure_onloaded("weights")
+        params = [dict(_unwrap(c).named_parameters()) for c in self._chunks]
+        for wr in self._weight_map.rules:
+            stage, v, e, rule = self._where[wr.engine_name]
+            full: torch.Tensor | None = None
+            if self._is_mine(stage, e, rule):
+                local = params[v][rule.name].detach().float()
+                group = self._tp_group(rule)
+                size = dist.get_world_size(group) if wr.tp_dim is not None else 1
+                if size > 1:
+                    pieces = [torch.empty_like(local) for _ in range(size)]
+                    dist.all_gather(pieces, local.contiguous(), group=group)
+                    full = wr.tp_unshard(pieces)
+                else:
+                    full = local
+            if dist.get_world_size() > 1:
+                if full is None:
+                    assert wr.engine_shape is not None
+                    full = torch.empty(wr.engine_shape, dtype=torch.float32, device=self._torch_device)
+                full = full.contiguous()
+                dist.broadcast(full, src=self._owner_rank(stage, e, rule.expert))
+            assert full is not None
+            yield wr.engine_name, full
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full fp32 HF tensors one at a time (``weight_map.to_hf(named_full_parameters())``). Collective."""
+        return self._weight_map.to_hf(self.named_full_parameters())
+
+    def copy_full_parameter(self, engine_name: str, full: torch.Tensor) -> int:
+        """Write this rank's TP shard of ``full`` into ``engine_name`` when this rank holds it (its
+        pipeline stage and expert rank); no communication. Returns bytes written here (0 elsewhere).
+        ``InvalidInput`` for an unknown name, ``CheckpointError`` for a shape mismatch, before writing."""
+        from megatron.core import parallel_state as ps
+
+        wr = self._weight_map.rule(engine_name)
+        if wr.engine_shape is not None and tuple(full.shape) != wr.engine_shape:
+            raise CheckpointError(
+                f"copy_full_parameter {engine_name}: shape {tuple(full.shape)} != {wr.engine_shape}"
+            )
+        stage, v, e, rule = self._where[engine_name]
+        targets: list[tuple[int, str]] = []
+        if self._is_mine(stage, e, rule):
+            targets.append((v, rule.name))
+        last = self._layout.pp - 1
+        if (
+            self._arch.tied
+            and last > 0
+            and engine_name == "embedding.word_embeddings.weight"
+            and ps.get_pipeline_model_parallel_rank() == last
+        ):
+            # the last stage's output layer is megatron's copy of the tied embedding
+            targets.append((len(self._chunks) - 1, "output_layer.weight"))
+        if rule.expert:
+            rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        else:
+            rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        written = 0
+        for chunk, local_name in targets:
+            piece = wr.tp_shard(full, rank, size)
+            param = dict(_unwrap(self._chunks[chunk]).named_parameters())[local_name]
+            with torch.no_grad():
+                param.copy_(piece.to(param.device, param.dtype))
+            written += param.numel() * param.element_size()
+        return written
+
+    def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The mcore engine has no LoRA adapters: always empty."""
+        return iter(())
+
+    def _owner_rank(self, stage: int, e: int, expert: bool) -> int:
+        """The global rank that broadcasts a tensor owned by pipeline ``stage`` (and expert rank ``e``):
+        the lowest rank with that pp rank (and ep rank)."""
+        from megatron.core import parallel_state as ps
+
+        if not hasattr(self, "_rank_table"):
+            mine = torch.tensor(
+                [
+                    ps.get_pipeline_model_parallel_rank(),
+                    ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0,
+                ],
+                dtype=torch.int64,
+            )
+            table = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(table, mine.to(self._torch_device) if False else mine)
+            self._rank_table = [tuple(int(x) for x in t.tolist()) for t in table]
+        for r, (p, ee) in enumerate(self._rank_table):
+            if p == stage and (not expert or ee == e):
+                return r
+        raise CheckpointError(f"no rank owns pipeline stage {stage} / expert rank {e}")
+
+    def iter_weights(
+        self, bucket_bytes: int = 1 << 29, *, ranks: Collection[int] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of ``(hf_name, full tensor)`` in ``param_dtype`` on the device, about ``bucket_bytes``
+        each, on the ranks in ``ranks`` (default: all); other ranks take part and get empty buckets
+        (the bucket count is the same everywhere: bucket boundaries depend on shapes only). Collective.
+        ``InvalidInput`` for ``bucket_bytes < 1`` or a rank outside ``[0, world_size)``, before any
+        collective."""
+        if bucket_bytes < 1:
+            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes} must be >= 1")
+        world = self._layout.world_size
+        if ranks is not None:
+            bad = sorted(r for r in ranks if not (isinstance(r, int) and 0 <= r < world))
+            if bad:
+                raise InvalidInput(f"iter_weights: ranks {bad} are outside [0, {world}); pass global ranks")
+        receiver = ranks is None or current_rank() in set(ranks)
+        elem = torch.empty((), dtype=self._param_dtype).element_size()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, full in self.named_full_tensors():
+            nbytes = full.numel() * elem
+            if size and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            if receiver:
+                bucket.append((name, full.to(self._param_dtype)))
+            size += nbytes
+        if size:
+            yield bucket
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def model_signature(self) -> Mapping[str, Any]:
+        """Architecture, kind and every HF tensor's full shape (layout independent)."""
+        cfg = self._hf_config
+        return {
+            "engine": "mcore",
+            "architecture": type(cfg).__name__,
+            "model_type": getattr(cfg, "model_type", None),
+            "kind": self._config.model.kind,
+            "params": {n: list(s) for n, s in hf_shapes(self._arch).items()},
+        }
+
+    def _sharded_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for i, c in enumerate(self._chunks):
+            key = f"model{i}" if len(self._chunks) > 1 else "model"
+            state[key] = _unwrap(c).sharded_state_dict(prefix="")
+        return state
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Model parameters through ``megatron.core.dist_checkpointing`` (torch_dist; loadable at another
+        TP/PP/DP layout), plus the optimizer's per-rank state, LR schedule, ``global_step`` and the
+        model signature. Collective."""
+        from megatron.core import dist_checkpointing
+
+        self._ensure_onloaded("save_checkpoint")
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise CheckpointError(f"save_checkpoint: {directory} is not an existing directory")
+        (directory / "model").mkdir(exist_ok=True)
+        dist.barrier()
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        # the writer forks worker processes per rank when thread_count > 1; those deadlocked in the
+        # CPU (gloo) runs, so the host-device case writes from the rank's own process
+        threads = 2 if self._device.is_accelerator else 1
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+        dist_checkpointing.save(
+            self._model_state_for_ckpt(), str(directory / "model"), sharded_strategy=strategy
+        )
+        if self._opts.distributed_optimizer:
+            # gathered to data-parallel rank 0 of each model-parallel position (same-layout resume)
+            self._optimizer.save_parameter_state(str(directory / self._optim_file()))
+        extra = {
+            "global_step": self._global_step,
+            "schedulers": [s.state_dict() for s in self._schedulers],
+            "layout": self._layout_key(),
+            "optimizer": self._optimizer.state_dict(),
+        }
+        torch.save(extra, directory / f"rank{current_rank()}_{_STATE_FILE}")
+        if current_rank() == 0:
+            (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))
+        dist.barrier()
+
+    def _optim_file(self) -> str:
+        from megatron.core import parallel_state as ps
+
+        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        ep = ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0
+        return f"optim_pp{pp}_tp{tp}_ep{ep}.pt"
+
+    def _model_state_for_ckpt(self) -> dict[str, Any]:
+        return self._sharded_state()
+
+    def _layout_key(self) -> list[int]:
+        lay = self._layout
+        return [lay.world_size, lay.tp, lay.pp, self._layout.vpp, lay.cp, lay.ep, self._layout.etp]
+
+    def check_signature(self, directory: Path) -> None:
+        """Raise ``CheckpointError`` unless ``directory`` holds an mcore checkpoint of this model."""
+        from underlay.engines.mcore._hf import signature_diff
+
+        sig_path = Path(directory) / _SIGNATURE_FILE
+        if not sig_path.is_file() or not (Path(directory) / "model").is_dir():
+            raise CheckpointError(
+                f"{directory} is not a complete mcore engine checkpoint (missing {_SIGNATURE_FILE} or model/); "
+                "pass a directory written by save_checkpoint"
+            )
+        saved = json.loads(sig_path.read_text())
+        diff = signature_diff(saved, json.loads(json.dumps(self.model_signature())))
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {directory} belongs to another model: {diff}; load it into an engine built from the same model config"
+            )
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore the model at any TP/PP/DP layout; optimizer state and the LR schedule are restored
+        when the layout equals the saved one (otherwise the optimizer starts fresh and the step count
+        and schedule are restored). ``CheckpointError`` before any state changes for another model."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
+        self.check_signature(directory)
+        self._ensure_onloaded("load_checkpoint")
+        extra_path = directory / f"rank{current_rank()}_{_STATE_FILE}"
+        extra = torch.load(extra_path, weights_only=False) if extra_path.is_file() else None
+        if extra is None:
+            extra = torch.load(directory / f"rank0_{_STATE_FILE}", weights_only=False)
+        loaded = dist_checkpointing.load(self._model_state_for_ckpt(), str(directory / "model"))
+        for i, c in enumerate(self._chunks):
+            key = f"model{i}" if len(self._chunks) > 1 else "model"
+            _unwrap(c).load_state_dict(loaded[key], strict=False)
+        same = extra.get("layout") == self._layout_key()
+        if same:
+            self._optimizer.load_state_dict(extra["optimizer"])
+            # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE tensor
+            # shared by every parameter's state; torch's foreach Adam increments each in place, so a
+            # shared tensor would advance once per parameter per step: give each state its own copy
+            for o in _torch_optimizers(self._optimizer):
+                for st in o.state.values():
+                    if "step" in st:
+                        st["step"] = st["step"].clone()
+            if self._opts.distributed_optimizer:
+                # with fp32 parameters megatron's "main" params are the model params themselves (leaves
+                # that require grad): its in-place copies must not be recorded by autograd
+                # torch's Adam keeps a per-parameter "step" that megatron's parameter-state file does not
+                # hold (its loader copies every state key): set it aside; load_state_dict restored it
+                steps = [
+                    (st, st.pop("step"))
+                    for o in _torch_optimizers(self._optimizer)
+                    for st in o.state.values()
+                    if "step" in st
+                ]
+                try:
+                    with torch.no_grad():
+                        self._optimizer.load_parameter_state(str(directory / self._optim_file()))
+                finally:
+                    for st, step in steps:
+                        st["step"] = step
+        else:
+            self._optimizer.reload_model_params()
+        for s, st in zip(self._schedulers, extra["schedulers"]):
+            s.load_state_dict(st)
+        self._global_step = int(extra["global_step"])
+        self.zero_grad()
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _compat_shims() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: ``moe_utils`` refers to ``te_general_gemm``
+    that its failed TE import never bound (``NameError`` in the MoE router; fixed in 0.19). Binding the
+    missing name to ``None`` selects its plain ``torch.mm`` path. Touches nothing when the name exists."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _return_hidden(output_layer: Any, sequence_parallel: bool) -> None:
+    """Make ``output_layer`` return the final hidden states (gathered along the sequence under sequence
+    parallelism) instead of logits: the engine computes log-probs from them with the vocab-parallel
+    kernel. The kernel gives every TP rank the full hidden gradient, so the gather's backward takes
+    this rank's slice (no reduction)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    def forward(
+        hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=ps.get_tensor_model_parallel_group()
+            )
+        return hidden, None
+
+    output_layer.forward = forward
+
+
+def _process_groups(ps: Any, *, tp: int, pp: int, cp: int, ep: int, etp: int, dp: int) -> ProcessGroups:
+    """The typed groups of the layout from megatron's ``parallel_state`` (``None`` for size-1
+    dimensions, as ``ProcessGroups`` specifies; ``mp`` is megatron's model-parallel group tp x pp)."""
+
+    def pick(size: int, get: Any) -> Any:
+        return get() if size > 1 else None
+
+    world = dist.get_world_size()
+    return ProcessGroups(
+        world=dist.group.WORLD,
+        dp=pick(dp, ps.get_data_parallel_group),
+        dp_cp=pick(dp * cp, lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        tp=pick(tp, ps.get_tensor_model_parallel_group),
+        pp=pick(pp, ps.get_pipeline_model_parallel_group),
+        cp=pick(cp, ps.get_context_parallel_group),
+        ep=pick(ep, ps.get_expert_model_parallel_group),
+        etp=pick(etp, ps.get_expert_tensor_parallel_group),
+        edp=pick(world // (pp * ep * etp), ps.get_expert_data_parallel_group),
+        ulysses=None,
+        mp=pick(tp * pp * cp, ps.get_model_parallel_group),
+    )
+
+
+def _unwrap(module: Any) -> Any:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+    if hasattr(opt, "chained_optimizers"):
+        return [o.optimizer for o in opt.chained_optimizers]
+    return [opt.optimizer]
+
+
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    value = value.to(torch.float64).reshape(())
+    sums[key] = sums[key] + value if key in sums else value
+
+
+def _swap_out(tensors: list[torch.Tensor], pin: bool) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    saved = []
+    seen: set[int] = set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+        host.untyped_storage().copy_(storage)
+        saved.append((t, host, storage.nbytes()))
+        storage.resize_(0)
+    return saved
+
+
+def _swap_in(saved: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    for t, host, nbytes in saved:
+        storage = t.untyped_storage()
+        storage.resize_(nbytes)
+        storage.copy_(host.untyped_storage())

@@ -1,0 +1,245 @@
+"""How megatron-core ``GPTModel`` parameters map to Hugging Face tensors (pure functions, no collectives).
+
+Megatron's fused layouts:
+
+- ``linear_qkv`` rows are grouped per query group ``g``: the group's ``heads / groups`` query heads, then
+  its key head, then its value head (``head_dim`` rows each); TP splits whole groups, so rank ``r`` holds
+  a contiguous block of groups.
+- ``linear_fc1`` is ``[gate; up]`` per TP rank: rank ``r`` holds gate's ``r``-th row chunk followed by
+  up's ``r``-th row chunk.
+- ``linear_proj`` and ``linear_fc2`` split along dim 1; the word embedding and the output layer along
+  the vocabulary (dim 0); norms and the router are replicated.
+
+A ``Rule`` names one engine parameter (its name inside a pipeline chunk, with the chunk-local layer and
+expert indices), the HF tensors it is built from, and how to cut this TP rank's piece out of them
+(``shard``) and how to rebuild the HF tensors from all TP ranks' pieces (``unshard``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from underlay.engines._weightmap import fuse_gate_up as _wm_gate_up
+from underlay.engines._weightmap import fuse_qkv as _wm_qkv
+from underlay.engines._weightmap import rename
+from underlay.engines.mcore.config import MCoreArch
+from underlay.interfaces.weightmap import WeightRule
+
+__all__ = [
+    "Rule",
+    "engine_rule",
+    "fuse_gate_up",
+    "fuse_qkv",
+    "hf_shapes",
+    "split_gate_up",
+    "split_qkv",
+    "stage_rules",
+]
+
+Kind = Literal["replicated", "column", "row", "qkv", "gate_up"]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Megatron's ``linear_qkv`` (weight ``[rows, H]`` or bias ``[rows]``) from HF ``q``/``k``/``v``.
+
+    ``q`` has ``heads * d`` rows, ``k``/``v`` ``groups * d``; the result interleaves per query group:
+    ``[q heads of g; k head of g; v head of g]`` for ``g = 0..groups-1``."""
+    d = k.shape[0] // groups
+    rest = q.shape[1:]
+    qg = q.reshape(groups, -1, *rest)
+    kg = k.reshape(groups, d, *rest)
+    vg = v.reshape(groups, d, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of ``fuse_qkv`` for ``groups`` query groups (a TP shard: pass the shard's counts)."""
+    rest = fused.shape[1:]
+    per = heads // groups
+    g = fused.reshape(groups, (per + 2) * head_dim, *rest)
+    q = g[:, : per * head_dim].reshape(-1, *rest)
+    k = g[:, per * head_dim : (per + 1) * head_dim].reshape(-1, *rest)
+    v = g[:, (per + 1) * head_dim :].reshape(-1, *rest)
+    return q, k, v
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """TP rank ``rank``'s ``linear_fc1``: gate's ``rank``-th row chunk, then up's."""
+    return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
+
+
+def split_gate_up(pieces: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF ``(gate, up)`` from every TP rank's ``linear_fc1`` piece (rank order)."""
+    halves = [p.chunk(2, 0) for p in pieces]
+    return torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One engine parameter: ``name`` inside its pipeline chunk, the HF tensors it comes from, and its
+    TP layout ``kind`` (``replicated``, ``column`` = split dim 0, ``row`` = split dim 1, ``qkv``,
+    ``gate_up``). ``expert`` rules use the expert-TP group instead of the TP group."""
+
+    name: str
+    hf: tuple[str, ...]
+    kind: Kind
+    arch: MCoreArch
+    expert: bool = False
+
+    def shard(self, tensors: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
+        """This TP rank's piece from the full HF tensors (in ``hf`` order)."""
+        if self.kind == "replicated":
+            return tensors[0]
+        if self.kind == "column":
+            return tensors[0].chunk(size, 0)[rank]
+        if self.kind == "row":
+            return tensors[0].chunk(size, 1)[rank]
+        if self.kind == "qkv":
+            q, k, v = tensors
+            return fuse_qkv(q, k, v, self.arch.num_query_groups).chunk(size, 0)[rank]
+        gate, up = tensors
+        return fuse_gate_up(gate, up, rank, size)
+
+    def unshard(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The full HF tensors (in ``hf`` order) from every TP rank's piece (rank order)."""
+        if self.kind == "replicated":
+            return [pieces[0]]
+        if self.kind == "column":
+            return [torch.cat(list(pieces), 0)]
+        if self.kind == "row":
+            return [torch.cat(list(pieces), 1)]
+        if self.kind == "qkv":
+            a = self.arch
+            return list(split_qkv(torch.cat(list(pieces), 0), a.heads, a.num_query_groups, a.head_dim))
+        return list(split_gate_up(pieces))
+
+
+def hf_shapes(arch: MCoreArch) -> dict[str, tuple[int, ...]]:
+    """Full shape of every HF tensor of ``arch`` (the names ``save_pretrained`` writes)."""
+    a = arch
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab, a.hidden)}
+    qd, kd = a.heads * a.head_dim, a.num_query_groups * a.head_dim
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (a.hidden,)
+        out[p + "post_attention_layernorm.weight"] = (a.hidden,)
+        out[p + "self_attn.q_proj.weight"] = (qd, a.hidden)
+        out[p + "self_attn.k_proj.weight"] = (kd, a.hidden)
+        out[p + "self_attn.v_proj.weight"] = (kd, a.hidden)
+        out[p + "self_attn.o_proj.weight"] = (a.hidden, qd)
+        if a.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (qd,)
+            out[p + "self_attn.k_proj.bias"] = (kd,)
+            out[p + "self_attn.v_proj.bias"] = (kd,)
+        if a.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (a.head_dim,)
+            out[p + "self_attn.k_norm.weight"] = (a.head_dim,)
+        if a.is_moe:
+            out[p + "mlp.gate.weight"] = (a.num_experts, a.hidden)
+            for e in range(a.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                out[q + "gate_proj.weight"] = (a.moe_ffn, a.hidden)
+                out[q + "up_proj.weight"] = (a.moe_ffn, a.hidden)
+                out[q + "down_proj.weight"] = (a.hidden, a.moe_ffn)
+        else:
+            out[p + "mlp.gate_proj.weight"] = (a.ffn, a.hidden)
+            out[p + "mlp.up_proj.weight"] = (a.ffn, a.hidden)
+            out[p + "mlp.down_proj.weight"] = (a.hidden, a.ffn)
+    out["model.norm.weight"] = (a.hidden,)
+    if not a.tied:
+        out["lm_head.weight"] = (a.vocab, a.hidden)
+    return out
+
+
+def stage_rules(
+    arch: MCoreArch,
+    *,
+    first_layer: int,
+    num_layers: int,
+    pre_process: bool,
+    post_process: bool,
+    expert_offset: int = 0,
+    local_experts: int = 0,
+) -> list[Rule]:
+    """The rules of one pipeline chunk holding global layers ``[first_layer, first_layer + num_layers)``,
+    the embedding when ``pre_process``, the final norm and output layer when ``post_process`` (with tied
+    embeddings the output layer of a last stage that is not also the first is a copy of the embedding,
+    built from ``model.embed_tokens.weight``), and experts ``[expert_offset, expert_offset +
+    local_experts)`` of each MoE layer."""
+    a = arch
+    rules: list[Rule] = []
+    if pre_process:
+        rules.append(Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "column", a))
+    for local in range(num_layers):
+        g = first_layer + local
+        p, h = f"decoder.layers.{local}.", f"model.layers.{g}."
+        att = p + "self_attention."
+        rules.append(Rule(p + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated", a))
+        qkv = tuple(f"{h}self_attn.{x}_proj.weight" for x in "qkv")
+        rules.append(Rule(att + "linear_qkv.weight", qkv, "qkv", a))
+        if a.qkv_bias:
+            rules.append(
+                Rule(att + "linear_qkv.bias", tuple(n[: -len("weight")] + "bias" for n in qkv), "qkv", a)
+            )
+        if a.qk_norm:
+            rules.append(Rule(att + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), "replicated", a))
+            rules.append(Rule(att + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), "replicated", a))
+        rules.append(Rule(att + "linear_proj.weight", (h + "self_attn.o_proj.weight",), "row", a))
+        rules.append(
+            Rule(p + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated", a)
+        )
+        if a.is_moe:
+            rules.append(Rule(p + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated", a))
+            for j in range(local_experts):
+                e = expert_offset + j
+                q, hq = f"{p}mlp.experts.local_experts.{j}.", f"{h}mlp.experts.{e}."
+                gu = (hq + "gate_proj.weight", hq + "up_proj.weight")
+                rules.append(Rule(q + "linear_fc1.weight", gu, "gate_up", a, expert=True))
+                rules.append(Rule(q + "linear_fc2.weight", (hq + "down_proj.weight",), "row", a, expert=True))
+        else:
+            gu = (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight")
+            rules.append(Rule(p + "mlp.linear_fc1.weight", gu, "gate_up", a))
+            rules.append(Rule(p + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", a))
+    if post_process:
+        rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", a))
+        if not a.tied:
+            rules.append(Rule("output_layer.weight", ("lm_head.weight",), "column", a))
+        elif not pre_process:
+            rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "column", a))
+    return rules
+
+
+def _global_name(rule: Rule) -> str:
+    """The chunk-local name of ``rule`` with the global layer index (from its HF name) and, for an
+    expert, the global expert index: ``decoder.layers.<g>.`` / ``local_experts.<e>.``."""
+    name = rule.name
+    hf = rule.hf[0]
+    if name.startswith("decoder.layers."):
+        g = hf.split(".")[2]
+        rest = name.split(".", 3)[3]
+        name = f"decoder.layers.{g}.{rest}"
+        if rule.expert:
+            e = hf.split("mlp.experts.")[1].split(".")[0]
+            head, tail = name.split("mlp.experts.local_experts.")
+            name = f"{head}mlp.experts.local_experts.{e}.{tail.split('.', 1)[1]}"
+    return name
+
+
+def engine_rule(rule: Rule, arch: MCoreArch) -> WeightRule:
+    """The contract-v2 ``WeightRule`` of ``rule`` under its global engine name (the full, ``tp == 1``
+    tensor; TP split as megatron does: column = dim 0, row = dim 1, q/k/v in whole query groups,
+    ``[gate; up]`` in two blocks)."""
+    name = _global_name(rule)
+    if rule.kind == "qkv":
+        q, k, v = rule.hf
+        return _wm_qkv(
+            name, q, k, v, num_heads=arch.heads, num_kv_heads=arch.num_query_groups, head_dim=arch.head_dim
+        )
+    if rule.kind == "gate_up":
+        return _wm_gate_up(name, rule.hf[0], rule.hf[1])
+    tp_dim = {"replicated": None, "column": 0, "row": 1}[rule.kind]
+    return rename(name, rule.hf[0], tp_dim=tp_dim)

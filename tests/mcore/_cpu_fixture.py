@@ -1,0 +1,146 @@
+"""Test-only: run megatron-core on the CPU by mapping its direct CUDA calls to the CPU.
+
+megatron-core calls ``torch.cuda`` in many places (current device, RNG state and seeding, streams and
+events, ``device="cuda"`` allocations, ``.cuda()``, ``Tensor.type()`` checks in its optimizers). This
+module replaces those process-wide: it changes global torch behaviour, so it lives in ``tests/`` and is
+installed only inside test processes (``install()``, idempotent). It also sets
+``UNDERLAY_MCORE_CPU_FIXTURE=1``, the switch that lets ``MCoreEngine`` accept a CPU device; nothing
+in ``src/`` installs it. Numerics are real (fp32 on the CPU); only device placement is rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["install"]
+
+_INSTALLED = False
+
+
+def _cpu_device(value: Any) -> Any:
+    """``cuda``/``cuda:N``/an int index -> ``cpu``; anything else unchanged."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return torch.device("cpu")
+    if isinstance(value, str) and value.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    return value
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device=`` arguments, ``.to(cuda)``, ``.cuda()``, ``pin_memory=True`` and
+    ``Tensor.type()`` (reported as the cuda type, which megatron's optimizers check)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        name = getattr(func, "__name__", "")
+        if name == "cuda" and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        if name == "to" and len(args) > 1:
+            args = (args[0], _cpu_device(args[1]), *args[2:])
+        if name == "type" and args and isinstance(args[0], torch.Tensor) and len(args) == 1 and not kwargs:
+            result = func(*args)
+            return result.replace("torch.", "torch.cuda.", 1) if "cuda" not in result else result
+        if name == "pin_memory" and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """A stand-in for ``torch.cuda.Stream``: everything runs on the one CPU stream."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Event:
+    """A stand-in for ``torch.cuda.Event``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+@contextlib.contextmanager
+def _stream_ctx(stream: Any = None) -> Iterator[None]:
+    yield
+
+
+def install() -> None:
+    """Patch ``torch.cuda`` and enter the device-rewriting mode for the rest of the process."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    os.environ["UNDERLAY_MCORE_CPU_FIXTURE"] = "1"
+    cuda = torch.cuda
+    # a device object, not an index: autograd backward functions run outside the torch-function mode
+    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
+    cuda.device_count = lambda: 1  # type: ignore[assignment]
+    cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    cuda.empty_cache = lambda: None  # type: ignore[assignment]
+    cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore[assignment]
+    cuda.Stream = _Stream  # type: ignore[assignment,misc]
+    cuda.Event = _Event  # type: ignore[assignment,misc]
+    cuda.stream = _stream_ctx  # type: ignore[assignment]
+    cuda.current_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
+    cuda.default_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
+    cuda.memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
+    cuda.max_memory_allocated = lambda *a, **k: 0  # type: ignore[assignment]
+    cuda.nvtx.range_push = lambda *a, **k: None  # type: ignore[assignment]
+    cuda.nvtx.range_pop = lambda *a, **k: None  # type: ignore[assignment]
+    # megatron's RNG tracker restores states through this private helper
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(  # type: ignore[assignment]
+        new_state
+    )
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    mode = _CudaToCpu()
+    mode.__enter__()

@@ -1,0 +1,118 @@
+"""Shared pieces of the mcore tests: tiny HF configs, engine construction under the CPU fixture, and an
+HF float64 reference of per-token log-probs and the token-mean loss gradient."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, ParallelConfig, TokenBatch
+
+VOCAB = 128
+
+
+def tiny_config(family: str, **over: Any) -> Any:
+    """A 4-layer tiny HF config of ``family`` (llama, mistral, qwen2, qwen2_tied, qwen3, qwen3_moe)."""
+    import transformers as tf
+
+    base: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        cls = tf.LlamaConfig
+    elif family == "mistral":
+        cls = tf.MistralConfig
+        base["sliding_window"] = None
+    elif family in ("qwen2", "qwen2_tied"):
+        cls = tf.Qwen2Config
+        base["tie_word_embeddings"] = family == "qwen2_tied"
+    elif family == "qwen3":
+        cls = tf.Qwen3Config
+        base["head_dim"] = 16
+    elif family == "qwen3_moe":
+        cls = tf.Qwen3MoeConfig
+        base.update(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    else:
+        raise ValueError(family)
+    base.update(over)
+    return cls(**base)
+
+
+def engine_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, **options: Any) -> EngineConfig:
+    """fp32 engine config (seed 0) for ``hf_config`` with the given sizes and mcore options."""
+    return EngineConfig(
+        model=ModelConfig(hf_config=hf_config, seed=0),
+        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep),
+        optim=OptimConfig(lr=1e-3, eps=1e-4, weight_decay=0.01, grad_clip=1.0),
+        micro_batch_max_tokens=24,
+        param_dtype="float32",
+        reduce_dtype="float32",
+        with_entropy=True,
+        options=options,
+    )
+
+
+def make_engine(cfg: EngineConfig) -> Any:
+    """An ``MCoreEngine`` on the CPU under the test fixture."""
+    from tests.mcore._cpu_fixture import install
+
+    install()
+    from underlay.engines.mcore.engine import MCoreEngine
+    from underlay.registry import get_device
+
+    return MCoreEngine(cfg, get_device("cpu"))
+
+
+def make_batch(seed: int, b: int = 4, s: int = 12) -> TokenBatch:
+    """Right-padded random batch with varied lengths (>= 3 tokens) and a loss mask past the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    lens = torch.randint(3, s + 1, (b,), generator=g)
+    mask = (torch.arange(s)[None] < lens[:, None]).long()
+    loss = mask.clone()
+    loss[:, :2] = 0
+    adv = torch.randn(b, generator=g)
+    return TokenBatch(ids * mask, mask, loss, {"adv": adv})
+
+
+def pg_loss(outputs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over loss tokens of ``-adv * log_prob`` (a policy-gradient surrogate), plus an entropy sum."""
+    m = batch.loss_mask.to(outputs.log_probs.dtype)
+    adv = batch.extras["adv"][:, None]
+    loss = -(adv * outputs.log_probs * m).sum()
+    return loss, {"entropy": (outputs.entropy * m).sum().detach()}
+
+
+def hf_reference(
+    hf_config: Any, batch: TokenBatch
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """float64 HF model (fp32 for MoE; seed 0): per-token log-probs ``[B, S]`` (token aligned), the token-mean
+    pg loss, and the gradients of that loss by HF parameter name (per-expert names)."""
+    from underlay.engines.fsdp2._build import build_model
+    from underlay.engines.mcore._hf import per_expert_names
+
+    model = build_model(ModelConfig(hf_config=hf_config, seed=0), hf_config, meta=False)
+    # transformers' grouped expert matmul has no float64 kernel: MoE references run in fp32
+    model = model.float() if getattr(hf_config, "num_experts", 0) else model.double()
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], 1) * batch.attention_mask
+    lp = lp.double()
+    m = batch.loss_mask.double()
+    loss = -(batch.extras["adv"].double()[:, None] * lp * m).sum() / m.sum()
+    loss.backward()
+    grads = per_expert_names(
+        {
+            n: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).double()
+            for n, p in model.named_parameters()
+        }
+    )
+    return lp.detach(), loss.detach(), grads
