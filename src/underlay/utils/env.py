@@ -31,7 +31,13 @@ ENV_VARS: dict[str, EnvVar] = {
     v.name: v
     for v in (
         EnvVar("UNDERLAY_DEVICE", "auto, cpu, cuda, npu, plugin names", "auto", "the Device backend"),
-        EnvVar("UNDERLAY_ENGINE", "fsdp2", "fsdp2", "the ParallelEngine and its WeightLoader"),
+        EnvVar("UNDERLAY_ENGINE", "fsdp2, mcore", "fsdp2", "the ParallelEngine and its WeightLoader"),
+        EnvVar(
+            "UNDERLAY_MCORE_CPU_FIXTURE",
+            "1 (tests only)",
+            "unset",
+            "set by tests/mcore/_cpu_fixture.py: lets the mcore probe accept the CPU under that fixture",
+        ),
         EnvVar(
             "UNDERLAY_CACHE",
             "a directory",
