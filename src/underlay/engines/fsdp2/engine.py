@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.fsdp2 import _build
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import (
@@ -617,33 +618,8 @@ class FSDP2Engine:
         the same number of buckets, each empty. Every tensor is all-gathered by FSDP on every rank,
         so a non-receiver holds one gathered tensor at a time (dropped at once), never a bucket.
         ``InvalidInput`` for ``bucket_bytes < 1`` or a rank outside the world, before any collective."""
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes!r} must be an int >= 1")
-        world = self._layout.world_size
-        receivers = None if ranks is None else set(ranks)
-        if receivers is not None:
-            bad = sorted(
-                r for r in receivers if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world
-            )
-            if bad:
-                raise InvalidInput(f"iter_weights: ranks {bad} are not global ranks in [0, {world})")
-        receive = receivers is None or current_rank() in receivers
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size, count = 0, 0  # of the open bucket, counted alike on every rank
-        for name, full in self.named_full_tensors():
-            t = full.to(self._param_dtype)
-            nbytes = t.numel() * t.element_size()
-            # every rank decides bucket boundaries from the same sizes, so bucket counts agree
-            if count and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size, count = [], 0, 0
-            if receive:
-                bucket.append((name, t))
-            del t, full
-            size += nbytes
-            count += 1
-        if count:
-            yield bucket
+        receive = check_bucket_args(bucket_bytes, ranks, self._layout.world_size)
+        yield from bucket_full_tensors(self.named_full_tensors(), bucket_bytes, self._param_dtype, receive)
 
     # ------------------------------------------------------------------------------ checkpoints
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
@@ -958,27 +959,8 @@ class MCoreEngine:
         (the bucket count is the same everywhere: bucket boundaries depend on shapes only). Collective.
         ``InvalidInput`` for ``bucket_bytes < 1`` or a rank outside ``[0, world_size)``, before any
         collective."""
-        if bucket_bytes < 1:
-            raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes} must be >= 1")
-        world = self._layout.world_size
-        if ranks is not None:
-            bad = sorted(r for r in ranks if not (isinstance(r, int) and 0 <= r < world))
-            if bad:
-                raise InvalidInput(f"iter_weights: ranks {bad} are outside [0, {world}); pass global ranks")
-        receiver = ranks is None or current_rank() in set(ranks)
-        elem = torch.empty((), dtype=self._param_dtype).element_size()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, full in self.named_full_tensors():
-            nbytes = full.numel() * elem
-            if size and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            if receiver:
-                bucket.append((name, full.to(self._param_dtype)))
-            size += nbytes
-        if size:
-            yield bucket
+        receive = check_bucket_args(bucket_bytes, ranks, self._layout.world_size)
+        yield from bucket_full_tensors(self.named_full_tensors(), bucket_bytes, self._param_dtype, receive)
 
     # ------------------------------------------------------------------------------ checkpoints
 
