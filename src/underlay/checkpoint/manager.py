@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.interfaces import CheckpointError, Device, InvalidInput, ParallelEngine
-from underlay.parallel.agree import agree, describe
+from underlay.parallel.agree import agree, agreed
 from underlay.parallel.rank import current_rank, current_world_size
 from underlay.utils.safe_files import (
     MANIFEST_FILE,
@@ -253,54 +253,24 @@ class CheckpointManager:
             parent = int(m.group(1)) if m else None
         if parent == step:  # re-saving a step: the new copy takes the old copy's place in the lineage
             parent = self._parent_of(step)
-        error: BaseException | None = None
-        if rank == 0:
-            try:
+        with agreed(f"save({final}): preparing", error_type=CheckpointError):
+            if rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self.recover()
                 tmp.mkdir()
-            except Exception as exc:
-                error = exc
-        agree(
-            error is None,
-            describe(error),
-            what=f"save({final}): preparing",
-            error_type=CheckpointError,
-            cause=error,
-        )
-        try:
+        with agreed(f"save({final}): writing", error_type=CheckpointError):
             self.engine.save_checkpoint(tmp)
             rng_file = tmp / f"rng_rank{rank}.pt"
             torch.save(self.device.get_rng_state(), rng_file)
             fsync_path(rng_file)
-            error = None
-        except Exception as exc:
-            error = exc
-        agree(
-            error is None,
-            describe(error),
-            what=f"save({final}): writing",
-            error_type=CheckpointError,
-            cause=error,
-        )
         # every file is written now: the ranks hash disjoint shares of them in parallel for the manifest
         digests: dict[str, dict[str, Any]] = {}
-        try:
+        with agreed(f"save({final}): hashing", error_type=CheckpointError):
             world = current_world_size()
             digests = digest_files(tmp, list_files(tmp, skip=(COMPLETE_MARKER,))[rank::world])
-            error = None
-        except Exception as exc:
-            error = exc
-        agree(
-            error is None,
-            describe(error),
-            what=f"save({final}): hashing",
-            error_type=CheckpointError,
-            cause=error,
-        )
         known = _gather_dicts(digests)
-        if rank == 0:
-            try:
+        with agreed(f"save({final}): committing", error_type=CheckpointError):
+            if rank == 0:
                 (tmp / "trainer_state.json").write_text(state_text)
                 signature = json.dumps(dict(self.engine.model_signature()), sort_keys=True)
                 (tmp / "signature.json").write_text(signature)
@@ -309,15 +279,6 @@ class CheckpointManager:
                 fsync_tree(tmp)
                 self._commit(tmp, final)
                 _atomic_write(self.root / LATEST_POINTER, json.dumps({"step": step}))
-            except Exception as exc:
-                error = exc
-        agree(
-            error is None,
-            describe(error),
-            what=f"save({final}): committing",
-            error_type=CheckpointError,
-            cause=error,
-        )
         self._parent = step
         if rank == 0:
             try:

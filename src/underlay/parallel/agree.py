@@ -16,6 +16,8 @@ until the process-group timeout. The pattern is::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from underlay.interfaces import UnderlayError
 
-__all__ = ["agree", "describe"]
+__all__ = ["agree", "agreed", "describe"]
 
 
 def describe(error: BaseException | None) -> str:
@@ -78,3 +80,19 @@ def agree(
     raise error_type(
         f"{what} failed on rank {first_rank}{others}: {first_reason or 'no reason given'}"
     ) from cause
+
+
+@contextlib.contextmanager
+def agreed(
+    what: str, *, group: Any = None, error_type: type[UnderlayError] = UnderlayError
+) -> Iterator[None]:
+    """Run the block on every rank, hold any ``Exception`` it raises, then ``agree`` on the outcome:
+    every rank leaves together, all normally or all raising ``error_type`` with the failing ranks'
+    reasons (the local exception as the cause). For blocks only some ranks act in, put the rank test
+    inside the ``with``."""
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as exc:
+        error = exc
+    agree(error is None, describe(error), what=what, group=group, error_type=error_type, cause=error)

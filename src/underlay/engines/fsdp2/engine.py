@@ -62,7 +62,7 @@ from underlay.interfaces import (
     WeightMap,
     resolve_options,
 )
-from underlay.parallel.agree import agree, describe
+from underlay.parallel.agree import agreed
 from underlay.parallel.rank import current_rank
 
 __all__ = ["FSDP2Engine"]
@@ -662,22 +662,12 @@ class FSDP2Engine:
             raise CheckpointError(
                 f"save_checkpoint({directory}): {str(exc).strip().splitlines()[-1]}"
             ) from exc
-        error: BaseException | None = None
-        if current_rank() == 0:
-            try:
+        # rank 0 writes alone: every rank raises its reason instead of waiting in the next collective
+        with agreed(f"save_checkpoint({directory})", error_type=CheckpointError):
+            if current_rank() == 0:
                 extra = {"global_step": self._global_step, "scheduler": self._scheduler.state_dict()}
                 torch.save(extra, directory / _STATE_FILE)
                 (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))
-            except Exception as exc:
-                error = exc
-        # rank 0 wrote alone: every rank raises its reason instead of waiting in the next collective
-        agree(
-            error is None,
-            describe(error),
-            what=f"save_checkpoint({directory})",
-            error_type=CheckpointError,
-            cause=error,
-        )
 
     def check_signature(self, directory: Path) -> None:
         """Raise ``CheckpointError`` unless ``directory`` holds an engine checkpoint of this model
