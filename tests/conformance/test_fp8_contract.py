@@ -12,25 +12,18 @@ runs the contract through Triton's interpreter (``TRITON_INTERPRET=1``, small si
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import traceback
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.conformance._interpret import interpret_skip_reason, report_checks, run_interpreted
 from underlay import registry
 from underlay.interfaces import Fp8Quantizer, InvalidInput
 from underlay.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
-_SRC = str(Path(__file__).resolve().parents[2] / "src")
 E4M3_MAX = 448.0
 
 
@@ -250,28 +243,16 @@ def test_fp8_contract(name: str, check: str) -> None:
 # ------------------------------------------------------------- the triton quantiser under the interpreter
 
 
-def _interpret_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install underlay[cuda])"
-    if registry.probe("device", "cuda").available:
-        return "a GPU is present: the triton quantiser runs natively in test_fp8_contract"
-    return None
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
     """Every check on ``TritonFp8Quantizer`` over CPU tensors, in a ``TRITON_INTERPRET=1`` child."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([_SRC, env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, str] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_interpreted(__file__)
 
 
-@pytest.mark.skipif(_interpret_reason() is not None, reason=str(_interpret_reason()))
+@pytest.mark.skipif(
+    interpret_skip_reason("test_fp8_contract") is not None,
+    reason=str(interpret_skip_reason("test_fp8_contract")),
+)
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_triton_contract_interpreted(interpreted: dict[str, str], check: str) -> None:
     assert interpreted[check] == "ok", interpreted[check]
@@ -281,15 +262,7 @@ def _child() -> None:
     from underlay.backends.cpu.device import CpuDevice
     from underlay.backends.cuda.fp8 import TritonFp8Quantizer
 
-    quant = TritonFp8Quantizer(CpuDevice())
-    out: dict[str, str] = {}
-    for check, fn in CHECKS.items():
-        try:
-            fn(quant, "triton", torch.device("cpu"))
-            out[check] = "ok"
-        except Exception:
-            out[check] = traceback.format_exc()[-3000:]
-    print(json.dumps(out))
+    report_checks(CHECKS, TritonFp8Quantizer(CpuDevice()))
 
 
 if __name__ == "__main__":

@@ -13,24 +13,16 @@ On a GPU host: ``UNDERLAY_DEVICE=cuda pytest tests/conformance``.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import traceback
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.conformance._interpret import interpret_skip_reason, report_checks, run_interpreted
 from underlay import registry
 from underlay.interfaces import IGNORE_INDEX, InvalidInput, LogprobKernel
-
-_SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 # Per input dtype: (max |err| of log-prob and entropy, max relative error of the gradients). The gradient
 # bound is relative to the largest reference gradient. Half-precision kernels round logits or dlogits to
@@ -287,28 +279,16 @@ def test_logprob_contract(name: str, check: str) -> None:
 # ------------------------------------------------------------- the triton kernel under the interpreter
 
 
-def _interpret_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (pip install underlay[cuda])"
-    if registry.probe("device", "cuda").available:
-        return "a GPU is present: the triton kernel runs natively in test_logprob_contract"
-    return None
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
     """Every check on ``TritonLogprobKernel`` over CPU tensors, in a ``TRITON_INTERPRET=1`` child."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([_SRC, env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, str] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_interpreted(__file__)
 
 
-@pytest.mark.skipif(_interpret_reason() is not None, reason=str(_interpret_reason()))
+@pytest.mark.skipif(
+    interpret_skip_reason("test_logprob_contract") is not None,
+    reason=str(interpret_skip_reason("test_logprob_contract")),
+)
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_triton_contract_interpreted(interpreted: dict[str, str], check: str) -> None:
     assert interpreted[check] == "ok", interpreted[check]
@@ -318,15 +298,7 @@ def _child() -> None:
     from underlay.backends.cpu.device import CpuDevice
     from underlay.backends.cuda.logprob import TritonLogprobKernel
 
-    kernel = TritonLogprobKernel(CpuDevice())
-    out: dict[str, str] = {}
-    for check, fn in CHECKS.items():
-        try:
-            fn(kernel, "triton", torch.device("cpu"))
-            out[check] = "ok"
-        except Exception:
-            out[check] = traceback.format_exc()[-3000:]
-    print(json.dumps(out))
+    report_checks(CHECKS, TritonLogprobKernel(CpuDevice()))
 
 
 if __name__ == "__main__":
