@@ -31,10 +31,12 @@ __all__ = [
     "TokenOutputs",
 ]
 
-RecomputePolicy = Literal["none", "full", "selective"]
-"""Activation recomputation: ``"none"`` keeps every activation, ``"full"`` recomputes each decoder layer
-in backward, ``"selective"`` recomputes the cheap-to-recompute parts (e.g. attention core) only; an
-engine says which it supports (``ParallelEngine.supports_recompute``)."""
+RecomputePolicy = Literal["auto", "none", "full", "selective"]
+"""Activation recomputation: ``"auto"`` lets the engine choose at build (fsdp2: ``"none"`` when its
+memory estimate fits the device, else ``"full"``; mcore: ``"none"``) and reports the choice;
+``"none"`` keeps every activation, ``"full"`` recomputes each decoder layer in backward,
+``"selective"`` recomputes the cheap-to-recompute parts (e.g. attention core) only; an engine says
+which it supports (``ParallelEngine.supports_recompute``)."""
 
 BackendKind = Literal["device", "engine", "attention", "logprob", "quant", "profiler", "weight_loader"]
 

@@ -24,29 +24,42 @@ included; the FSDP hooks around it stay eager)."""
 class FSDP2Options:
     """Engine-specific settings of ``fsdp2`` (``EngineConfig.options``, a mapping or this class)."""
 
-    reshard_after_forward: bool = option(
-        True,
+    reshard_after_forward: bool | None = option(
+        None,
         "free each decoder layer's gathered parameters after its forward (False: keep them unsharded "
-        "from forward to backward and across micro-batches; more memory, fewer all-gathers)",
+        "from forward to backward and across micro-batches; more memory, fewer all-gathers); None = auto: "
+        "False when all ranks are on one node and the memory estimate fits, else True",
     )
-    fused_adamw: bool = option(False, "use the fused AdamW kernel (accelerators only; ignored on cpu)")
-    compile: bool | Literal["norm_mlp", "layer_parts", "layer"] = option(
-        False,
+    fused_adamw: bool | None = option(
+        None,
+        "use the fused AdamW kernel (accelerators only; ignored on cpu); None = auto: True on cuda, and "
+        "on other accelerators where torch has the kernel",
+    )
+    compile: bool | Literal["norm_mlp", "layer_parts", "layer"] | None = option(
+        None,
         "torch.compile parts of each decoder layer: True = 'layer_parts' (norms, dense MLPs, attention "
-        "modules), 'norm_mlp', or 'layer' (each layer's whole forward); backend from "
-        "UNDERLAY_COMPILE_BACKEND (default inductor)",
+        "modules), 'norm_mlp', or 'layer' (each layer's whole forward); False = eager; None = auto: "
+        "'layer' on cuda when inductor works (a failing compile falls back to eager, logged), eager on "
+        "cpu/npu; backend from UNDERLAY_COMPILE_BACKEND (default inductor)",
     )
     compile_memory_budget: float | None = option(
         None,
         "fraction in (0, 1] of the activations compiled graphs save for backward (the partitioner "
-        "recomputes the cheapest of the rest); None = torch's choice; applies to this engine's compiled "
-        "calls only",
+        "recomputes the cheapest of the rest; 1.0 = torch's default); None = auto: 0.85 when compiling; "
+        "applies to this engine's compiled calls only",
+    )
+    optimizer_offload: bool | None = option(
+        None,
+        "keep AdamW's state in pinned host memory and step it in chunks streamed through the device "
+        "(copies overlap the fused step); None = auto: only when the memory estimate does not fit "
+        "otherwise",
     )
 
     def __post_init__(self) -> None:
-        if self.compile not in (False, True, *COMPILE_SCOPES):
+        if self.compile not in (None, False, True, *COMPILE_SCOPES):
             raise ConfigError(
-                f"EngineConfig.options compile={self.compile!r}: use False, True or one of {COMPILE_SCOPES}"
+                f"EngineConfig.options compile={self.compile!r}: use None (auto), False, True or one of "
+                f"{COMPILE_SCOPES}"
             )
         budget = self.compile_memory_budget
         if budget is not None and (
@@ -59,7 +72,8 @@ class FSDP2Options:
 
     @staticmethod
     def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
-        """Whether fsdp2 runs the recompute ``policy``: ``"none"`` and ``"full"`` yes; ``"selective"``
+        """Whether fsdp2 runs the recompute ``policy``: ``"auto"`` (the memory policy picks ``"none"``
+        or ``"full"``), ``"none"`` and ``"full"`` yes; ``"selective"``
         no (measured slower than full recomputation on the H200 and removed; use ``"full"``, or
         ``compile="layer"`` with ``compile_memory_budget`` to let the compiler choose what to save)."""
         return supports_recompute(policy)
@@ -67,7 +81,7 @@ class FSDP2Options:
 
 def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
     """See ``FSDP2Options.supports_recompute``."""
-    if policy in ("none", "full"):
+    if policy in ("auto", "none", "full"):
         return ProbeResult.ok()
     if policy == "selective":
         return ProbeResult.fail(
@@ -75,4 +89,4 @@ def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
             "and was removed",
             "use recompute='full', or options compile='layer' with compile_memory_budget",
         )
-    return ProbeResult.fail(f"unknown recompute policy {policy!r}", "use 'none', 'full' or 'selective'")
+    return ProbeResult.fail(f"unknown recompute policy {policy!r}", "use 'auto', 'none' or 'full'")

@@ -143,7 +143,7 @@ class MCoreEngine:
                 "use UNDERLAY_ENGINE=fsdp2 on the CPU; tests run mcore on the CPU only under the "
                 "test fixture tests/mcore/_cpu_fixture.py",
             )
-        recompute = config.recompute
+        recompute = "none" if config.recompute == "auto" else config.recompute  # no memory policy here
         etp = par.etp if par.etp is not None else 1
         if not dist.is_initialized():
             from underlay.parallel.distributed import init_distributed
