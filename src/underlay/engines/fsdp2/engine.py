@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
-from underlay.engines.fsdp2 import _build
+from underlay.engines.fsdp2 import _auto, _build
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
@@ -88,7 +88,7 @@ class FSDP2Engine:
         from underlay.parallel.distributed import init_distributed
 
         options: FSDP2Options = resolve_options(FSDP2Options, config.options, "fsdp2")
-        support = FSDP2Options.supports_recompute(config.recompute)
+        support = FSDP2Options.supports_recompute(config.recompute)  # before any work
         if not support.available:
             raise ConfigError(
                 f"EngineConfig.recompute={config.recompute!r}: {support.reason}; {support.hint}"
@@ -123,13 +123,20 @@ class FSDP2Engine:
             ),
         )
         self._param_dtype = torch_dtype(config.param_dtype)
+        model = _build.build_model(config.model, self._hf_config, meta=True)
+        # the auto options (None) and recompute="auto" are decided once, here, and logged
+        self._resolved = _auto.resolve_for(model, self._hf_config, config, options, device, layout)
+        options = self._resolved.options
+        self._options = options
+        self._recompute = self._resolved.recompute
         # parameters stay unsharded from forward to backward: then also from one micro-batch to the next
         self._keep_unsharded = not options.reshard_after_forward
-        model = _build.build_model(config.model, self._hf_config, meta=True)
         buffers = {n: b for n, b in model.named_buffers()}
-        apply_activation_checkpointing(model, config.recompute)
+        apply_activation_checkpointing(model, self._recompute)
         self._prepare(model)
         compile_opt = options.compile
+        self._compile_auto = self._resolved.reasons.get("compile") != "given" and bool(compile_opt)
+        self._compile_warmup = _auto.CompileWarmup()
         if compile_opt:
             compile_layer_parts(
                 model,
@@ -151,16 +158,30 @@ class FSDP2Engine:
         self._model = model
         self._materialise()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        fused = options.fused_adamw and device.is_accelerator
+        fused = bool(options.fused_adamw) and device.is_accelerator
         optim = config.optim
-        self._optimizer = torch.optim.AdamW(
-            trainable,
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            **({"fused": True} if fused else {"foreach": True}),
-        )
+        self._optimizer: torch.optim.Optimizer
+        if options.optimizer_offload:
+            from underlay.engines.fsdp2.optim_offload import HostOffloadAdamW
+
+            self._optimizer = HostOffloadAdamW(
+                trainable,
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+                fused=fused,
+                pin_memory=device.is_accelerator,
+            )
+        else:
+            self._optimizer = torch.optim.AdamW(
+                trainable,
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+                **({"fused": True} if fused else {"foreach": True}),
+            )
         from underlay.ops import build_lr_scheduler
 
         self._scheduler = build_lr_scheduler(self._optimizer, optim)
@@ -221,11 +242,20 @@ class FSDP2Engine:
         """Where this engine's compiled graphs are traced and partitioned (their first calls, and
         recompiles): ``compile_memory_budget`` is set for that span only, then restored."""
         budget = self._options.compile_memory_budget
-        if not self._options.compile or budget is None:
+        if not self._options.compile:
             return contextlib.nullcontext()
-        import torch._functorch.config as functorch_config
+        stack = contextlib.ExitStack()
+        if budget is not None:
+            import torch._functorch.config as functorch_config
 
-        return functorch_config.patch(activation_memory_budget=float(budget))  # type: ignore[no-any-return]
+            stack.enter_context(functorch_config.patch(activation_memory_budget=float(budget)))
+        if self._compile_auto:
+            # compile was the engine's choice, not the user's: a frame torch.compile cannot compile
+            # runs eagerly (torch logs why) instead of failing the step
+            import torch._dynamo.config as dynamo_config
+
+            stack.enter_context(dynamo_config.patch(suppress_errors=True))
+        return stack
 
     # ------------------------------------------------------------------------------- properties
 
@@ -254,8 +284,49 @@ class FSDP2Engine:
 
     @property
     def options(self) -> FSDP2Options:
-        """The validated engine options."""
+        """The engine options in effect: the user's, with every auto field (``None``) decided at build
+        (same as ``resolved_options``)."""
         return self._options
+
+    @property
+    def resolved_options(self) -> FSDP2Options:
+        """The options in effect, no auto field left (see ``option_reasons`` for why each was chosen)."""
+        return self._options
+
+    @property
+    def recompute(self) -> str:
+        """The recompute policy in effect (``"none"`` or ``"full"``; ``config.recompute="auto"``
+        decided by the memory policy)."""
+        return self._recompute
+
+    @property
+    def option_reasons(self) -> Mapping[str, str]:
+        """Why each auto option got its value (``"given"`` for the user's), by option name, plus
+        ``"recompute"``."""
+        return dict(self._resolved.reasons)
+
+    @property
+    def memory_estimate(self) -> Any:
+        """The memory policy's decision (``underlay.engines.fsdp2.defaults.MemoryPolicy``: the chosen
+        configuration, its estimated device bytes by part, the usable bytes), or ``None`` when the
+        user fixed recompute, resharding and optimizer offload."""
+        return self._resolved.memory
+
+    @property
+    def compile_warmup(self) -> Mapping[str, float]:
+        """One-time torch.compile cost so far: ``{"steps": n, "seconds": s, "graphs": g}``: the
+        ``forward_backward`` calls in which torch.compile compiled graphs, their host wall time, and
+        the graphs compiled (process-wide counter). Zeros when not compiling."""
+        return self._compile_warmup.as_dict()
+
+    def __repr__(self) -> str:
+        o = self._options
+        return (
+            f"FSDP2Engine(world={self._layout.world_size}, dp_shard={self._layout.dp_shard}, "
+            f"device={self._device.device_type}, recompute={self._recompute!r}, compile={o.compile!r}, "
+            f"compile_memory_budget={o.compile_memory_budget!r}, fused_adamw={o.fused_adamw!r}, "
+            f"reshard_after_forward={o.reshard_after_forward!r}, optimizer_offload={o.optimizer_offload!r})"
+        )
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -372,6 +443,7 @@ class FSDP2Engine:
         self._model.train()
         sums: dict[str, torch.Tensor] = {}
         completed = False
+        warm = self._compile_warmup.start() if self._options.compile else None
         try:
             for i, idx in enumerate(plan):
                 # with reshard_after_forward=False the parameters are unsharded for the whole
@@ -395,6 +467,8 @@ class FSDP2Engine:
             if self._keep_unsharded:
                 self._set_reshard_after_backward(True)
                 self._reshard()  # after a failed micro-batch too: the optimizer works on the shards
+        if warm is not None:
+            self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         keys = sorted(sums)
         stacked = torch.stack([sums[k].to(torch.float64).reshape(()) for k in keys]).to(self._torch_device)
         dist.all_reduce(stacked, group=dp_group)
@@ -514,7 +588,9 @@ class FSDP2Engine:
             self._offloaded["grads"] = saved
         if optimizer and "optimizer" not in self._offloaded:
             state: dict[int, dict[str, Any]] = {}
-            for i, group_param in enumerate(_optim_params(self._optimizer)):
+            # optimizer_offload: the AdamW state already lives in host memory; nothing to move
+            host_state = bool(self._options.optimizer_offload)
+            for i, group_param in enumerate([] if host_state else _optim_params(self._optimizer)):
                 entry = self._optimizer.state.get(group_param)
                 if entry:
                     state[i] = {k: _to_host(v, pin) for k, v in entry.items()}
