@@ -65,11 +65,17 @@ def test_typed_options_are_validated_with_names() -> None:
 
     assert engine_options("fsdp2") is FSDP2Options
     fields = {o.name: o for o in describe_options(FSDP2Options)}
-    assert list(fields) == ["reshard_after_forward", "fused_adamw", "compile", "compile_memory_budget"]
-    assert (
-        fields["reshard_after_forward"].default is True
-        and "all-gathers" in fields["reshard_after_forward"].doc
-    )
+    assert list(fields)[:5] == [
+        "reshard_after_forward",
+        "fused_adamw",
+        "compile",
+        "compile_memory_budget",
+        "optimizer_offload",
+    ]
+    # every speed/memory option is auto (None) by default and documents what auto means
+    for name in list(fields)[:5]:
+        assert fields[name].default is None and "auto" in fields[name].doc, fields[name]
+    assert "all-gathers" in fields["reshard_after_forward"].doc
     opts = resolve_options(FSDP2Options, {"compile": "layer", "compile_memory_budget": 1}, "fsdp2")
     assert opts == FSDP2Options(compile="layer", compile_memory_budget=1)
     with pytest.raises(ConfigError, match=r"unknown fsdp2 option\(s\) \['fused_adam'\]; fsdp2 accepts \["):

@@ -111,16 +111,19 @@ def device_defaults(
         compile_ = False
         reasons["compile"] = f"{device_type}: eager (torch.compile on this device is not measured here)"
         fused = bool(fused_adamw_ok)
-        reasons["fused_adamw"] = (
-            f"{device_type}: torch has a fused AdamW kernel for it"
-            if fused
-            else f"{device_type}: foreach AdamW (no fused kernel known for it)"
-        )
+        if fused_adamw_ok is None:
+            reasons["fused_adamw"] = (
+                f"{device_type}: decided at build: True when torch lists a fused AdamW kernel for it"
+            )
+        else:
+            reasons["fused_adamw"] = (
+                f"{device_type}: torch has a fused AdamW kernel for it"
+                if fused
+                else f"{device_type}: foreach AdamW (torch has no fused kernel for it)"
+            )
     budget = AUTO_COMPILE_BUDGET if compile_ else None
     reasons["compile_memory_budget"] = (
-        f"{budget}: as fast as 1.0 and 20% less activation memory (H200 runs J, K)"
-        if budget
-        else "not compiling"
+        "as fast as 1.0 and 20% less activation memory (H200 runs J, K)" if budget else "not compiling"
     )
     return DeviceDefaults(compile_, fused, budget, reasons)
 

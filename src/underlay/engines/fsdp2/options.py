@@ -71,6 +71,25 @@ class FSDP2Options:
             )
 
     @staticmethod
+    def auto_defaults(device_type: str) -> dict[str, tuple[object, str]]:
+        """What the auto (``None``) speed options become on ``device_type`` (``"cuda"``, ``"npu"``,
+        ``"cpu"``), with the reason: ``{option: (value, reason)}`` (``underlay info`` prints it).
+        ``reshard_after_forward``, ``optimizer_offload`` and ``recompute="auto"`` depend on the model
+        and the memory, so they are described, not valued."""
+        from underlay.engines.fsdp2.defaults import device_defaults
+
+        d = device_defaults(device_type)
+        memory = "memory policy at build (model size, micro_batch_max_tokens, device memory)"
+        return {
+            "compile": (d.compile, d.reasons["compile"]),
+            "fused_adamw": (d.fused_adamw, d.reasons["fused_adamw"]),
+            "compile_memory_budget": (d.compile_memory_budget, d.reasons["compile_memory_budget"]),
+            "reshard_after_forward": ("auto", "False on one node when the estimate fits; " + memory),
+            "optimizer_offload": ("auto", "True only when nothing fits without it; " + memory),
+            "recompute": ("auto", "'none' when the estimate fits, else 'full'; " + memory),
+        }
+
+    @staticmethod
     def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
         """Whether fsdp2 runs the recompute ``policy``: ``"auto"`` (the memory policy picks ``"none"``
         or ``"full"``), ``"none"`` and ``"full"`` yes; ``"selective"``
