@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as adamw_functional
 
 from underlay.interfaces import CheckpointError, ConfigError
 
@@ -144,7 +145,7 @@ class HostOffloadAdamW(torch.optim.Optimizer):
             return out
 
         def update(chunk: list[torch.Tensor], dev_state: list[dict[str, torch.Tensor]]) -> None:
-            torch.optim.adamw.adamw(
+            adamw_functional(
                 [_local(p) for p in chunk],
                 [_local(p.grad) for p in chunk if p.grad is not None],
                 [s["exp_avg"] for s in dev_state],
