@@ -8,6 +8,9 @@
 # FSDP2_ARGS / FSDP2_SECS, FP8_ARGS / FP8_SECS: extra arguments and time limit of the fsdp2bench and fp8 steps
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
+# Steps not in the default list: 'defaults' runs bench_fsdp2.py per model, defaults vs tuned (qwen2-1.5b,
+# llama-3.2-1b, qwen3-4b; ~540 s); 'offload8b' a Qwen3-8B shape with the defaults (they choose optimizer
+# offload; ~300 s). One call each: BUDGET=590 bash benchmarks/gpu/run_h200.sh defaults
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,6 +54,13 @@ for s in "${steps[@]}"; do
     fp8tests) step fp8tests 120 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu -k fp8 tests ;;
     nvtx) step nvtx 90 python3 benchmarks/gpu/check_nvtx.py ;;
     fsdp2check) step fsdp2check 240 python3 benchmarks/gpu/check_fsdp2_cuda.py ;;
+    defaults)  # issue 23: the engine's defaults vs the tuned options, one model per sub-step
+      B="python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --steps 3 --warmup 2"
+      step defaults_qwen2 150 $B --model qwen2-1.5b --act-ckpt defaults,tuned
+      step defaults_llama 150 $B --model llama-3.2-1b --act-ckpt defaults,tuned
+      step defaults_qwen3_4b 240 $B --model qwen3-4b --sequences 32 --act-ckpt defaults,tuned ;;
+    offload8b)  # issue 23: a Qwen3-8B shape on one GPU with the defaults (they choose optimizer offload)
+      step offload8b 300 python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --model qwen3-8b --sequences 32 --steps 2 --warmup 1 --act-ckpt defaults ;;
     fsdp2bench) step fsdp2bench "${FSDP2_SECS:-330}" python3 benchmarks/gpu/bench_fsdp2.py ${FSDP2_ARGS:-} ;;
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
     weightsync) step weightsync 300 python3 benchmarks/gpu/bench_weight_sync.py ${WEIGHTSYNC_ARGS:-} ;;
