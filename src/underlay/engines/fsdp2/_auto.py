@@ -134,9 +134,10 @@ def resolve_for(
 
 @dataclass
 class CompileWarmup:
-    """The steps in which torch.compile compiled graphs (one-time cost), their host wall time and
-    the graph count; each such step is logged once at INFO. A compile the engine chose itself that
-    compiled no graph in the first step is logged as a fallback to eager (WARNING)."""
+    """The engine calls (``forward_backward``, ``infer``) in which torch.compile compiled graphs
+    (one-time cost), their host wall time and the graph count; each such call is logged once at INFO.
+    A compile the engine chose itself that compiled no graph in its first call is logged as a fallback
+    to eager (WARNING)."""
 
     steps: int = 0
     seconds: float = 0.0
@@ -164,8 +165,8 @@ class CompileWarmup:
             self.graphs += new
             if current_rank() == 0:
                 log.info(
-                    "fsdp2: torch.compile compiled %d graph(s) in forward_backward at step %d: %.1f s "
-                    "(one-time warm-up; %.1f s in %d step(s) so far)",
+                    "fsdp2: torch.compile compiled %d graph(s) in a call at step %d: %.1f s "
+                    "(one-time warm-up; %.1f s in %d call(s) so far)",
                     new,
                     step,
                     dt,

@@ -315,8 +315,9 @@ class FSDP2Engine:
     @property
     def compile_warmup(self) -> Mapping[str, float]:
         """One-time torch.compile cost so far: ``{"steps": n, "seconds": s, "graphs": g}``: the
-        ``forward_backward`` calls in which torch.compile compiled graphs, their host wall time, and
-        the graphs compiled (process-wide counter). Zeros when not compiling."""
+        ``forward_backward`` and ``infer`` calls in which torch.compile compiled graphs, their host wall
+        time, and the graphs compiled (torch's process-wide counter, read before and after each call).
+        Zeros when not compiling."""
         return self._compile_warmup.as_dict()
 
     def __repr__(self) -> str:
@@ -504,6 +505,7 @@ class FSDP2Engine:
         self._model.eval()
         shape = tuple(batch.input_ids.shape)
         result: dict[str, torch.Tensor] = {}
+        warm = self._compile_warmup.start() if self._options.compile else None
         for idx in self._plan(batch):
             if not idx:
                 self._forward(batch.select([0]), temp, False)
@@ -518,6 +520,8 @@ class FSDP2Engine:
                     )
                     buf[rows] = t.to(torch.float32)
         self._reshard()
+        if warm is not None:  # inference compiles its own (no-grad) graphs once too
+            self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         return TokenOutputs(result.get("log_probs"), result.get("entropy"), result.get("values"))
 
     def _set_reshard_after_backward(self, value: bool) -> None:
