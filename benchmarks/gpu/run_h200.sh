@@ -10,7 +10,7 @@
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
 # Steps not in the default list: 'defaults' runs bench_fsdp2.py per model, defaults vs tuned (qwen2-1.5b,
 # llama-3.2-1b, qwen3-4b; ~540 s); 'offload8b' a Qwen3-8B shape with the defaults (they choose optimizer
-# offload; ~300 s). One call each: BUDGET=590 bash benchmarks/gpu/run_h200.sh defaults
+# offload; ~390 s). One call each: BUDGET=590 bash benchmarks/gpu/run_h200.sh defaults
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -59,7 +59,8 @@ for s in "${steps[@]}"; do
       step defaults_qwen2 150 $B --model qwen2-1.5b --act-ckpt defaults,tuned
       step defaults_llama 150 $B --model llama-3.2-1b --act-ckpt defaults,tuned
       step defaults_qwen3_4b 240 $B --model qwen3-4b --sequences 32 --act-ckpt defaults,tuned ;;
-    offload8b)  # issue 23: a Qwen3-8B shape on one GPU with the defaults (they choose optimizer offload)
+    offload8b)  # issue 23: the offloaded AdamW alone (bit-equality, GB/s), then a Qwen3-8B shape on one GPU with the defaults (they choose optimizer offload)
+      step optimoffload 90 python3 benchmarks/gpu/check_optim_offload.py --out "$OUT/optim_offload"
       step offload8b 300 python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --model qwen3-8b --sequences 32 --steps 2 --warmup 1 --act-ckpt defaults ;;
     fsdp2bench) step fsdp2bench "${FSDP2_SECS:-330}" python3 benchmarks/gpu/bench_fsdp2.py ${FSDP2_ARGS:-} ;;
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
