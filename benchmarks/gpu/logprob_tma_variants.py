@@ -131,6 +131,8 @@ def _tma_kernel(
     inv_t,
     EPILOGUE: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
     NUM_SMS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -140,7 +142,9 @@ def _tma_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     num_v = tl.cdiv(V, BLOCK_V)
     if PERSISTENT:
-        for tile in range(tl.program_id(0), num_n * num_v, NUM_SMS):
+        for tile in tl.range(
+            tl.program_id(0), num_n * num_v, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPEC
+        ):
             pid_n, pid_v = _pid(tile, num_n, num_v, GROUP_N)
             z = _tile(h_desc, w_desc, pid_n * BLOCK_N, pid_v * BLOCK_V, H, BLOCK_N, BLOCK_V, BLOCK_K)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,6 +196,13 @@ CONFIGS = (
 )
 
 
+def configs_of(loop: str) -> tuple[tuple[int, ...], ...]:
+    """Every config for the plain loops; the measured-best few for the flatten / warp-specialised ones."""
+    if loop in ("tma", "tma-persist"):
+        return CONFIGS
+    return ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 5))
+
+
 def event_ms(fn: Callable[[], Any], reps: int = 5, warm: int = 2) -> float:
     """Median CUDA-event ms of ``reps`` calls after ``warm`` untimed ones."""
     for _ in range(warm):
@@ -207,16 +218,27 @@ def event_ms(fn: Callable[[], Any], reps: int = 5, warm: int = 2) -> float:
     return statistics.median(times)
 
 
+LOOPS = {
+    # name: (persistent, flatten, warp_specialize) of the tile loop
+    "tma": (False, False, False),
+    "tma-persist": (True, False, False),
+    "tma-persist-flat": (True, True, False),
+    "tma-persist-ws": (True, False, True),
+    "tma-persist-flat-ws": (True, True, True),
+}
+
+
 def run_tma(
     epilogue: int,
-    persistent: bool,
+    loop: str,
     cfg: tuple[int, ...],
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     bufs: dict[str, torch.Tensor],
 ) -> Callable[[], None]:
-    """A closure launching the TMA variant with ``cfg`` on ``hidden``/``weight``."""
+    """A closure launching the TMA variant ``loop`` (a key of ``LOOPS``) with ``cfg``."""
+    persistent, flatten, warp_spec = LOOPS[loop]
     bn, bv, bk, warps, stages = cfg
     n, h = hidden.shape
     v = weight.shape[0]
@@ -234,7 +256,7 @@ def run_tma(
     def go() -> None:
         _tma_kernel[grid](
             h_desc, w_desc, labels, a_, b_, c_, d_, e_, out_, n, v, h, stride, 1.0,
-            EPILOGUE=epilogue, PERSISTENT=persistent, NUM_SMS=sms,
+            EPILOGUE=epilogue, PERSISTENT=persistent, FLATTEN=flatten, WARP_SPEC=warp_spec, NUM_SMS=sms,
             BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, GROUP_N=8, num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
@@ -261,21 +283,24 @@ def main() -> int:
     record("cublas mm N x H x V", event_ms(lambda: torch.mm(hidden, weight.T)), flop)
     torch.cuda.empty_cache()
     ref = impl._forward_stats(hidden, weight, labels, 0, 1.0, True, "fused")
-    record(
-        "lib _fwd_kernel (autotuned)",
-        event_ms(lambda: impl._forward_stats(hidden, weight, labels, 0, 1.0, True, "fused")),
-        flop,
-    )
+    for tma in (False, True):
+        record(
+            f"lib _forward_stats tma={tma} (autotuned)",
+            event_ms(
+                lambda tma=tma: impl._forward_stats(hidden, weight, labels, 0, 1.0, True, "fused", tma=tma)
+            ),
+            flop,
+        )
     nvb = triton.cdiv(v, 256)
     bufs = {k: torch.empty((n, nvb), device=dev, dtype=torch.float32) for k in ("m", "s", "t")}
     bufs["zl"] = torch.zeros(n, device=dev, dtype=torch.float32)
-    for persistent in (False, True):
-        for cfg in CONFIGS:
+    for loop in LOOPS:
+        for cfg in configs_of(loop):
             if cfg[1] != 256:
                 continue  # the statistics workspace is laid out in 256-column blocks
-            name = f"tma{'-persist' if persistent else ''} stats {cfg}"
+            name = f"{loop} stats {cfg}"
             try:
-                go = run_tma(0, persistent, cfg, hidden, weight, labels, bufs)
+                go = run_tma(0, loop, cfg, hidden, weight, labels, bufs)
                 go()
                 m = bufs["m"].max(dim=1).values
                 s = (bufs["s"] * torch.exp(bufs["m"] - m[:, None])).sum(dim=1)
@@ -297,21 +322,28 @@ def main() -> int:
     glp, gent = torch.randn(rows_b, device=dev), torch.randn(rows_b, device=dev)
     d_ref = torch.empty((rows_b, chunk), device=dev, dtype=torch.bfloat16)
 
-    def lib_bwd() -> None:
-        impl._bwd_dlogits_kernel[impl._grid(rows_b, chunk)](
-            hb, wb, lb, lse, ez, glp, gent, d_ref, rows_b, chunk, h, 0, 1.0,
-            hb.stride(0), hb.stride(1), wb.stride(0), wb.stride(1), d_ref.stride(0),
-            WITH_ENTROPY=True, PRECISION="tf32", FROM_LOGITS=False,
-        )  # fmt: skip
+    def lib_bwd(use_tma: bool) -> Callable[[], None]:
+        progs = impl._num_programs(hb)
 
-    record("lib _bwd_dlogits_kernel (autotuned)", event_ms(lib_bwd, reps=20), flop_b)
+        def go() -> None:
+            h_op, w_op = impl._operands(hb, wb, use_tma)
+            impl._bwd_dlogits_kernel[impl._grid(rows_b, chunk, progs if use_tma else None)](
+                h_op, w_op, lb, lse, ez, glp, gent, d_ref, rows_b, chunk, h, 0, 1.0,
+                hb.stride(0), hb.stride(1), wb.stride(0), wb.stride(1), d_ref.stride(0),
+                WITH_ENTROPY=True, PRECISION="tf32", FROM_LOGITS=False, USE_TMA=use_tma, NUM_PROGRAMS=progs,
+            )  # fmt: skip
+
+        return go
+
+    record("lib _bwd_dlogits_kernel pointer (autotuned)", event_ms(lib_bwd(False), reps=20), flop_b)
+    record("lib _bwd_dlogits_kernel TMA (autotuned)", event_ms(lib_bwd(True), reps=20), flop_b)
     d = torch.empty_like(d_ref)
     bufs = {"lse": lse, "ez": ez, "glp": glp, "gent": gent, "d": d}
-    for persistent in (False, True):
-        for cfg in CONFIGS:
-            name = f"tma{'-persist' if persistent else ''} dlogits {cfg}"
+    for loop in LOOPS:
+        for cfg in configs_of(loop):
+            name = f"{loop} dlogits {cfg}"
             try:
-                go = run_tma(1, persistent, cfg, hb, wb, lb, bufs)
+                go = run_tma(1, loop, cfg, hb, wb, lb, bufs)
                 go()
                 err = float((d.float() - d_ref.float()).abs().max())
                 record(name, event_ms(go, reps=20), flop_b, err)
