@@ -8,8 +8,12 @@ from the safetensors of ``config.model.path`` or copied from the seed-initialise
 sharded model equals the single-process model built with the same seed), then AdamW and the LR schedule.
 
 Engine options: ``FSDP2Options`` (``underlay.engines.fsdp2.options``; ``EngineConfig.options`` is a
-mapping of its fields or an instance). Recompute policies: ``"none"`` and ``"full"`` (``"selective"`` is
-refused with the reason, see ``FSDP2Options.supports_recompute``). ``compile_memory_budget`` is applied
+mapping of its fields or an instance). Its speed and memory fields default to ``None`` (auto) and
+``EngineConfig.recompute`` to ``"auto"``: right after the meta model is built they are decided once
+(``_auto.resolve_for`` -> the pure ``defaults.resolve``: per-device speed settings, then the memory
+policy), logged with their reasons and kept in ``resolved_options``/``option_reasons``/``recompute``.
+Recompute policies: ``"auto"``, ``"none"`` and ``"full"`` (``"selective"`` is refused with the reason,
+see ``FSDP2Options.supports_recompute``). ``compile_memory_budget`` is applied
 only around this engine's own forward/backward calls (``torch._functorch.config.patch``), where its
 compiled graphs are partitioned, so two engines in one process keep their own budgets.
 """
