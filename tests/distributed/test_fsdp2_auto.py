@@ -128,3 +128,34 @@ def test_optimizer_offload_is_bit_identical_and_checkpoints(world: int) -> None:
         assert r["equal"], r
         assert all(a == b for a, b in r["norms"]), r["norms"]
         assert r["on_host"] and r["resumed"], r
+
+
+def job_resharded_after_forward_only(rank: int, world: int) -> dict[str, Any]:
+    """With parameters kept unsharded (the default on one node), a forward without backward (infer,
+    a loss_fn that fails) must still leave every layer's parameters sharded afterwards."""
+    from torch.distributed.tensor import DTensor
+
+    from underlay.engines.fsdp2.engine import FSDP2Engine
+    from underlay.registry import get_device
+
+    engine = FSDP2Engine(H.engine_config(H.llama_config()), get_device("cpu"))
+    assert engine.resolved_options.reshard_after_forward is False
+    batch = H.shard(H.global_batch(3), rank, world)
+    out = {}
+    engine.infer(batch)
+    out["after_infer"] = all(isinstance(p, DTensor) for p in engine.model.parameters())
+    try:
+        engine.forward_backward(batch, lambda o, b: (1.0, {}))  # type: ignore[arg-type,return-value]
+    except Exception as exc:
+        out["error"] = type(exc).__name__
+    out["after_failed_step"] = all(isinstance(p, DTensor) for p in engine.model.parameters())
+    engine.forward_backward(batch, H.pg_loss)
+    out["after_step"] = all(isinstance(p, DTensor) for p in engine.model.parameters())
+    return out
+
+
+@pytest.mark.distributed
+def test_kept_unsharded_parameters_are_resharded_after_a_forward_only() -> None:
+    for r in run_distributed(job_resharded_after_forward_only, 2, timeout_s=300):
+        assert r["error"] == "InvalidInput", r
+        assert r["after_infer"] and r["after_failed_step"] and r["after_step"], r

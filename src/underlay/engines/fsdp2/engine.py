@@ -534,9 +534,14 @@ class FSDP2Engine:
             setter(value)
 
     def _reshard(self) -> None:
-        reshard = getattr(self._model, "reshard", None)
-        if callable(reshard):
-            reshard()
+        """Free every unsharded parameter: ``FSDPModule.reshard`` acts on its own module's parameters
+        only, so each decoder layer is resharded too (with ``reshard_after_forward=False`` a forward
+        without backward, as in ``infer`` or a failed micro-batch, leaves the layers unsharded)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self._model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (set to ``None``)."""
