@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import ConfigError, Device, InvalidInput
+from underlay.interfaces import ConfigError, Device, InvalidInput, TokenBatch
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "FlopsCounter"]
 
@@ -314,11 +314,21 @@ class FlopsCounter:
             vision = _vision_flops(figures, vision_grids)
         return 6.0 * self.params_per_token * tokens + attn + vision
 
-    def achieved_tflops(self, seqlens: Sequence[int] | torch.Tensor, seconds: float) -> float:
-        """``estimate_flops(seqlens) / seconds / 1e12``; ``InvalidInput`` unless ``seconds > 0``."""
+    def batch_flops(self, batch: TokenBatch) -> float:
+        """``estimate_flops`` of a ``TokenBatch``: its rows' real tokens (``attention_mask``) and, for a
+        vision-language batch, the grids of its images and videos (the vision tower). One host read."""
+        seqlens = batch.attention_mask.sum(dim=1).cpu()
+        grids = [m.grid_thw.cpu() for m in (batch.images, batch.videos) if m is not None]
+        return self.estimate_flops(seqlens, torch.cat(grids) if grids else None)
+
+    def achieved_tflops(
+        self, seqlens: Sequence[int] | torch.Tensor, seconds: float, vision_grids: torch.Tensor | None = None
+    ) -> float:
+        """``estimate_flops(seqlens, vision_grids) / seconds / 1e12``; ``InvalidInput`` unless
+        ``seconds > 0``."""
         if not seconds > 0:
             raise InvalidInput(f"achieved_tflops: seconds={seconds} must be > 0 (wall time of the step)")
-        return self.estimate_flops(seqlens) / seconds / 1e12
+        return self.estimate_flops(seqlens, vision_grids) / seconds / 1e12
 
     def mfu(
         self,
@@ -326,14 +336,17 @@ class FlopsCounter:
         seconds: float,
         device: Device,
         dtype: torch.dtype = torch.bfloat16,
+        vision_grids: torch.Tensor | None = None,
     ) -> float | None:
         """Achieved FLOP/s of one device divided by ``device.peak_flops(dtype)``.
 
-        ``seqlens`` are the sequences this device processed in ``seconds``; ``dtype`` is the dtype the
-        matmuls ran in (bf16 for mixed-precision training; fp32 for an fp32 CPU run). Returns ``None``
-        when the device's peak is unknown (report MFU as unavailable; ``UNDERLAY_PEAK_TFLOPS`` sets it).
+        ``seqlens`` are the sequences this device processed in ``seconds`` (``vision_grids``: the grids
+        of their images and videos, for a vision-language model, see ``estimate_flops``); ``dtype`` is
+        the dtype the matmuls ran in (bf16 for mixed-precision training; fp32 for an fp32 CPU run).
+        Returns ``None`` when the device's peak is unknown (report MFU as unavailable;
+        ``UNDERLAY_PEAK_TFLOPS`` sets it).
         """
         peak = device.peak_flops(dtype)
         if peak is None or peak <= 0:
             return None
-        return self.achieved_tflops(seqlens, seconds) * 1e12 / peak
+        return self.achieved_tflops(seqlens, seconds, vision_grids) * 1e12 / peak
