@@ -54,8 +54,8 @@ from underlay.interfaces import (
     StepResult,
     TokenBatch,
     TokenOutputs,
-    VisionInputs,
     UnderlayError,
+    VisionInputs,
 )
 
 try:
