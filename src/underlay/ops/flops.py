@@ -5,7 +5,7 @@ Convention (so figures compare with published RL-training MFU): one forward+back
 all attention and MLP projections (for MoE: the router, the ``top_k`` routed experts and the shared
 experts) and the output head. A tied head still runs its matmul, so it is counted next to the
 embedding. Biases and norms are not counted. The vision tower of Qwen-VL models
-(qwen2_vl, qwen2_5_vl, qwen3_vl) is counted when ``estimate_flops`` is given the image/video grids: per
+(qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe) is counted when ``estimate_flops`` is given the image/video grids: per
 patch, the patch embedding and every block's q/k/v/out and MLP matrices; per merged token, the patch
 merger (and Qwen3-VL's deepstack mergers); bidirectional attention over each image's patches
 (``12 * hidden`` per patch pair per block; Qwen2.5-VL's window blocks only within each window). Attention adds the causal
@@ -39,12 +39,20 @@ _DENSE = (
     "phi3",
     "glm4",
 )
-_VL_TEXT = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_vl_text": "qwen3_vl"}
-_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+_VL_TEXT = {
+    "qwen2_vl_text": "qwen2_vl",
+    "qwen2_5_vl_text": "qwen2_5_vl",
+    "qwen3_vl_text": "qwen3_vl",
+    "qwen3_vl_moe_text": "qwen3_vl_moe",
+}
+_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+_QWEN_MOE = ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe")
+"""Qwen MoE decoders (Qwen3-VL-MoE's text model is a Qwen3-MoE decoder)."""
 SUPPORTED_MODEL_TYPES = (
     *_DENSE,
     "qwen2_moe",
     "qwen3_moe",
+    "qwen3_vl_moe",
     "mixtral",
     "deepseek_v3",
     "gemma3_text",
@@ -147,8 +155,9 @@ def _layers(cfg: _Cfg, model_type: str) -> list[_Layer]:
         return out
     attn, heads, d = _gqa_attention(cfg, h)
     for i in range(n):
-        if model_type in ("qwen2_moe", "qwen3_moe"):
-            experts = int(cfg.need("num_experts"))
+        if model_type in _QWEN_MOE:
+            # Qwen3-VL-MoE's text config names it num_local_experts
+            experts = int(cfg.get("num_experts") or cfg.need("num_local_experts"))
             step = int(cfg.get("decoder_sparse_step", 1))
             sparse = i not in list(cfg.get("mlp_only_layers", [])) and experts > 0 and (i + 1) % step == 0
             if sparse:
@@ -208,7 +217,11 @@ def _vision(hf_config: Any, model_type: str) -> _Vision | None:
     block = 4.0 * d * d + (3.0 if gated else 2.0) * d * inter
     patch_embed = float(int(v.get("in_channels", v.get("in_chans", 3))) * tp * patch * patch * d)
     dm = d * m * m
-    mergers = 1 + len(list(v.get("deepstack_visual_indexes", []) or [])) if model_type == "qwen3_vl" else 1
+    mergers = (
+        1 + len(list(v.get("deepstack_visual_indexes", []) or []))
+        if model_type in ("qwen3_vl", "qwen3_vl_moe")
+        else 1
+    )
     full: frozenset[int] | None = None
     window = 0
     if model_type == "qwen2_5_vl":

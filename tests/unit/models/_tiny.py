@@ -176,13 +176,14 @@ def reference_values(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 150, 151, 152, 153
 
 
-VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
-    """A random fp32 Qwen2.5-VL or Qwen3-VL (2 text layers, 2 vision blocks; 2x2 patches merged 2x2, so
-    a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the image/video/vision-start/
-    vision-end tokens. Qwen2.5-VL has a window block and a full one; Qwen3-VL a deepstack merger."""
+    """A random fp32 Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE (2 text layers, 2 vision blocks; 2x2 patches
+    merged 2x2, so a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the image/video/
+    vision-start/vision-end tokens. Qwen2.5-VL has a window block and a full one; Qwen3-VL(-MoE) a
+    deepstack merger; Qwen3-VL-MoE 4 experts (top 2) in every text layer."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text: dict[str, Any] = dict(
@@ -213,6 +214,8 @@ def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
         text.update(head_dim=16)
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+        if arch == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
     cfg = AutoConfig.for_model(
         arch,
         text_config=text,
@@ -227,8 +230,8 @@ def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
     model = AutoModelForImageTextToText.from_config(cfg).float()
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or (p.dim() == 3 and ".experts." in name):  # the MoE's fused experts are 3-D
                 p.normal_(0, 0.15)
     return model.eval()
 
