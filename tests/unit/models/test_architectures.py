@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.unit.models._tiny import (
-    VL_ARCHS,
     NEW_ARCHS,
+    VL_ARCHS,
     VOCAB,
     clone,
     logprob_kernel,

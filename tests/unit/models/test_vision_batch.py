@@ -9,10 +9,10 @@ import torch
 
 from tests.unit.models._tiny import (
     IMAGE_TOKEN,
-    VL_ARCHS,
     VIDEO_TOKEN,
     VISION_END,
     VISION_START,
+    VL_ARCHS,
     clone,
     logprob_kernel,
     tiny_config,
