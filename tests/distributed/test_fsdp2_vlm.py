@@ -3,10 +3,12 @@
 blocks sharded as FSDP units, micro-batches in which one rank has images or a video and the other
 none (zero-weight vision passes keep the ranks' FSDP collectives in step), one step equal to the
 float64 single-process step, and an export that transformers reloads with equal logits, with the
-source directory's image processor and tokenizer files next to it."""
+source directory's image processor and tokenizer files next to it; the same model under Ulysses sp=2,
+and a seed-initialised Qwen3-VL (deepstack), equal their float64 steps too."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -19,18 +21,20 @@ from tests._dist import run_distributed
 from tests.distributed import _fsdp_helpers as H
 from underlay.interfaces import TokenBatch, VisionInputs
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
 TOL = 2e-5  # fp32 engine vs float64 reference
 PIXEL_WIDTH = 3 * 2 * 2  # channels * temporal patch * patch * patch of the tiny model
 
 
-def vl_global_batch(seed: int) -> TokenBatch:
-    """Six right-padded rows: images in rows 0, 3 and two in row 5, a 2-frame video in row 1, rows 2
-    and 4 text-only. Sharded ``rank::2``, rank 0 gets rows 0, 2, 4 and rank 1 rows 1, 3, 5."""
+def vl_global_batch(seed: int, video: bool = True) -> TokenBatch:
+    """Six right-padded rows: images in rows 0, 3 and two in row 5, a 2-frame video in row 1 (text
+    without ``video``), rows 2 and 4 text-only. Sharded ``rank::2``, rank 0 gets rows 0, 2, 4 and
+    rank 1 rows 1, 3, 5."""
     from tests.unit.models._tiny import IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START
 
     g = torch.Generator().manual_seed(seed)
+    with_video = video
 
     def text(n: int) -> list[int]:
         return torch.randint(0, 140, (n,), generator=g).tolist()
@@ -39,7 +43,7 @@ def vl_global_batch(seed: int) -> TokenBatch:
     video = [VISION_START] + [VIDEO_TOKEN] * 8 + [VISION_END]  # 2 frames of 4x4 patches
     seqs = [
         text(3) + image + text(5),
-        text(6) + video + text(3),
+        text(6) + (video if with_video else text(10)) + text(3),
         text(9),
         image + text(4),
         text(7),
@@ -60,12 +64,14 @@ def vl_global_batch(seed: int) -> TokenBatch:
         torch.tensor([[1, 4, 4]] * 4),
         torch.tensor([0, 3, 5, 5]),
     )
-    videos = VisionInputs(
-        torch.randn(32, PIXEL_WIDTH, generator=g),
-        torch.tensor([[2, 4, 4]]),
-        torch.tensor([1]),
-        second_per_grid=torch.tensor([0.5]),
-    )
+    videos = None
+    if with_video:
+        videos = VisionInputs(
+            torch.randn(32, PIXEL_WIDTH, generator=g),
+            torch.tensor([[2, 4, 4]]),
+            torch.tensor([1]),
+            second_per_grid=torch.tensor([0.5]),
+        )
     return TokenBatch(ids, attn, loss_mask, {"advantages": adv}, images=images, videos=videos)
 
 
@@ -187,13 +193,62 @@ def _worker(rank: int, world: int, root_s: str) -> dict[str, Any]:
         proc = AutoImageProcessor.from_pretrained(str(exported), local_files_only=True)
         out["processor_merge"] = int(proc.merge_size)
     dist.barrier()
+    out["ulysses"] = _ulysses_step(src, gb)
+    out["qwen3_vl"] = _seeded_step(rank, world)
     return out
+
+
+def _step_vs_reference(ec: Any, ref: Any, gb: TokenBatch, local: TokenBatch) -> dict[str, float]:
+    from underlay.engines.fsdp2.engine import FSDP2Engine
+    from underlay.registry import get_device
+
+    engine = FSDP2Engine(ec, get_device("cpu"))
+    res = engine.forward_backward(local, H.pg_loss)
+    st = engine.optimizer_step()
+    loss, norm, _ = _reference_step(ref, gb, ec)
+    return {"loss": abs(res.metrics["loss"] - loss), "norm": abs(st.grad_norm - norm)}
+
+
+def _ulysses_step(src: Path, gb: TokenBatch) -> dict[str, float]:
+    """Qwen2.5-VL under Ulysses sp=2 (both ranks pass the whole batch; the sequence is split after the
+    vision features are merged) equals the float64 single-process step."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from underlay.interfaces import ModelConfig, ParallelConfig
+
+    cfg = AutoConfig.from_pretrained(str(src), local_files_only=True)
+    ec = H.engine_config(cfg, max_tokens=60, parallel=ParallelConfig(ulysses=2))
+    ec = dataclasses.replace(ec, model=ModelConfig(path=str(src), attention="eager"))
+    ref = AutoModelForImageTextToText.from_pretrained(str(src), attn_implementation="eager").double()
+    return _step_vs_reference(ec, ref, gb, gb)
+
+
+def _seeded_step(rank: int, world: int) -> dict[str, float]:
+    """Qwen3-VL (deepstack mergers; module-named checkpoints) built from its config and seed, images
+    only, dp=2 with uneven shards: the step equals the float64 step of the same seed-initialised model."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.unit.models._tiny import tiny_vl_model
+    from underlay.interfaces import ModelConfig
+
+    cfg = tiny_vl_model("qwen3_vl").config
+    ec = H.engine_config(cfg, max_tokens=40)
+    ec = dataclasses.replace(ec, model=ModelConfig(hf_config=cfg, seed=3, attention="eager"))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        ref = AutoModelForImageTextToText.from_config(copy.deepcopy(cfg), dtype=torch.float32)
+    ref.set_attn_implementation("eager")
+    gb = vl_global_batch(9, video=False)
+    # uneven shards: rank 0 has one text row, so it runs empty micro-batches (a one-token dummy plus a
+    # zero-weight vision pass) while rank 1 runs its image rows
+    local = gb.select([2] if rank == 0 else [0, 1, 3, 4, 5])
+    return _step_vs_reference(ec, ref.double(), gb, local)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("vlm")
-    return run_distributed(_worker, 2, str(root), timeout_s=280)
+    return run_distributed(_worker, 2, str(root), timeout_s=380)
 
 
 def test_fsdp2_vlm_step_equals_float64_reference(runs: list[dict[str, Any]]) -> None:
@@ -201,6 +256,12 @@ def test_fsdp2_vlm_step_equals_float64_reference(runs: list[dict[str, Any]]) -> 
         assert r["vision_block_is_fsdp_unit"], r
         assert r["micro_batches"] >= 3, r  # image/video rows and text rows meet in different micro-batches
         assert r["loss"] < TOL and r["norm"] < TOL, r
+
+
+def test_fsdp2_vlm_ulysses_and_qwen3_vl_steps_equal_float64_reference(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        for key in ("ulysses", "qwen3_vl"):
+            assert r[key]["loss"] < TOL and r[key]["norm"] < TOL, (key, r[key])
 
 
 def test_fsdp2_vlm_export_reloads_with_equal_logits_and_processor(runs: list[dict[str, Any]]) -> None:

@@ -429,9 +429,14 @@ class FSDP2Engine:
     def _dummy_backward(self, batch: TokenBatch) -> None:
         """This rank has no sequence for a micro-batch that other dp ranks run: take part in FSDP's
         collectives with a one-token forward whose loss is multiplied by zero."""
+        from underlay.models import is_vision_config
+
         sub = batch.select([0])
+        ids = sub.input_ids[:, :1]
+        if is_vision_config(self._hf_config):  # token 0, never an image placeholder without its image
+            ids = torch.zeros_like(ids)
         one = TokenBatch(
-            sub.input_ids[:, :1],
+            ids,
             torch.ones_like(sub.attention_mask[:, :1]),
             torch.zeros_like(sub.loss_mask[:, :1]),
         )
