@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tests._dist import run_distributed
 from tests.distributed import _fsdp_helpers as H
+from tests.unit.models._tiny import save_vl_source
 from underlay.interfaces import TokenBatch, VisionInputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
@@ -110,31 +111,6 @@ def _reference_step(model: Any, batch: TokenBatch, cfg: Any) -> tuple[float, flo
     return float(loss.detach()), norm, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _write_source(root: Path) -> Path:
-    """The tiny Qwen2.5-VL saved by transformers (flat checkpoint names), with an image processor and
-    a tokenizer built here."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from tests.unit.models._tiny import tiny_vl_model
-
-    src = root / "source"
-    tiny_vl_model("qwen2_5_vl").save_pretrained(str(src))
-    vocab = {f"t{i}": i for i in range(150)}
-    for i, tok in enumerate(("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")):
-        vocab[tok] = 150 + i
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="t0", pad_token="t1", eos_token="t1"
-    ).save_pretrained(str(src))
-    Qwen2VLImageProcessorPil(
-        patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=16, max_pixels=4096
-    ).save_pretrained(str(src))
-    return src
-
-
 def _worker(rank: int, world: int, root_s: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForImageTextToText
@@ -147,7 +123,7 @@ def _worker(rank: int, world: int, root_s: str) -> dict[str, Any]:
 
     root = Path(root_s)
     if rank == 0:
-        _write_source(root)
+        save_vl_source(root / "source")
     dist.barrier()
     src = root / "source"
     ec = dataclasses.replace(

@@ -8,6 +8,7 @@ layer) so the window routing is exercised by sequences longer than it.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -255,3 +256,25 @@ def vl_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch
     grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
     pixels = torch.randn(32, 3 * 2 * 2, generator=g)
     return ids, mask, {"pixel_values": pixels, "image_grid_thw": grid}
+
+
+def save_vl_source(src: Path) -> Path:
+    """Save the tiny Qwen2.5-VL with transformers (flat checkpoint names) into ``src``, with an image
+    processor (the PIL one: no torchvision needed) and a word-level tokenizer that knows the vision
+    tokens, all built here. Returns ``src``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tiny_vl_model("qwen2_5_vl").save_pretrained(str(src))
+    vocab = {f"t{i}": i for i in range(150)}
+    for i, tok in enumerate(("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")):
+        vocab[tok] = IMAGE_TOKEN + i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t1", eos_token="t1")
+    tok.save_pretrained(str(src))
+    Qwen2VLImageProcessorPil(
+        patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=16, max_pixels=4096
+    ).save_pretrained(str(src))
+    return src

@@ -4,6 +4,8 @@ checks against the model config, vision patches in the micro-batch budget, zero-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -189,3 +191,27 @@ def test_flops_of_a_batch_with_images_include_the_vision_tower() -> None:
     assert counter.batch_flops(batch) > counter.estimate_flops(seqlens)
     assert counter.batch_flops(batch.select([1])) == pytest.approx(counter.estimate_flops(seqlens[1:2]))
     assert counter.achieved_tflops(seqlens, 2.0, grids) == pytest.approx(counter.batch_flops(batch) / 2e12)
+
+
+def test_load_processor_of_a_vlm_directory(tmp_path: Path) -> None:
+    """The processor files of a Qwen2.5-VL directory load with the tokenizer (``data.load_processor``):
+    with torchvision (the Qwen-VL video processor needs it) the AutoProcessor, without it a
+    ConfigError naming it; the image processor alone loads either way."""
+    import importlib.util
+
+    from transformers import AutoImageProcessor
+
+    from tests.unit.models._tiny import save_vl_source
+    from underlay.data.tokenizer import load_processor, load_tokenizer
+    from underlay.interfaces import ConfigError
+
+    src = save_vl_source(tmp_path / "vl")
+    image = AutoImageProcessor.from_pretrained(str(src), local_files_only=True)
+    assert image.merge_size == 2 and image.patch_size == 2
+    assert load_tokenizer(src).convert_tokens_to_ids("<|image_pad|>") == IMAGE_TOKEN
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(ConfigError, match="(?i)torchvision"):
+            load_processor(src)
+    else:
+        proc = load_processor(src)
+        assert proc.image_processor.merge_size == 2
