@@ -4,7 +4,8 @@ blocks sharded as FSDP units, micro-batches in which one rank has images or a vi
 none (zero-weight vision passes keep the ranks' FSDP collectives in step), one step equal to the
 float64 single-process step, and an export that transformers reloads with equal logits, with the
 source directory's image processor and tokenizer files next to it; the same model under Ulysses sp=2,
-and a seed-initialised Qwen3-VL (deepstack), equal their float64 steps too."""
+and seed-initialised Qwen3-VL and Qwen3-VL-MoE (deepstack) with uneven shards, equal their float64 steps
+too."""
 
 from __future__ import annotations
 
@@ -171,6 +172,7 @@ def _worker(rank: int, world: int, root_s: str) -> dict[str, Any]:
     dist.barrier()
     out["ulysses"] = _ulysses_step(src, gb)
     out["qwen3_vl"] = _seeded_step(rank, world)
+    out["qwen3_vl_moe"] = _seeded_step(rank, world, "qwen3_vl_moe")
     return out
 
 
@@ -199,21 +201,24 @@ def _ulysses_step(src: Path, gb: TokenBatch) -> dict[str, float]:
     return _step_vs_reference(ec, ref, gb, gb)
 
 
-def _seeded_step(rank: int, world: int) -> dict[str, float]:
-    """Qwen3-VL (deepstack mergers; module-named checkpoints) built from its config and seed, images
-    only, dp=2 with uneven shards: the step equals the float64 step of the same seed-initialised model."""
+def _seeded_step(rank: int, world: int, arch: str = "qwen3_vl") -> dict[str, float]:
+    """Qwen3-VL or Qwen3-VL-MoE (deepstack mergers; module-named checkpoints) built from its config and
+    seed, images only, dp=2 with uneven shards: the step equals the float64 step of the same
+    seed-initialised model."""
     from transformers import AutoModelForImageTextToText
 
     from tests.unit.models._tiny import tiny_vl_model
     from underlay.interfaces import ModelConfig
 
-    cfg = tiny_vl_model("qwen3_vl").config
+    cfg = tiny_vl_model(arch).config
     ec = H.engine_config(cfg, max_tokens=40)
     ec = dataclasses.replace(ec, model=ModelConfig(hf_config=cfg, seed=3, attention="eager"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         ref = AutoModelForImageTextToText.from_config(copy.deepcopy(cfg), dtype=torch.float32)
     ref.set_attn_implementation("eager")
+    if arch == "qwen3_vl_moe":
+        ref.set_experts_implementation("eager")  # grouped_mm has no float64
     gb = vl_global_batch(9, video=False)
     # uneven shards: rank 0 has one text row, so it runs empty micro-batches (a one-token dummy plus a
     # zero-weight vision pass) while rank 1 runs its image rows
@@ -234,15 +239,17 @@ def test_fsdp2_vlm_step_equals_float64_reference(runs: list[dict[str, Any]]) -> 
         assert r["loss"] < TOL and r["norm"] < TOL, r
 
 
-def test_fsdp2_vlm_ulysses_and_qwen3_vl_steps_equal_float64_reference(runs: list[dict[str, Any]]) -> None:
+def test_fsdp2_vlm_ulysses_qwen3_vl_and_moe_steps_equal_float64_reference(runs: list[dict[str, Any]]) -> None:
     for r in runs:
-        for key in ("ulysses", "qwen3_vl"):
+        for key in ("ulysses", "qwen3_vl", "qwen3_vl_moe"):
             assert r[key]["loss"] < TOL and r[key]["norm"] < TOL, (key, r[key])
 
 
 def test_fsdp2_vlm_export_reloads_with_equal_logits_and_processor(runs: list[dict[str, Any]]) -> None:
     r = runs[0]
-    assert r["weights"] < TOL, r
+    # AdamW's first step is m / (sqrt(v) + eps): an element with a gradient near eps (1e-6) turns the
+    # fp32-vs-float64 gradient difference into an update difference near 2e-5 (measured 1.97e-5 here)
+    assert r["weights"] < 5e-5, r
     assert r["export_logprobs"] < 1e-4, r
     assert r["flat_names"][0] == "lm_head.weight" and r["flat_names"][-1].startswith("visual."), r
     assert {"preprocessor_config.json", "tokenizer.json", "config.json"} <= set(r["files"]), r
