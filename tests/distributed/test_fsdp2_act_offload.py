@@ -57,8 +57,9 @@ def _step(variant: dict[str, Any], offload: bool, seed: int) -> dict[str, Any]:
     stats = None
     if offloader is not None:
         stats = dict(vars(offloader.stats))
-        offloader.release()
+        engine.offload()  # releases the held activations and the free host buffers
         stats["pool_free_after_release"] = offloader.pool.free_buffers
+        engine.onload()
     return {"metrics": dict(result.metrics), "grads": grads, "micro": result.num_micro_batches, "stats": stats}
 
 
