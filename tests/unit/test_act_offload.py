@@ -226,3 +226,20 @@ def test_install_is_idempotent_and_inference_is_untouched() -> None:
     off.stats.reset()
     model(input_ids=ids).logits.sum().backward()
     assert off.stats.offloaded_tensors == per_pass  # wrapped once, not twice
+
+
+def test_disabled_offloader_and_host_limit_leave_tensors_on_the_device() -> None:
+    off = ActivationOffloader(CpuDevice(), min_bytes=0)
+    x = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
+    off.enabled = False
+    with off.layer_scope(0):
+        loss = x.exp().sin().sum()
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert off.stats.offloaded_tensors == 0
+    off.enabled = True
+    off.host_limit_bytes = 32 * 32 * 8  # room for one of the two saved storages
+    with off.layer_scope(0):
+        loss = x.exp().sin().sum()
+    grad = torch.autograd.grad(loss, x)[0]
+    torch.testing.assert_close(grad, (x.exp().cos() * x.exp()).detach(), rtol=1e-14, atol=0)
+    assert off.stats.offloaded_tensors == 1 and off.stats.skipped_limit == 1

@@ -170,6 +170,8 @@ class OffloadStats:
     """Saved tensors left on the device because they are parameters or views of parameters."""
     skipped_small: int = 0
     """Saved tensors left on the device because they are smaller than ``min_bytes``."""
+    skipped_limit: int = 0
+    """Saved tensors left on the device because ``host_limit_bytes`` would be exceeded."""
     skipped_other: int = 0
     """Saved tensors left as they are: subclasses (DTensor, fake tensors), another device, sparse."""
     fetched_layers: int = 0
@@ -295,6 +297,11 @@ class ActivationOffloader:
         self._torch_device = device.torch_device() if device.is_accelerator else torch.device("cpu")
         self._streams = _Streams(device, self._torch_device)
         self.min_bytes = min_bytes
+        self.enabled = True
+        """``False``: layers run without the hooks (nothing offloaded) until set back."""
+        self.host_limit_bytes: int | None = None
+        """Most host bytes in use at once (``None``: no limit); a storage that would pass it stays on
+        the device (counted in ``stats.skipped_limit``)."""
         self.pool = pool if pool is not None else HostBufferPool(pin=device.is_accelerator)
         self.stats = OffloadStats()
         self._pass = 0
@@ -312,6 +319,9 @@ class ActivationOffloader:
         """Offload what autograd saves inside the block as the activations of layer ``index`` (layers of
         one forward pass are entered in increasing ``index``; a non-increasing index starts a new pass).
         ``params``: the layer's parameters (their storages are never offloaded)."""
+        if not self.enabled:
+            yield
+            return
         if index <= self._last_index:
             self._new_pass()
         self._last_index = index
@@ -356,6 +366,10 @@ class ActivationOffloader:
         key = storage.data_ptr()
         if key not in group.host:
             nbytes = storage.nbytes()
+            limit = self.host_limit_bytes
+            if limit is not None and self.pool.in_use_bytes + nbytes > limit:
+                self.stats.skipped_limit += 1
+                return t
             host = self.pool.acquire(nbytes)
             group.hosts.append(host)
             src = _bytes_of(storage, t.device)
