@@ -310,7 +310,7 @@ class ActivationOffloader:
         self._held: list[_Group] = []  # forward groups whose device tensors are still referenced
         self._backward: _Group | None = None  # the group whose backward runs now
         self._fetching: list[_Group] = []  # groups with a host-to-device copy the compute stream never waited for
-        self._unpack_eager = torch.compiler.disable(self._unpack)
+        self._unpack_eager = torch.compiler.disable(self._unpack)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -331,7 +331,7 @@ class ActivationOffloader:
         param_keys = frozenset(_storage_keys(params))
         # the hooks run between compiled graphs too: never trace them (they copy, record events and
         # key storages by address, all of which must happen for real, every call)
-        pack = torch.compiler.disable(functools.partial(self._pack, group, param_keys))
+        pack = torch.compiler.disable(functools.partial(self._pack, group, param_keys))  # type: ignore[no-untyped-call]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack_eager):
                 yield
