@@ -25,7 +25,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _step(variant: dict[str, Any], offload: bool, seed: int) -> dict[str, Any]:
+def _step(variant: dict[str, Any], offload: bool, seed: int, device: str = "cpu") -> dict[str, Any]:
     """One forward_backward of a fresh engine; gradients gathered full, loss, metrics, offload counters."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -44,7 +44,7 @@ def _step(variant: dict[str, Any], offload: bool, seed: int) -> dict[str, Any]:
         recompute=variant.get("recompute", "none"),
         options=options,
     )
-    engine = FSDP2Engine(config, get_device("cpu"))
+    engine = FSDP2Engine(config, get_device(device))
     rank, world = dist.get_rank(), engine.layout.world_size
     batch = H.shard(H.global_batch(seed, n=6), rank, world)
     result = engine.forward_backward(batch, H.pg_loss)
@@ -52,7 +52,7 @@ def _step(variant: dict[str, Any], offload: bool, seed: int) -> dict[str, Any]:
     for name, p in engine.model.named_parameters():
         assert p.grad is not None, name
         g = p.grad
-        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
     offloader = engine.activation_offloader
     stats = None
     if offloader is not None:
@@ -63,19 +63,29 @@ def _step(variant: dict[str, Any], offload: bool, seed: int) -> dict[str, Any]:
     return {"metrics": dict(result.metrics), "grads": grads, "micro": result.num_micro_batches, "stats": stats}
 
 
-def job_offload_equals_plain(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+def _max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def job_offload_equals_plain(rank: int, world: int, names: list[str], device: str = "cpu") -> dict[str, Any]:
+    """Per variant: the gradients (and metrics) of a step with and without offload; on an accelerator
+    also a second plain step, whose difference from the first is the run-to-run noise of its kernels."""
     import torch
 
-    os.environ["UNDERLAY_COMPILE_BACKEND"] = "aot_eager"
+    os.environ.setdefault("UNDERLAY_COMPILE_BACKEND", "aot_eager")
     out: dict[str, Any] = {}
     for name in names:
         variant = VARIANTS[name]
-        plain = _step(variant, offload=False, seed=11)
-        moved = _step(variant, offload=True, seed=11)
+        plain = _step(variant, offload=False, seed=11, device=device)
+        moved = _step(variant, offload=True, seed=11, device=device)
+        again = _step(variant, offload=False, seed=11, device=device) if device != "cpu" else plain
         mismatch = [
             n for n in plain["grads"] if not torch.equal(plain["grads"][n], moved["grads"][n])
         ]
         out[name] = {
+            "max_abs_diff": _max_abs_diff(plain["grads"], moved["grads"]),
+            "noise_abs_diff": _max_abs_diff(plain["grads"], again["grads"]),
+            "grad_scale": max(float(g.abs().max()) for g in plain["grads"].values()),
             "mismatch": mismatch,
             "n_grads": len(plain["grads"]),
             "nonzero": sum(int(bool(g.abs().sum() > 0)) for g in plain["grads"].values()),

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from underlay.interfaces import ConfigError, Device, InvalidInput, Stream
+from underlay.interfaces import ConfigError, Device, InvalidInput
 
 __all__ = [
     "DEFAULT_MIN_BYTES",
@@ -189,23 +189,17 @@ class OffloadStats:
 
 class _Streams:
     """Stream and event operations: real side streams on accelerators, no-ops on the cpu (where every
-    copy is synchronous). ``None`` stands for "no stream"/"no event"."""
+    copy is synchronous). ``None`` stands for "no stream"/"no event". Device-generic: ``torch.Stream``,
+    ``torch.Event`` and ``torch.accelerator`` (one API family, so events of one stream can be waited
+    on by any other, whatever the accelerator)."""
 
     def __init__(self, device: Device, torch_device: torch.device) -> None:
-        self._device = device
         self._torch_device = torch_device
-        self._wrapped: dict[int, Stream] = {}
         self.d2h: torch.Stream | None = None
         self.h2d: torch.Stream | None = None
         if device.is_accelerator:
-            d2h, h2d = device.new_stream(), device.new_stream()
-            if not isinstance(d2h, torch.Stream) or not isinstance(h2d, torch.Stream):
-                raise ConfigError(
-                    f"activation_offload: device {device.name!r} returns {type(d2h).__name__} streams, not "
-                    "torch.Stream; the offload needs torch streams and events (set activation_offload=False)"
-                )
-            self.d2h, self.h2d = d2h, h2d
-            self._wrapped = {id(d2h): d2h, id(h2d): h2d}  # the same objects, as the Device protocol types them
+            self.d2h = torch.Stream(device=torch_device)
+            self.h2d = torch.Stream(device=torch_device)
 
     def compute(self) -> torch.Stream | None:
         """The stream the caller is queueing work on now."""
@@ -224,11 +218,18 @@ class _Streams:
         if stream is not None and event is not None:
             stream.wait_event(event)
 
-    def on(self, stream: torch.Stream | None) -> contextlib.AbstractContextManager[Any]:
-        """Queue work on ``stream`` inside the block."""
+    @contextlib.contextmanager
+    def on(self, stream: torch.Stream | None) -> Iterator[None]:
+        """Queue work on ``stream`` inside the block (then on the stream that was current before)."""
         if stream is None:
-            return contextlib.nullcontext()
-        return self._device.stream(self._wrapped[id(stream)])
+            yield
+            return
+        previous = torch.accelerator.current_stream(self._torch_device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
 
 
 @dataclass(eq=False)
