@@ -43,6 +43,8 @@ def _step(variant: dict[str, Any], offload: bool, seed: int, device: str = "cpu"
         model=ModelConfig(hf_config=hf, seed=0, tiled_mlp_tiles=variant.get("tiles")),
         recompute=variant.get("recompute", "none"),
         options=options,
+        # accelerators: bf16 compute (what their attention kernels take); fp32 master weights
+        param_dtype="float32" if device == "cpu" else "bfloat16",
     )
     engine = FSDP2Engine(config, get_device(device))
     rank, world = dist.get_rank(), engine.layout.world_size
@@ -60,7 +62,12 @@ def _step(variant: dict[str, Any], offload: bool, seed: int, device: str = "cpu"
         engine.offload()  # releases the held activations and the free host buffers
         stats["pool_free_after_release"] = offloader.pool.free_buffers
         engine.onload()
-    return {"metrics": dict(result.metrics), "grads": grads, "micro": result.num_micro_batches, "stats": stats}
+    return {
+        "metrics": dict(result.metrics),
+        "grads": grads,
+        "micro": result.num_micro_batches,
+        "stats": stats,
+    }
 
 
 def _max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -79,9 +86,7 @@ def job_offload_equals_plain(rank: int, world: int, names: list[str], device: st
         plain = _step(variant, offload=False, seed=11, device=device)
         moved = _step(variant, offload=True, seed=11, device=device)
         again = _step(variant, offload=False, seed=11, device=device) if device != "cpu" else plain
-        mismatch = [
-            n for n in plain["grads"] if not torch.equal(plain["grads"][n], moved["grads"][n])
-        ]
+        mismatch = [n for n in plain["grads"] if not torch.equal(plain["grads"][n], moved["grads"][n])]
         out[name] = {
             "max_abs_diff": _max_abs_diff(plain["grads"], moved["grads"]),
             "noise_abs_diff": _max_abs_diff(plain["grads"], again["grads"]),

@@ -291,7 +291,9 @@ class ActivationOffloader:
     :func:`apply_activation_offload` installs). One offloader serves one model on one device.
     """
 
-    def __init__(self, device: Device, *, min_bytes: int = DEFAULT_MIN_BYTES, pool: HostBufferPool | None = None):
+    def __init__(
+        self, device: Device, *, min_bytes: int = DEFAULT_MIN_BYTES, pool: HostBufferPool | None = None
+    ):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ConfigError(f"activation offload min_bytes={min_bytes!r}: use an int >= 0 (bytes)")
         self._device = device
@@ -310,7 +312,9 @@ class ActivationOffloader:
         self._groups: dict[tuple[int, int], weakref.ref[_Group]] = {}
         self._held: list[_Group] = []  # forward groups whose device tensors are still referenced
         self._backward: _Group | None = None  # the group whose backward runs now
-        self._fetching: list[_Group] = []  # groups with a host-to-device copy the compute stream never waited for
+        self._fetching: list[
+            _Group
+        ] = []  # groups with a host-to-device copy the compute stream never waited for
         self._unpack_eager = torch.compiler.disable(self._unpack)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------------------------ forward
@@ -398,7 +402,6 @@ class ActivationOffloader:
     def _release_held(self, keep: int) -> None:
         """Drop the device tensors of all but the newest ``keep`` held forward groups, after making the
         compute stream wait for their device-to-host copies."""
-        streams = self._streams
         while len(self._held) > keep:
             old = self._held.pop(0)
             self._clear_device(old)
