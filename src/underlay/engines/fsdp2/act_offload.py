@@ -312,9 +312,8 @@ class ActivationOffloader:
         self._groups: dict[tuple[int, int], weakref.ref[_Group]] = {}
         self._held: list[_Group] = []  # forward groups whose device tensors are still referenced
         self._backward: _Group | None = None  # the group whose backward runs now
-        self._fetching: list[
-            _Group
-        ] = []  # groups with a host-to-device copy the compute stream never waited for
+        # groups with a host-to-device copy that the compute stream has not waited for yet
+        self._fetching: list[_Group] = []
         self._unpack_eager = torch.compiler.disable(self._unpack)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------------------------ forward
