@@ -182,7 +182,7 @@ def main() -> int:
     parser.add_argument(
         "--host-limit-gib",
         type=float,
-        default=96.0,
+        default=80.0,
         help="most pinned host memory the offload may use (also at most MemAvailable - 16 GiB)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model on the cpu (smoke run)")

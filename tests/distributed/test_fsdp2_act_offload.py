@@ -131,6 +131,7 @@ def test_offload_gradients_equal_plain_one_rank(names: list[str]) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_offload_gradients_equal_plain_with_compiled_layers() -> None:
     names = ["compile_layer", "compile_layer_recompute_tiled"]
     (r,) = run_distributed(job_offload_equals_plain, 1, names, timeout_s=600)
