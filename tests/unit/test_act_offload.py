@@ -244,3 +244,104 @@ def test_disabled_offloader_and_host_limit_leave_tensors_on_the_device() -> None
     e = x.detach().exp()
     torch.testing.assert_close(grad, -e.sin().sin() * e.cos() * e, rtol=1e-14, atol=0)
     assert off.stats.offloaded_tensors == 2 and off.stats.skipped_limit == 1
+
+
+class _Event:
+    """A logged event: already complete (the cpu copies were synchronous)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"E{self.n}"
+
+
+class _RecordingStreams:
+    """Stand-in for the accelerator streams: every mark, wait and stream switch is logged, so that the
+    ordering the offloader promises on a real device can be checked on the cpu (copies stay synchronous)."""
+
+    def __init__(self) -> None:
+        self.d2h: Any = "d2h"
+        self.h2d: Any = "h2d"
+        self.log: list[tuple[Any, ...]] = []
+        self._events = 0
+        self.source: dict[int, str] = {}
+
+    def compute(self) -> Any:
+        return "compute"
+
+    def mark(self, stream: Any) -> Any:
+        self._events += 1
+        event = _Event(self._events)
+        self.source[event.n] = stream
+        self.log.append(("mark", stream, event))
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            self.log.append(("wait", stream, event))
+
+    def on(self, stream: Any) -> Any:
+        self.log.append(("on", stream))
+        return torch.enable_grad()  # a no-op context
+
+
+class _Logged(ActivationOffloader):
+    def _clear_device(self, group: Any) -> None:
+        had = bool(group.device)
+        super()._clear_device(group)
+        if had:
+            self._streams.log.append(("clear", group.pass_id, group.index, group.copied, group.fetched))  # type: ignore[attr-defined]
+
+    def _device_bytes(self, group: Any, key: int) -> torch.Tensor:
+        data = super()._device_bytes(group, key)
+        self._streams.log.append(("use", group.pass_id, group.index, group.fetched))  # type: ignore[attr-defined]
+        return data
+
+
+def test_stream_ordering_of_copies_waits_and_frees() -> None:
+    """With logged streams: every copy waits for the compute stream first; the compute stream waits for
+    a layer's device-to-host copy before its device tensors are freed, and for its host-to-device copy
+    before they are used or freed; layer i-1's fetch is issued before layer i's data is used."""
+    model = _tiny_llama(4)
+    model.train()
+    off = _Logged(CpuDevice(), min_bytes=0)
+    streams = _RecordingStreams()
+    off._streams = streams  # type: ignore[assignment]
+    apply_activation_offload(model, off)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
+    for _ in range(2):  # two passes: the second reuses pooled buffers
+        model(input_ids=ids).logits.square().mean().backward()
+    log = streams.log
+
+    def before(i: int, entry: tuple[Any, ...]) -> bool:
+        return entry in log[:i]
+
+    copies = 0
+    for i, entry in enumerate(log):
+        if entry[0] == "on":  # a copy on a side stream: it waited for a compute-stream mark just before
+            prev = log[i - 1]
+            assert prev[0] == "wait" and prev[1] == entry[1], log[i - 2 : i + 1]
+            assert streams.source[prev[2].n] == "compute", log[i - 2 : i + 1]
+            copies += 1
+        elif entry[0] == "clear":
+            _, _, _, copied, fetched = entry
+            assert before(i, ("wait", "compute", copied)), entry
+            if fetched is not None:
+                assert before(i, ("wait", "compute", fetched)), entry
+        elif entry[0] == "use" and entry[3] is not None:
+            assert before(i, ("wait", "compute", entry[3])), entry
+    clears = [e for e in log if e[0] == "clear"]
+    assert copies > 0 and len(clears) == 2 * (4 + 3)  # per pass: 4 forward releases, 3 after backward
+    # prefetch: layer i-1's fetch (an h2d mark) is issued before any of layer i-1's data is used
+    uses = [e for e in log if e[0] == "use"]
+    fetched_layers = {(e[1], e[2]) for e in uses if e[3] is not None}
+    assert len(fetched_layers) == 2 * 3  # per pass: layers 2, 1, 0 come back; layer 3 stays resident
+    assert off.stats.prefetched_layers == off.stats.fetched_layers == 6
+    assert off.pool.reuses > 0

@@ -28,8 +28,10 @@ references drop (this is where memory must be freed; one layer of slack is the f
 buffer). In backward the first unpack of layer ``i`` makes the compute stream wait for layer ``i``'s
 host-to-device copy (issued earlier as a prefetch, or now) and starts the prefetch of layer ``i - 1``
 on a separate host-to-device stream, so copies of the previous layer overlap this layer's backward;
-when the backward reaches another layer, the finished layer's device copies are dropped. The last
-layer's activations are still on the device when backward begins and are used without a round trip.
+once every saved tensor of a layer has been unpacked (or the backward reaches another layer), the
+offloader drops its references to that layer's device copies (autograd keeps the views it still
+uses). The last layer's activations are still on the device when backward begins and are used
+without a round trip.
 Host buffers go back to the pool when the autograd graph that references them is freed, tagged with
 the event after which the last copy touching them is finished.
 
@@ -250,6 +252,8 @@ class _Group:
     copied: Any = None
     fetched: Any = None
     fetch_waited: bool = True
+    saved: int = 0
+    unpacked: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -386,6 +390,7 @@ class ActivationOffloader:
             group.device[key] = src  # keeps the storage alive until the copy is known finished
             self.stats.copied_bytes += nbytes
         self.stats.offloaded_tensors += 1
+        group.saved += 1
         return _Handle(group, key, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _end_layer(self, group: _Group) -> None:
@@ -411,10 +416,18 @@ class ActivationOffloader:
         if not isinstance(packed, _Handle):
             result: torch.Tensor = packed
             return result
-        data = self._device_bytes(packed.group, packed.key)
-        return torch.empty(0, dtype=packed.dtype, device=data.device).set_(
+        group = packed.group
+        data = self._device_bytes(group, packed.key)
+        view = torch.empty(0, dtype=packed.dtype, device=data.device).set_(
             data.untyped_storage(), packed.offset, packed.size, packed.stride
         )
+        group.unpacked += 1
+        if group.unpacked % group.saved == 0 and group is self._backward:
+            # every saved tensor of the layer was handed to autograd, which keeps what it still
+            # needs: drop ours now, not when the next layer's backward (or the next step) begins
+            self._clear_device(group)
+            self._backward = None
+        return view
 
     def _device_bytes(self, group: _Group, key: int) -> torch.Tensor:
         """The device data of storage ``key`` of ``group``, with the compute stream ordered after its
