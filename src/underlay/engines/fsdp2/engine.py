@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.fsdp2 import _build
+from underlay.engines.fsdp2.act_offload import ActivationOffloader, install_activation_offload
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
@@ -136,6 +137,8 @@ class FSDP2Engine:
                 backend=_compile_backend(),
                 scope="layer_parts" if compile_opt is True else str(compile_opt),
             )
+        # outermost around each layer's (compiled, checkpointed) forward: see act_offload
+        self._act_offload = install_activation_offload(model, device, options)
         apply_fsdp(
             model,
             self._meshes.fsdp,
@@ -256,6 +259,12 @@ class FSDP2Engine:
     def options(self) -> FSDP2Options:
         """The validated engine options."""
         return self._options
+
+    @property
+    def activation_offloader(self) -> ActivationOffloader | None:
+        """The activation offloader (``options.activation_offload``; its ``stats`` count what moved),
+        or ``None``."""
+        return self._act_offload
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -535,6 +544,8 @@ class FSDP2Engine:
         parameters already live on the host and stay there."""
         host = torch.device("cpu")
         pin = self._device.is_accelerator
+        if self._act_offload is not None:
+            self._act_offload.release()  # held activations and the free pinned buffers
         if grads and "grads" not in self._offloaded:
             saved = {}
             for i, p in enumerate(self._model.parameters()):
