@@ -327,8 +327,9 @@ def main() -> int:
 
         def go() -> None:
             h_op, w_op = impl._operands(hb, wb, use_tma)
+            d_op = TensorDescriptor.from_tensor(d_ref, [16, 16]) if use_tma else d_ref
             impl._bwd_dlogits_kernel[impl._grid(rows_b, chunk, progs if use_tma else None)](
-                h_op, w_op, lb, lse, ez, glp, gent, d_ref, rows_b, chunk, h, 0, 1.0,
+                h_op, w_op, lb, lse, ez, glp, gent, d_op, rows_b, chunk, h, 0, 1.0,
                 hb.stride(0), hb.stride(1), wb.stride(0), wb.stride(1), d_ref.stride(0),
                 WITH_ENTROPY=True, PRECISION="tf32", FROM_LOGITS=False, USE_TMA=use_tma, NUM_PROGRAMS=progs,
             )  # fmt: skip

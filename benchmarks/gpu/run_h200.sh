@@ -6,6 +6,8 @@
 # Each step runs with its own time limit; logs and result files go into $OUT/results.tgz, the last lines to stdout.
 # Carry .whl (the liger-kernel wheel) for the logprob benchmark. NVLink multicast stays off.
 # FSDP2_ARGS / FSDP2_SECS, FP8_ARGS / FP8_SECS: extra arguments and time limit of the fsdp2bench and fp8 steps
+# VLM_ARGS / VLM_SECS: extra arguments and time limit of the vlm step (bench_vlm.py, Qwen2.5-VL 3B-shaped, synthetic images)
+# LONGSEQ_ARGS / LONGSEQ_SECS: arguments and time limit of the longseq step (65,536-token recompute vs activation offload)
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
 # Steps not in the default list: 'defaults' runs bench_fsdp2.py per model, defaults vs tuned (qwen2-1.5b,
@@ -39,7 +41,7 @@ step() {  # name, seconds, command...
   tail -n "${TAIL:-30}" "$LOGS/$name.log"
 }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench demo weightsync)
+[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench vlm longseq demo weightsync)
 for s in "${steps[@]}"; do
   case $s in
     env) step env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"; git log -1 --format=%H 2>/dev/null || true' ;;
@@ -62,8 +64,10 @@ for s in "${steps[@]}"; do
     offload8b)  # issue 23: the offloaded AdamW alone (bit-equality, GB/s), then a Qwen3-8B shape on one GPU with the defaults (they choose optimizer offload)
       step optimoffload 90 python3 benchmarks/gpu/check_optim_offload.py --out "$OUT/optim_offload"
       step offload8b 300 python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --model qwen3-8b --sequences 32 --steps 2 --warmup 1 --act-ckpt defaults ;;
+    vlm) step vlm "${VLM_SECS:-180}" python3 benchmarks/gpu/bench_vlm.py --out "$OUT" ${VLM_ARGS:-} ;;
     fsdp2bench) step fsdp2bench "${FSDP2_SECS:-330}" python3 benchmarks/gpu/bench_fsdp2.py ${FSDP2_ARGS:-} ;;
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
+    longseq) step longseq "${LONGSEQ_SECS:-200}" python3 benchmarks/gpu/bench_long_seq.py --out "$OUT/longseq" ${LONGSEQ_ARGS:-} ;;
     weightsync) step weightsync 300 python3 benchmarks/gpu/bench_weight_sync.py ${WEIGHTSYNC_ARGS:-} ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac

@@ -145,6 +145,10 @@ def test_estimate_parts_follow_the_settings() -> None:
     assert dp4.model_state == pytest.approx(base.model_state / 4, rel=1e-6)
     full = estimate_memory(s, recompute="full", keep_unsharded=True, optimizer_offload=False, **kw)
     assert full.activations < base.activations / 5
+    act_off = estimate_memory(
+        s, recompute="none", keep_unsharded=True, optimizer_offload=False, activation_offload=True, **kw
+    )
+    assert act_off.activations * s.layers == base.activations * 2  # two layers stay on the device
     resharded = estimate_memory(s, recompute="none", keep_unsharded=False, optimizer_offload=False, **kw)
     assert resharded.unsharded_params < base.unsharded_params / 5
     eager = estimate_memory(

@@ -118,11 +118,14 @@ def _set_block_shapes(nargs: dict[str, Any]) -> None:
     """Autotune pre-hook of the TMA configs: a descriptor's block shape is the config's tile."""
     if TensorDescriptor is None:
         return
-    h, w = nargs["h_ptr"], nargs["w_ptr"]
-    if isinstance(h, TensorDescriptor):
-        h.block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
-    if isinstance(w, TensorDescriptor):
-        w.block_shape = [nargs["BLOCK_V"], nargs["BLOCK_K"]]
+    shapes = {
+        "h_ptr": [nargs["BLOCK_N"], nargs["BLOCK_K"]],
+        "w_ptr": [nargs["BLOCK_V"], nargs["BLOCK_K"]],
+        "d_ptr": [nargs["BLOCK_N"], nargs["BLOCK_V"]],
+    }
+    for name, shape in shapes.items():
+        if isinstance(nargs.get(name), TensorDescriptor):
+            nargs[name].block_shape = shape
 
 
 def _configs() -> list[triton.Config]:
@@ -400,8 +403,11 @@ def _bwd_tile(  # type: ignore[no-untyped-def]
         ez = tl.load(ez_ptr + offs_n, mask=n_mask, other=0.0)
         g_ent = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         dz -= p * (z - ez[:, None]) * g_ent[:, None]
-    d_ptrs = d_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_v[None, :]
-    tl.store(d_ptrs, (dz * inv_t).to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
+    if USE_TMA:  # the descriptor clips the tile at the edges: full-width stores without masks
+        d_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], (dz * inv_t).to(d_ptr.dtype))
+    else:
+        d_ptrs = d_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_v[None, :]
+        tl.store(d_ptrs, (dz * inv_t).to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
 
 
 @triton.autotune(
@@ -671,7 +677,6 @@ def _backward(
     n, h = hidden.shape
     v = weight.shape[0]
     hybrid = mode == "hybrid"
-    use_tma = not hybrid and tma_usable(hidden, weight, tma)  # row/vocab slices keep the alignment
     progs = _num_programs(hidden)
     auto_rows, auto_chunk = plan_backward(n, h, hidden.element_size(), mode)
     rows = row_split or auto_rows
@@ -680,6 +685,9 @@ def _backward(
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
     grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else None
     d_buf = torch.empty((min(rows, n), chunk), device=hidden.device, dtype=hidden.dtype)
+    # TMA loads of row/vocabulary slices keep the operands' alignment; the dlogits chunk is stored through
+    # a descriptor too, so its row pitch must be 16-byte aligned
+    use_tma = not hybrid and tma_usable(hidden, weight, tma) and _tma_operand(d_buf)
     fp32_acc = hidden.dtype != torch.float32
     acc = (
         torch.empty((min(rows, n), h), device=hidden.device, dtype=torch.float32)
@@ -706,9 +714,10 @@ def _backward(
                 src = z_buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
                 mm_fp32(hid, w.T, src)
             src_op, w_op = _operands(src, w, use_tma)
+            d_op = TensorDescriptor.from_tensor(d, [16, 16]) if use_tma else d
             _bwd_dlogits_kernel[_grid(r1 - r0, v1 - v0, progs if use_tma else None)](
                 src_op, w_op, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
-                (g_ent if g_ent is not None else g_lp)[r0:r1], d,
+                (g_ent if g_ent is not None else g_lp)[r0:r1], d_op,
                 r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
                 src.stride(0), src.stride(1), w.stride(0), w.stride(1), d.stride(0),
                 WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=hybrid,

@@ -228,6 +228,7 @@ def estimate_memory(
     ulysses: int = 1,
     param_bytes: int = 2,
     cpu_offload: bool = False,
+    activation_offload: bool = False,
 ) -> MemoryEstimate:
     """Device bytes of a training step on one rank.
 
@@ -238,7 +239,9 @@ def estimate_memory(
     Transient: one layer's unsharded gradient and its fp32 reduce buffer. Activations: ``tokens`` (one
     micro-batch, ``micro_batch_max_tokens``; divided over ``ulysses`` ranks) x layers x
     ``activation_bytes_per_token_layer``, or with ``recompute="full"`` the layer inputs plus one layer's
-    activations. Head: the fused log-prob head's hidden states and its bounded logits chunk."""
+    activations; ``activation_offload`` (saved activations in host memory, one layer of slack and one
+    prefetched): two layers' activations, or one with full recomputation. Head: the fused log-prob
+    head's hidden states and its bounded logits chunk."""
     p, t = shape.params, shape.trainable
     master = 0 if cpu_offload else 4 * p // dp
     grads = 0 if cpu_offload else 4 * t // dp
@@ -252,7 +255,9 @@ def estimate_memory(
     per_layer = activation_bytes_per_token_layer(
         shape, compiled=compiled, compile_memory_budget=compile_memory_budget, param_bytes=param_bytes
     )
-    if recompute == "full":
+    if activation_offload:
+        acts = n * per_layer * (1 if recompute == "full" else min(2, shape.layers))
+    elif recompute == "full":
         acts = n * (shape.layers * param_bytes * shape.hidden + per_layer)
     else:
         acts = n * shape.layers * per_layer
@@ -293,6 +298,7 @@ def choose_memory_policy(
     ulysses: int = 1,
     param_bytes: int = 2,
     cpu_offload: bool = False,
+    activation_offload: bool = False,
 ) -> MemoryPolicy:
     """The first configuration that fits ``usable_bytes(device_total)``, trying in order: no
     recomputation, full recomputation, then parameters resharded after forward (each with the
@@ -317,6 +323,7 @@ def choose_memory_policy(
             ulysses=ulysses,
             param_bytes=param_bytes,
             cpu_offload=cpu_offload,
+            activation_offload=activation_offload,
         )
 
     offloads = [optimizer_offload] if optimizer_offload is not None else [False, True]
@@ -423,6 +430,7 @@ def resolve(
             ulysses=ulysses,
             param_bytes=param_bytes,
             cpu_offload=cpu_offload,
+            activation_offload=options.activation_offload,
         )
         rc, keep, offload = memory.recompute, memory.keep_unsharded, memory.optimizer_offload
         policy = "memory policy: " + memory.reason

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.fsdp2 import _auto, _build
+from underlay.engines.fsdp2.act_offload import ActivationOffloader, install_activation_offload
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
@@ -147,6 +148,8 @@ class FSDP2Engine:
                 backend=_compile_backend(),
                 scope="layer_parts" if compile_opt is True else str(compile_opt),
             )
+        # outermost around each layer's (compiled, checkpointed) forward: see act_offload
+        self._act_offload = install_activation_offload(model, device, options)
         apply_fsdp(
             model,
             self._meshes.fsdp,
@@ -293,6 +296,12 @@ class FSDP2Engine:
         return self._options
 
     @property
+    def activation_offloader(self) -> ActivationOffloader | None:
+        """The activation offloader (``options.activation_offload``; its ``stats`` count what moved),
+        or ``None``."""
+        return self._act_offload
+
+    @property
     def resolved_options(self) -> FSDP2Options:
         """The options in effect, no auto field left (see ``option_reasons`` for why each was chosen)."""
         return self._options
@@ -398,12 +407,17 @@ class FSDP2Engine:
             raise InvalidInput(
                 f"TokenBatch.input_ids out of range [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}"
             )
+        from underlay.models import check_vision_batch
+
+        check_vision_batch(self._hf_config, batch)
         return batch.to(self._torch_device)
 
     def _plan(self, batch: TokenBatch) -> list[list[int]]:
+        from underlay.models import sequence_costs
         from underlay.ops import plan_micro_batches
 
-        seqlens = batch.attention_mask.sum(dim=1).tolist()
+        # tokens, plus the vision patches of a row's images weighted by models.patch_cost
+        seqlens = sequence_costs(self._hf_config, batch)
         return plan_micro_batches(seqlens, self._config.micro_batch_max_tokens, group=self._dp_group)
 
     def _forward(self, batch: TokenBatch, temperature: float, with_entropy: bool) -> TokenOutputs:
@@ -412,6 +426,7 @@ class FSDP2Engine:
         from underlay.ops import pad, unpad
 
         packed = unpad(batch.input_ids, batch.attention_mask)
+        multimodal, zero_passes = self._vision_inputs(batch)
         with self._compile_scope():  # AOTAutograd partitions forward/backward when forward compiles
             out = packed_forward(
                 self._model,
@@ -420,12 +435,31 @@ class FSDP2Engine:
                 with_entropy=with_entropy,
                 logprob_kernel=self._logprob_kernel,
                 sp_group=self._ulysses_group,
+                multimodal=multimodal,
+                zero_vision_passes=zero_passes,
             )
 
         def back(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else pad(t, packed)
 
         return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values))
+
+    def _vision_inputs(self, batch: TokenBatch) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """A vision-language micro-batch's ``multimodal`` inputs, and how many zero-weight vision
+        passes this rank adds: the vision blocks are FSDP units, so every rank runs the tower as many
+        times as the rank with the most (images: one run, videos: another; agreed by one all-reduce
+        over the world per micro-batch, only for VLMs on more than one rank)."""
+        from underlay.models import is_vision_config, multimodal_inputs, vision_calls
+
+        if not is_vision_config(self._hf_config):
+            return None, 0
+        calls = vision_calls(batch)
+        most = calls
+        if self._layout.world_size > 1:
+            agreed_calls = torch.tensor([calls], dtype=torch.int64, device=self._torch_device)
+            dist.all_reduce(agreed_calls, op=dist.ReduceOp.MAX)
+            most = int(agreed_calls.item())
+        return multimodal_inputs(batch), most - calls
 
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
         """Accumulate gradients of the global token-mean loss over ``batch`` (this rank's share).
@@ -483,9 +517,14 @@ class FSDP2Engine:
     def _dummy_backward(self, batch: TokenBatch) -> None:
         """This rank has no sequence for a micro-batch that other dp ranks run: take part in FSDP's
         collectives with a one-token forward whose loss is multiplied by zero."""
+        from underlay.models import is_vision_config
+
         sub = batch.select([0])
+        ids = sub.input_ids[:, :1]
+        if is_vision_config(self._hf_config):  # token 0, never an image placeholder without its image
+            ids = torch.zeros_like(ids)
         one = TokenBatch(
-            sub.input_ids[:, :1],
+            ids,
             torch.ones_like(sub.attention_mask[:, :1]),
             torch.zeros_like(sub.loss_mask[:, :1]),
         )
@@ -592,6 +631,8 @@ class FSDP2Engine:
         parameters already live on the host and stay there."""
         host = torch.device("cpu")
         pin = self._device.is_accelerator
+        if self._act_offload is not None:
+            self._act_offload.release()  # held activations and the free pinned buffers
         if grads and "grads" not in self._offloaded:
             saved = {}
             for i, p in enumerate(self._model.parameters()):

@@ -55,6 +55,17 @@ class FSDP2Options:
         "otherwise",
     )
 
+    activation_offload: bool = option(
+        False,
+        "move the activations each decoder layer saves for backward to (pinned) host memory during "
+        "forward and prefetch them back ahead of its backward (side streams, double-buffered); with "
+        "recompute='full' only the layer inputs are saved and offloaded; gradients are unchanged",
+    )
+    activation_offload_min_bytes: int = option(
+        1 << 20,
+        "saved tensors smaller than this many bytes stay on the device under activation_offload",
+    )
+
     def __post_init__(self) -> None:
         if self.compile not in (None, False, True, *COMPILE_SCOPES):
             raise ConfigError(
@@ -68,6 +79,12 @@ class FSDP2Options:
             raise ConfigError(
                 f"EngineConfig.options compile_memory_budget={budget!r}: use a number in (0, 1] (the fraction "
                 "of the activations a compiled layer saves for backward; the rest is recomputed)"
+            )
+
+        min_bytes = self.activation_offload_min_bytes
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ConfigError(
+                f"EngineConfig.options activation_offload_min_bytes={min_bytes!r}: use an int >= 0 (bytes)"
             )
 
     @staticmethod

@@ -478,6 +478,11 @@ class MCoreEngine:
             raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
         if batch.batch_size < 1:
             raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
+        if batch.has_vision:
+            raise InvalidInput(
+                "TokenBatch carries images/videos but the mcore engine runs text decoders only; train "
+                "vision-language models with the fsdp2 engine (UNDERLAY_ENGINE=fsdp2)"
+            )
         lengths = mask.sum(dim=1)
         if bool((lengths < 1).any()):
             rows = torch.nonzero(lengths < 1).flatten().tolist()
