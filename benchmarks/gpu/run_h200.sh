@@ -8,6 +8,7 @@
 # FSDP2_ARGS / FSDP2_SECS, FP8_ARGS / FP8_SECS: extra arguments and time limit of the fsdp2bench and fp8 steps
 # VLM_ARGS / VLM_SECS: extra arguments and time limit of the vlm step (bench_vlm.py, Qwen2.5-VL 3B-shaped, synthetic images)
 # LONGSEQ_ARGS / LONGSEQ_SECS: arguments and time limit of the longseq step (65,536-token recompute vs activation offload)
+# DEFAULTS_MODELS: which models the defaults step runs (default "qwen2 llama qwen3_4b")
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
 # Steps not in the default list: 'defaults' runs bench_fsdp2.py per model, defaults vs tuned (qwen2-1.5b,
@@ -49,6 +50,7 @@ for s in "${steps[@]}"; do
     gputests) step gputests 240 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests ;;
     attention) step attention 180 python3 benchmarks/gpu/bench_attention.py ;;
     models) step models 240 bash -c 'python3 benchmarks/gpu/check_models_bf16.py; python3 benchmarks/gpu/bench_models_memory.py' ;;
+    logprobbench) step logprobbench 150 python3 benchmarks/gpu/bench_logprob.py ;;
     logprob) step logprob "${LOGPROB_SECS:-300}" bash -c "python3 benchmarks/gpu/check_logprob.py ${LOGPROB_CHECK_ARGS:-}; python3 benchmarks/gpu/bench_logprob.py" ;;
     logprofile) step logprofile 200 python3 benchmarks/gpu/profile_logprob.py ;;
     fp8) step fp8 "${FP8_SECS:-300}" python3 benchmarks/gpu/bench_fp8.py ${FP8_ARGS:-} ;;
@@ -58,9 +60,13 @@ for s in "${steps[@]}"; do
     fsdp2check) step fsdp2check 240 python3 benchmarks/gpu/check_fsdp2_cuda.py ;;
     defaults)  # issue 23: the engine's defaults vs the tuned options, one model per sub-step
       B="python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --steps 3 --warmup 2"
-      step defaults_qwen2 150 $B --model qwen2-1.5b --act-ckpt defaults,tuned
-      step defaults_llama 150 $B --model llama-3.2-1b --act-ckpt defaults,tuned
-      step defaults_qwen3_4b 240 $B --model qwen3-4b --sequences 32 --act-ckpt defaults,tuned ;;
+      for m in ${DEFAULTS_MODELS:-qwen2 llama qwen3_4b}; do
+        case $m in
+          qwen2) step defaults_qwen2 150 $B --model qwen2-1.5b --act-ckpt defaults,tuned ;;
+          llama) step defaults_llama 150 $B --model llama-3.2-1b --act-ckpt defaults,tuned ;;
+          qwen3_4b) step defaults_qwen3_4b 240 $B --model qwen3-4b --sequences 32 --act-ckpt defaults,tuned ;;
+        esac
+      done ;;
     offload8b)  # issue 23: the offloaded AdamW alone (bit-equality, GB/s), then a Qwen3-8B shape on one GPU with the defaults (they choose optimizer offload)
       step optimoffload 90 python3 benchmarks/gpu/check_optim_offload.py --out "$OUT/optim_offload"
       step offload8b 300 python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --model qwen3-8b --sequences 32 --steps 2 --warmup 1 --act-ckpt defaults ;;
