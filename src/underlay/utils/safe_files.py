@@ -354,7 +354,7 @@ def _header(path: Path) -> dict[str, SafetensorsEntry]:
     matching its dtype and shape and lying inside the file (a truncated file fails here)."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with open(path, "rb", buffering=0) as fh:  # unbuffered: read the header, not 8 KiB of data
             head = fh.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header (truncated)")
