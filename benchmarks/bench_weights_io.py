@@ -326,11 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         "layers": cfg.num_hidden_layers,
         "files": len(files),
         "tensor_gb": round(tensor_bytes / 1e9, 3),
+        "tensor_bytes": tensor_bytes,
         "model_write_s": round(write_s, 1),
         "raw_read_gbps": round(raw_gbps, 3),
         "raw_write_fsync_gbps": round(write_gbps, 3),
         "engine_build_s": round(res["build_s"], 2),
-        "bytes_read_per_rank_gb": {k: round(v / 1e9, 3) for k, v in res["bytes_read_rank"].items()},
+        "rank0_tensor_bytes_read": res["bytes_read_rank"],
     }
     for label in ("load_hf", "old_sequential_load", "export_hf", "sequential_export"):
         best = min(res[f"{label}_s"])
