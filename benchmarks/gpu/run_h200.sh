@@ -7,6 +7,7 @@
 # Carry .whl (the liger-kernel wheel) for the logprob benchmark. NVLink multicast stays off.
 # FSDP2_ARGS / FSDP2_SECS, FP8_ARGS / FP8_SECS: extra arguments and time limit of the fsdp2bench and fp8 steps
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
+# WEIGHTSIO_ARGS / WEIGHTSIO_SECS: extra arguments (e.g. "--cache cold") and time limit of the weightsio step
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
 set -u
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -36,7 +37,7 @@ step() {  # name, seconds, command...
   tail -n "${TAIL:-30}" "$LOGS/$name.log"
 }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench demo weightsync)
+[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench demo weightsync weightsio)
 for s in "${steps[@]}"; do
   case $s in
     env) step env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"; git log -1 --format=%H 2>/dev/null || true' ;;
@@ -54,6 +55,7 @@ for s in "${steps[@]}"; do
     fsdp2bench) step fsdp2bench "${FSDP2_SECS:-330}" python3 benchmarks/gpu/bench_fsdp2.py ${FSDP2_ARGS:-} ;;
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
     weightsync) step weightsync 300 python3 benchmarks/gpu/bench_weight_sync.py ${WEIGHTSYNC_ARGS:-} ;;
+    weightsio) step weightsio "${WEIGHTSIO_SECS:-150}" python3 benchmarks/gpu/bench_weights_io.py ${WEIGHTSIO_ARGS:-} ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done
