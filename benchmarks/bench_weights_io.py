@@ -23,8 +23,12 @@ must fit in free memory); ``cold`` asks the kernel to drop each file's cached pa
 (``posix_fadvise(DONTNEED)``, no root needed) before every raw read and load, so all read from the
 disk (a page another process maps stays cached, so treat cold figures as an upper bound on disk speed).
 
+Link (``--world`` > 1): the broadcasts ``load_hf`` makes, alone: rounds of ``--bucket-mb`` in which each
+rank broadcasts its share, 3 GiB in all; every byte loaded crosses it once, so it bounds ``load_hf``
+from above as the raw read does.
+
 Prints one JSON object (also written to ``OUT/weights_io.json``) with GB/s (10^9 bytes of tensor data
-per second) and the ratios to the raw read / write speeds. ``--tiny`` runs a 4-layer hidden-256 model
+per second) and the ratios to the raw read / write speeds and to the link. ``--tiny`` runs a 4-layer hidden-256 model
 (a few MB) for tests. ``--verify`` checks that the exported files hold the source tensors bit for bit.
 """
 
@@ -197,6 +201,27 @@ def _timed(fn: Any, device: Any) -> float:
     return _slowest(time.perf_counter() - t0, device)
 
 
+def link_seconds(bucket: int, rounds: int, device: Any) -> list[float]:
+    """The link alone, as ``load_hf`` uses it: ``rounds`` rounds in which every rank broadcasts its
+    ``bucket / world`` bytes to the others (async, all owners at once). Returns the slowest rank's
+    seconds for all rounds, best of 2. Empty with one rank (no link)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world == 1:
+        return []
+    bufs = [torch.empty(bucket // world, dtype=torch.uint8, device=device) for _ in range(world)]
+
+    def go() -> None:
+        for _ in range(rounds):
+            works = [dist.broadcast(b, src=r, async_op=True) for r, b in enumerate(bufs)]
+            for w in works:
+                assert w is not None
+                w.wait()
+
+    return [_timed(go, device) for _ in range(2)]
+
+
 def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -220,6 +245,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
         EngineConfig(model=ModelConfig(path=str(model)), optim=OptimConfig(lr=1e-5), param_dtype="bfloat16")
     )
     res: dict[str, Any] = {"build_s": _slowest(time.perf_counter() - t0, cdev)}
+    res["link_s"] = link_seconds(
+        args.bucket_mb << 20, max(1, round(3 * 2**30 / (args.bucket_mb << 20))), cdev
+    )
     loader = FSDP2WeightLoader(load_bucket_bytes=args.bucket_mb << 20)
     loads: dict[str, list[float]] = {"load_hf": [], "old_sequential_load": []}
     read: dict[str, int] = {}
@@ -343,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         }
         if f"{label}_bit_equal" in res:
             report[label]["bit_equal_to_source"] = res[f"{label}_bit_equal"]
+    if res["link_s"]:
+        link_bytes = (
+            (args.bucket_mb << 20)
+            // args.world
+            * args.world
+            * max(1, round(3 * 2**30 / (args.bucket_mb << 20)))
+        )
+        link_gbps = link_bytes / min(res["link_s"]) / 1e9
+        report["link_broadcast_gbps"] = round(link_gbps, 3)
+        report["load_hf"]["ratio_to_link"] = round(gbps(min(res["load_hf_s"])) / link_gbps, 3)
     report["load_speedup_vs_old"] = round(min(res["old_sequential_load_s"]) / min(res["load_hf_s"]), 3)
     report["export_speedup_vs_sequential"] = round(
         min(res["sequential_export_s"]) / min(res["export_hf_s"]), 3

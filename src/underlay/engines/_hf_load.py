@@ -13,19 +13,19 @@ Every byte of the files is read once, by one rank, and reaches the other ranks t
    model). Each engine parameter is then assigned to the rank holding most of its bytes, and
    parameters are grouped into rounds: in each round every rank contributes its next parameters
    up to ``bucket_bytes / world`` bytes (at least one), so all ranks read in every round.
-3. **Rounds** (``load_rounds``): a reader thread per rank reads its bytes of the next round into
-   one of two host buffers (plain ``read`` calls straight into the buffer, ``read_entries``) while
-   the main thread broadcasts the current round, each rank's buffer from that rank (gloo: host
-   memory; nccl: the buffer goes to the device first; one rank on an accelerator: the buffer goes to
-   the device in one copy), rebuilds the HF tensors as views of the
-   buffers, converts each parameter (``rule.from_hf``) and copies it into the shards
-   (``engine.copy_full_parameter``). One small all-reduce per round agrees that every rank's read
-   succeeded, so a read failing after validation raises on every rank (the parameters of the
-   earlier rounds are then already loaded).
+3. **Rounds** (``load_rounds``): a reader thread per rank reads its bytes of round ``k+2`` into
+   one of three host buffers (plain ``read`` calls straight into the buffer, ``read_entries``) while
+   the main thread broadcasts round ``k+1`` (each rank's buffer from that rank; gloo: host memory;
+   nccl: the buffer goes to the device first; one rank on an accelerator: the buffer goes to the
+   device in one copy) and, while those broadcasts are in flight, converts round ``k``: the HF
+   tensors are views of the buffers, each parameter is built (``rule.from_hf``) and copied into the
+   shards (``engine.copy_full_parameter``). Reading, the link and conversion thus overlap. One small
+   all-reduce per round agrees that every rank's read succeeded, so a read failing after validation
+   raises on every rank (the parameters of the earlier rounds are then already loaded).
 
-Memory beyond the model, per rank: the current round's buffers (about ``bucket_bytes``, more when a
-single parameter's tensors are larger), one prefetched buffer of this rank's share of the next round
-(about ``bucket_bytes / world``), and one full parameter being converted.
+Memory beyond the model, per rank: two rounds' buffers (each about ``bucket_bytes``, more when a
+single parameter's tensors are larger), this rank's share of a third (about ``bucket_bytes / world``),
+and one full parameter being converted.
 """
 
 from __future__ import annotations
@@ -218,14 +218,14 @@ def schedule(wmap: WeightMap, plan: LoadPlan, world: int, bucket_bytes: int) -> 
 
 
 class _Reader:
-    """This rank's reader thread: fills one of two host buffers with its bytes of each round, in
+    """This rank's reader thread: fills one of three host buffers with its bytes of each round, in
     order, and hands them over through ``ready`` (a buffer is refilled only after ``release``)."""
 
     def __init__(self, rounds: Sequence[Round], rank: int, pin: bool) -> None:
         self.rounds, self.rank = rounds, rank
         size = max((r.sizes[rank] for r in rounds), default=0)
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(2 if len(rounds) > 1 else 1):
+        for _ in range(min(3, len(rounds))):  # one being read, one broadcast, one converted
             self.free.put(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
         self.ready: queue.Queue[tuple[torch.Tensor | None, int, BaseException | None]] = queue.Queue()
         self.stop = threading.Event()
@@ -287,7 +287,24 @@ def load_rounds(
     rank, world = _world()
     device = _transfer_device(world)
     reader = _Reader(rounds, rank, pin=device.type != "cpu")
-    error: BaseException | None = None  # of the previous round's conversion, agreed with the next read
+    error: BaseException | None = None  # of a conversion, agreed with the next round's read
+
+    def convert(rnd: Round, bufs: list[torch.Tensor]) -> int:
+        nonlocal error
+        loaded = 0
+        try:
+            tensors = _views(rnd, bufs)
+            for rule in rnd.rules:
+                full = rule.from_hf({hf: tensors[plan.source[hf]] for hf in rule.hf_names})
+                engine.copy_full_parameter(rule.engine_name, full)
+                del full
+                loaded += len(rule.hf_names)
+        except Exception as exc:  # agreed at the next round, or by the caller after the last
+            error = exc
+        return loaded
+
+    # round k+1's broadcasts run while round k is converted (two rounds of buffers live at once)
+    pending: tuple[Round, list[torch.Tensor], torch.Tensor | None, int] | None = None
     try:
         for rnd in rounds:
             own, nbytes, read_error = reader.ready.get()
@@ -300,11 +317,11 @@ def load_rounds(
                 cause=error,
             )
             assert own is not None
-            mine = own[: rnd.sizes[rank]]
             bufs: list[torch.Tensor] = []
             works = []
             for r in range(world):
                 if r == rank:
+                    mine = own[: rnd.sizes[rank]]
                     buf = mine.to(device) if device.type != "cpu" else mine
                 else:
                     buf = torch.empty(rnd.sizes[r], dtype=torch.uint8, device=device)
@@ -314,25 +331,20 @@ def load_rounds(
             if device.type != "cpu":
                 reader.release(own)  # the device copy above was synchronous
                 own = None
+            if pending is not None:
+                loaded = convert(pending[0], pending[1])
+                if pending[2] is not None:
+                    reader.release(pending[2])
+                yield loaded, pending[3]
             for work in works:
                 assert work is not None
                 work.wait()
-            loaded = 0
-            try:
-                tensors = _views(rnd, bufs)
-                for rule in rnd.rules:
-                    full = rule.from_hf({hf: tensors[plan.source[hf]] for hf in rule.hf_names})
-                    engine.copy_full_parameter(rule.engine_name, full)
-                    del full
-                    loaded += len(rule.hf_names)
-                del tensors
-            except Exception as exc:  # agreed at the next round, or by the caller after the last
-                error = exc
-            del bufs, mine
-            if own is not None:
-                reader.release(own)
-            yield loaded, nbytes
+            pending = (rnd, bufs, own, nbytes)
+        if pending is not None:
+            loaded = convert(pending[0], pending[1])
+            yield loaded, pending[3]
     finally:
+        pending = None
         reader.close()
     if error is not None:
         raise error

@@ -61,10 +61,11 @@ def load_hf_into(
     Reading is split across ranks (``underlay.engines._hf_load``): each rank validates about
     ``1/world`` of the file headers and reads about ``1/world`` of the tensor bytes (contiguous runs
     in file order, cut between tensors; a single file is split by tensor), once, and the bytes
-    reach every rank by broadcast, in rounds of about ``bucket_bytes`` (the bound on this call's
-    extra host memory, with one prefetched share of the next round and one full parameter; a
-    single parameter larger than a round's share makes its round larger). Then each engine parameter
-    is built from its HF tensors (``rule.from_hf``) and copied into the shards.
+    reach every rank by broadcast, in rounds of about ``bucket_bytes``; each engine parameter is
+    built from its HF tensors (``rule.from_hf``) and copied into the shards while the next round is
+    broadcast and the one after is read. Extra memory per rank: about ``2 * bucket_bytes`` (two
+    rounds; a single parameter larger than a round's share makes its round larger), one prefetched
+    share of a third round and one full parameter.
 
     ``LoadReport.loaded`` counts HF tensors loaded; ``missing`` lists the expected HF names not found;
     ``bytes_read`` is the tensor bytes this rank read from the files. ``InvalidInput`` for a
@@ -103,8 +104,8 @@ class FSDP2WeightLoader:
     from rank 0 (written while gathering), driven by the engine's ``weight_map`` through the
     ``ParallelEngine`` protocol.
 
-    ``load_bucket_bytes``: the bytes broadcast per loading round (bounds loading's extra host memory,
-    see ``load_hf_into``). ``export_buffer_bytes``: gathered tensors rank 0 may hold while its writer
+    ``load_bucket_bytes``: the bytes broadcast per loading round (loading's extra host memory is about
+    twice that, see ``load_hf_into``). ``export_buffer_bytes``: gathered tensors rank 0 may hold while its writer
     thread catches up (``0``: rank 0 writes each tensor before gathering the next). Memory: export
     holds one full engine parameter on every rank, and on rank 0 up to ``export_buffer_bytes`` of
     converted tensors (a larger single tensor is admitted alone); never a whole shard.
