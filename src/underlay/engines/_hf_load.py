@@ -303,10 +303,13 @@ def load_rounds(
             error = exc
         return loaded
 
-    # round k+1's broadcasts run while round k is converted (two rounds of buffers live at once)
+    # round k+1's broadcasts run while round k is converted (two rounds of buffers live at once);
+    # round k+2 reuses round k's buffers, whose conversion finished before it starts
+    largest = [max((rnd.sizes[r] for rnd in rounds), default=0) for r in range(world)]
+    slots: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] = ([None] * world, [None] * world)
     pending: tuple[Round, list[torch.Tensor], torch.Tensor | None, int] | None = None
     try:
-        for rnd in rounds:
+        for k, rnd in enumerate(rounds):
             own, nbytes, read_error = reader.ready.get()
             error = error or read_error
             agree(
@@ -319,12 +322,17 @@ def load_rounds(
             assert own is not None
             bufs: list[torch.Tensor] = []
             works = []
+            slot = slots[k % 2]
             for r in range(world):
-                if r == rank:
-                    mine = own[: rnd.sizes[rank]]
-                    buf = mine.to(device) if device.type != "cpu" else mine
-                else:
-                    buf = torch.empty(rnd.sizes[r], dtype=torch.uint8, device=device)
+                if r == rank and device.type == "cpu":
+                    buf = own[: rnd.sizes[rank]]
+                else:  # reused per round parity: fresh pages per round cost page faults
+                    held = slot[r]
+                    if held is None:
+                        held = slot[r] = torch.empty(largest[r], dtype=torch.uint8, device=device)
+                    buf = held[: rnd.sizes[r]]
+                    if r == rank:
+                        buf.copy_(own[: rnd.sizes[rank]])
                 if world > 1 and rnd.sizes[r]:
                     works.append(dist.broadcast(buf, src=r, async_op=True))
                 bufs.append(buf)
