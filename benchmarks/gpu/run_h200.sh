@@ -10,6 +10,7 @@
 # LONGSEQ_ARGS / LONGSEQ_SECS: arguments and time limit of the longseq step (65,536-token recompute vs activation offload)
 # DEFAULTS_MODELS: which models the defaults step runs (default "qwen2 llama qwen3_4b")
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
+# WEIGHTSIO_ARGS / WEIGHTSIO_SECS: extra arguments (e.g. "--cache cold") and time limit of the weightsio step
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
 # Steps not in the default list: 'defaults' runs bench_fsdp2.py per model, defaults vs tuned (qwen2-1.5b,
 # llama-3.2-1b, qwen3-4b; ~540 s); 'offload8b' a Qwen3-8B shape with the defaults (they choose optimizer
@@ -42,7 +43,7 @@ step() {  # name, seconds, command...
   tail -n "${TAIL:-30}" "$LOGS/$name.log"
 }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench vlm longseq demo weightsync)
+[ ${#steps[@]} -eq 0 ] && steps=(env conformance gputests attention models logprob fp8 nvtx fsdp2check fsdp2bench vlm longseq demo weightsync weightsio)
 for s in "${steps[@]}"; do
   case $s in
     env) step env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import sys,torch,triton,transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__)"; git log -1 --format=%H 2>/dev/null || true' ;;
@@ -75,6 +76,7 @@ for s in "${steps[@]}"; do
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
     longseq) step longseq "${LONGSEQ_SECS:-200}" python3 benchmarks/gpu/bench_long_seq.py --out "$OUT/longseq" ${LONGSEQ_ARGS:-} ;;
     weightsync) step weightsync 300 python3 benchmarks/gpu/bench_weight_sync.py ${WEIGHTSYNC_ARGS:-} ;;
+    weightsio) step weightsio "${WEIGHTSIO_SECS:-150}" python3 benchmarks/gpu/bench_weights_io.py ${WEIGHTSIO_ARGS:-} ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;
   esac
 done

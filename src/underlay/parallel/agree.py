@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from underlay.interfaces import UnderlayError
 
-__all__ = ["agree", "agreed", "describe"]
+__all__ = ["agree", "agreed", "collective_device", "describe"]
 
 
 def describe(error: BaseException | None) -> str:
@@ -34,9 +34,10 @@ def describe(error: BaseException | None) -> str:
     return "" if error is None else f"{type(error).__name__}: {error}"
 
 
-def _collective_device(group: Any) -> torch.device:
-    """Where a tensor must live for a collective on ``group``: host memory for gloo, the current
-    accelerator otherwise (nccl/hccl only reduce device tensors)."""
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor must live for a collective on ``group`` (default: the world): host memory for
+    gloo, the current accelerator otherwise (nccl/hccl only move device tensors). Needs an
+    initialised process group."""
     backend = str(dist.get_backend(group))
     if backend == "gloo" or "gloo" in backend.split(","):
         return torch.device("cpu")
@@ -67,7 +68,7 @@ def agree(
         if not ok:
             raise error_type(f"{what} failed: {reason or 'no reason given'}") from cause
         return
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=_collective_device(group))
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
     failed = int(flag.item())
     if failed == 0:

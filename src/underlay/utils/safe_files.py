@@ -12,7 +12,9 @@ so they live here):
   ``recover_directory`` puts a crashed swap back together.
 - ``read_safetensors_dir``: the tensors of a Hugging Face directory (following
   ``model.safetensors.index.json`` when present) with every file's header validated (names, shapes,
-  dtypes, sizes: a truncated file is refused) before one tensor is read.
+  dtypes, sizes: a truncated file is refused) before one tensor is read; its three steps
+  (``safetensors_files``, ``read_safetensors_header``, ``merge_safetensors_headers``) are public so
+  ranks can validate disjoint files, and ``read_entries`` reads validated byte ranges with plain reads.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pickle
 import shutil
 import struct
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +38,9 @@ from underlay.interfaces import CheckpointError
 
 __all__ = [
     "DCP_METADATA_CLASSES",
+    "INDEX_FILE",
     "MANIFEST_FILE",
+    "SAFETENSORS_DTYPES",
     "SafetensorsEntry",
     "abort_directory",
     "atomic_directory",
@@ -47,9 +51,13 @@ __all__ = [
     "fsync_tree",
     "iter_safetensors",
     "list_files",
+    "merge_safetensors_headers",
+    "read_entries",
     "read_safetensors_dir",
+    "read_safetensors_header",
     "recover_directory",
     "restricted_load",
+    "safetensors_files",
     "verify_manifest",
     "write_manifest",
 ]
@@ -311,7 +319,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
 # ------------------------------------------------------------------------------- safetensors
 
 
-_ST_DTYPES: dict[str, torch.dtype] = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {  # the safetensors dtype names underlay reads and writes
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -331,11 +339,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class SafetensorsEntry:
-    """One tensor of a safetensors directory: its file, shape and dtype (from the validated header)."""
+    """One tensor of a safetensors directory, from its validated header: the file, shape, dtype and
+    where its bytes lie in the file (``offset``: absolute byte position, ``nbytes``: length)."""
 
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int
+    nbytes: int
 
 
 def _header(path: Path) -> dict[str, SafetensorsEntry]:
@@ -343,7 +354,7 @@ def _header(path: Path) -> dict[str, SafetensorsEntry]:
     matching its dtype and shape and lying inside the file (a truncated file fails here)."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with open(path, "rb", buffering=0) as fh:  # unbuffered: read the header, not 8 KiB of data
             head = fh.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header (truncated)")
@@ -363,7 +374,7 @@ def _header(path: Path) -> dict[str, SafetensorsEntry]:
         if name == "__metadata__":
             continue
         try:
-            dtype = _ST_DTYPES[info["dtype"]]
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -376,7 +387,7 @@ def _header(path: Path) -> dict[str, SafetensorsEntry]:
                 f"{path}: tensor {name!r} spans {end - start} bytes, {shape} {dtype} needs {numel * dtype.itemsize}"
             )
         end_max = max(end_max, end)
-        out[name] = SafetensorsEntry(path, shape, dtype)
+        out[name] = SafetensorsEntry(path, shape, dtype, 8 + n + start, end - start)
     if 8 + n + end_max > size:
         raise CheckpointError(
             f"{path}: {size} bytes, its header describes {8 + n + end_max}: the file is truncated"
@@ -384,60 +395,130 @@ def _header(path: Path) -> dict[str, SafetensorsEntry]:
     return out
 
 
-def read_safetensors_dir(directory: Path) -> dict[str, SafetensorsEntry]:
-    """Every tensor of a Hugging Face safetensors directory, validated before anything is loaded.
-
-    With ``model.safetensors.index.json``: exactly the files its ``weight_map`` names are read, each
-    must hold exactly the tensors mapped to it, and a ``*.safetensors`` file the index does not name
-    (a stale shard of an earlier export) is refused. Without an index: every ``*.safetensors`` file,
-    and a name in two files is refused. Every header is validated (``_header``). Raises
-    ``CheckpointError`` naming the file and the cause."""
+def safetensors_files(directory: Path) -> dict[Path, frozenset[str] | None]:
+    """The safetensors files of a Hugging Face directory, each with the tensor names
+    ``model.safetensors.index.json`` assigns to it (``None`` without an index), sorted by path. Reads
+    the index only, no file header. With an index: exactly the files its ``weight_map`` names, all
+    present, and no other ``*.safetensors`` file (a stale shard of an earlier export is refused).
+    Without one: every ``*.safetensors`` file. Raises ``CheckpointError`` naming the cause."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; give a local HF model directory")
     present = sorted(p.name for p in directory.glob("*.safetensors"))
     index_path = directory / INDEX_FILE
-    where: dict[str, SafetensorsEntry] = {}
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
-            raise CheckpointError(f"{index_path}: unreadable index ({exc})") from exc
-        by_file: dict[str, set[str]] = {}
-        for name, fname in weight_map.items():
-            by_file.setdefault(str(fname), set()).add(str(name))
-        stale = sorted(set(present) - set(by_file))
-        if stale:
+    if not index_path.is_file():
+        if not present:
             raise CheckpointError(
-                f"{directory}: {stale[:5]} are not in {INDEX_FILE} (left over from another export?); "
-                "remove them or re-export into an empty directory"
+                f"no *.safetensors in {directory}; convert the weights to safetensors first"
             )
-        for fname, names in sorted(by_file.items()):
-            f = directory / fname
-            if not f.is_file():
-                raise CheckpointError(f"{f}: named by {INDEX_FILE} but missing")
-            header = _header(f)
-            if set(header) != names:
-                extra = sorted(set(header) - names)[:3]
-                lost = sorted(names - set(header))[:3]
-                raise CheckpointError(
-                    f"{f}: disagrees with {INDEX_FILE} (in the file only: {extra}, in the index only: "
-                    f"{lost}); the directory mixes two exports"
-                )
-            where.update(header)
-        return where
-    if not present:
-        raise CheckpointError(f"no *.safetensors in {directory}; convert the weights to safetensors first")
-    for fname in present:
-        for name, entry in _header(directory / fname).items():
+        return {directory / f: None for f in present}
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise CheckpointError(f"{index_path}: unreadable index ({exc})") from exc
+    by_file: dict[str, set[str]] = {}
+    for name, fname in weight_map.items():
+        by_file.setdefault(str(fname), set()).add(str(name))
+    stale = sorted(set(present) - set(by_file))
+    if stale:
+        raise CheckpointError(
+            f"{directory}: {stale[:5]} are not in {INDEX_FILE} (left over from another export?); "
+            "remove them or re-export into an empty directory"
+        )
+    out: dict[Path, frozenset[str] | None] = {}
+    for fname, names in sorted(by_file.items()):
+        f = directory / fname
+        if not f.is_file():
+            raise CheckpointError(f"{f}: named by {INDEX_FILE} but missing")
+        out[f] = frozenset(names)
+    return out
+
+
+def read_safetensors_header(path: Path, names: frozenset[str] | None = None) -> dict[str, SafetensorsEntry]:
+    """The validated header of one safetensors file (``_header``: every byte range inside the file,
+    so a truncated file is refused); with ``names`` (from ``safetensors_files``) the file must hold
+    exactly those tensors. ``CheckpointError`` naming the file and the cause."""
+    header = _header(Path(path))
+    if names is not None and set(header) != names:
+        extra = sorted(set(header) - names)[:3]
+        lost = sorted(names - set(header))[:3]
+        raise CheckpointError(
+            f"{path}: disagrees with {INDEX_FILE} (in the file only: {extra}, in the index only: "
+            f"{lost}); the directory mixes two exports"
+        )
+    return header
+
+
+def merge_safetensors_headers(
+    directory: Path, headers: Iterable[Mapping[str, SafetensorsEntry]]
+) -> dict[str, SafetensorsEntry]:
+    """One name -> entry map from the headers of a directory's files (in file order).
+    ``CheckpointError`` when a name is in two files (two exports mixed; with an index this cannot
+    pass ``read_safetensors_header``)."""
+    where: dict[str, SafetensorsEntry] = {}
+    for header in headers:
+        for name, entry in header.items():
             if name in where:
                 raise CheckpointError(
-                    f"{directory}: tensor {name!r} is in both {where[name].file.name} and {fname} "
-                    f"(two exports mixed, and no {INDEX_FILE} says which is current)"
+                    f"{directory}: tensor {name!r} is in both {where[name].file.name} and "
+                    f"{entry.file.name} (two exports mixed, and no {INDEX_FILE} says which is current)"
                 )
             where[name] = entry
     return where
+
+
+def read_safetensors_dir(directory: Path) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a Hugging Face safetensors directory, validated before anything is loaded:
+    ``safetensors_files`` (the index followed and checked), then every file's header
+    (``read_safetensors_header``), then ``merge_safetensors_headers``. Raises ``CheckpointError``
+    naming the file and the cause."""
+    files = safetensors_files(directory)
+    return merge_safetensors_headers(
+        directory, [read_safetensors_header(f, names) for f, names in files.items()]
+    )
+
+
+def read_entries(reads: Sequence[tuple[SafetensorsEntry, torch.Tensor]]) -> int:
+    """Read the bytes of each entry straight into its destination, a contiguous 1-D ``uint8`` cpu
+    tensor of exactly ``entry.nbytes`` elements, with plain ``read`` system calls (unbuffered, no
+    memory map, no intermediate copy); each file is opened once, entries are read in the given order.
+    Returns the bytes read. ``CheckpointError`` naming the file for an I/O error or a file shorter
+    than its header said (it changed after validation)."""
+    total = 0
+    handle: IO[bytes] | None = None
+    current: Path | None = None
+    try:
+        for entry, out in reads:
+            if out.dtype != torch.uint8 or out.device.type != "cpu" or out.numel() != entry.nbytes:
+                raise CheckpointError(
+                    f"read_entries: destination of {entry.file} @ {entry.offset} must be {entry.nbytes} "
+                    f"uint8 bytes on the cpu, got {out.numel()} {out.dtype} on {out.device}"
+                )
+            if entry.file != current:
+                if handle is not None:
+                    handle.close()
+                current = entry.file
+                handle = open(entry.file, "rb", buffering=0)  # noqa: SIM115 (closed below)
+            assert handle is not None
+            view = out.numpy().data.cast("B")
+            handle.seek(entry.offset)
+            done = 0
+            while done < entry.nbytes:
+                got = handle.readinto(view[done:])  # type: ignore[attr-defined]
+                if not got:
+                    raise CheckpointError(
+                        f"{entry.file}: ended {entry.nbytes - done} bytes early at offset "
+                        f"{entry.offset + done} (the file changed after its header was validated)"
+                    )
+                done += got
+            total += done
+    except OSError as exc:
+        raise CheckpointError(f"{current}: reading failed ({type(exc).__name__}: {exc})") from exc
+    finally:
+        if handle is not None:
+            handle.close()
+    return total
 
 
 def iter_safetensors(

@@ -1,28 +1,31 @@
-"""``FSDP2WeightLoader``: Hugging Face safetensors <-> FSDP2 shards, one tensor at a time."""
+"""``FSDP2WeightLoader``: Hugging Face safetensors <-> FSDP2 shards.
+
+Loading splits the file reads across ranks and broadcasts the bytes (``underlay.engines._hf_load``);
+export streams the gathered tensors to a writer thread on rank 0 (``underlay.engines._hf_export``)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine, WeightMap
+from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, StreamingShardWriter
+from underlay.engines._hf_load import (
+    DEFAULT_LOAD_BUCKET_BYTES,
+    LoadPlan,
+    gather_headers,
+    load_rounds,
+    plan_load,
+    schedule,
+)
+from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
 from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
-from underlay.utils.safe_files import (
-    SafetensorsEntry,
-    abort_directory,
-    atomic_directory,
-    begin_directory,
-    commit_directory,
-    read_safetensors_dir,
-)
+from underlay.utils.safe_files import abort_directory, atomic_directory, begin_directory, commit_directory
 
 __all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into"]
 
@@ -39,117 +42,101 @@ TOKENIZER_FILES = (
 )
 
 
-def load_hf_into(engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
+def load_hf_into(
+    engine: ParallelEngine,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    bucket_bytes: int = DEFAULT_LOAD_BUCKET_BYTES,
+) -> LoadReport:
     """``FSDP2WeightLoader.load_hf`` as a function (the engine calls it while it materialises; it only
     uses the ``ParallelEngine`` protocol: ``weight_map`` and ``copy_full_parameter``).
 
     Every HF name the map expects is looked up in the file headers (a tied alias stands in for its
     canonical name), names and shapes are all checked before any parameter changes: a shape mismatch
     always raises ``CheckpointError``; with ``strict``, missing names (except those of ``optional``
-    rules) and unexpected names (neither expected, tied nor ``ignored``) raise it too. Then each engine
-    parameter is built from its HF tensors (``rule.from_hf``) and copied into the shards, one at a time.
-    ``LoadReport.loaded`` counts HF tensors read; ``missing`` lists the expected HF names not found.
-    Collective (each rank reads the files itself)."""
+    rules) and unexpected names (neither expected, tied nor ``ignored``) raise it too. A bad header or
+    index found by any rank raises on every rank, before any change.
+
+    Reading is split across ranks (``underlay.engines._hf_load``): each rank validates about
+    ``1/world`` of the file headers and reads about ``1/world`` of the tensor bytes (contiguous runs
+    in file order, cut between tensors; a single file is split by tensor), once, and the bytes
+    reach every rank by broadcast, in rounds of about ``bucket_bytes``; each engine parameter is
+    built from its HF tensors (``rule.from_hf``) and copied into the shards while the next round is
+    broadcast and the one after is read. Extra memory per rank: about ``2 * bucket_bytes`` (two
+    rounds; a single parameter larger than a round's share makes its round larger), one prefetched
+    share of a third round and one full parameter.
+
+    ``LoadReport.loaded`` counts HF tensors loaded; ``missing`` lists the expected HF names not found;
+    ``bytes_read`` is the tensor bytes this rank read from the files. ``InvalidInput`` for a
+    ``bucket_bytes`` that is not an int >= 1. Collective."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise InvalidInput(f"load_hf: bucket_bytes={bucket_bytes!r} must be an int >= 1")
     wmap = engine.weight_map
-    error: CheckpointError | None = None
-    plan: tuple[dict[str, SafetensorsEntry], dict[str, str], tuple[str, ...], tuple[str, ...]] | None = None
+    path = Path(path)
+    where = gather_headers(path)  # collective; raises on every rank for a bad file on any
+    error: BaseException | None = None
+    plan: LoadPlan | None = None
     try:
-        plan = _plan_load(wmap, Path(path), strict)
+        plan = plan_load(wmap, where, path, strict)
     except CheckpointError as exc:
         error = exc
-    # each rank validated the files itself: all go on, or all raise (no rank left in a barrier)
+    # every rank checked the same entries: all go on, or all raise (no rank left in a collective)
     agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
     assert plan is not None
-    where, source, missing, unexpected = plan
-    from safetensors import safe_open
-
+    rounds = schedule(wmap, plan, _world_size(), bucket_bytes)
     loaded, nbytes = 0, 0
     try:
-        with contextlib.ExitStack() as stack:
-            files = sorted({where[src].file for src in source.values()})
-            handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files}
-            for rule in wmap.rules:
-                if any(hf not in source for hf in rule.hf_names):
-                    continue
-                tensors: dict[str, torch.Tensor] = {}
-                for hf in rule.hf_names:
-                    entry = where[source[hf]]
-                    try:
-                        tensors[hf] = handles[entry.file].get_tensor(source[hf])
-                    except Exception as exc:  # the file changed after validation
-                        raise CheckpointError(f"{entry.file}: cannot read {source[hf]!r} ({exc})") from exc
-                nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
-                full = rule.from_hf(tensors)
-                del tensors
-                engine.copy_full_parameter(rule.engine_name, full)
-                del full
-                loaded += len(rule.hf_names)
-    except CheckpointError as exc:
+        for n, b in load_rounds(engine, plan, rounds, path):
+            loaded, nbytes = loaded + n, nbytes + b
+    except Exception as exc:
         error = exc
-    agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
-    return LoadReport(loaded=loaded, missing=missing, unexpected=unexpected, bytes_read=nbytes)
+    agree(error is None, describe(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
+    return LoadReport(loaded=loaded, missing=plan.missing, unexpected=plan.unexpected, bytes_read=nbytes)
 
 
-def _plan_load(
-    wmap: WeightMap, path: Path, strict: bool
-) -> tuple[dict[str, SafetensorsEntry], dict[str, str], tuple[str, ...], tuple[str, ...]]:
-    """Validate the HF directory ``path`` against ``wmap`` without changing any parameter: the file
-    entries (``read_safetensors_dir``: index followed, headers and sizes checked), the file name each
-    expected HF name is read from (a tied alias stands in for its canonical name), and the missing and
-    unexpected names. ``CheckpointError`` for a shape mismatch, int/bool data for a float parameter or,
-    with ``strict``, required missing or unexpected names."""
-    where = read_safetensors_dir(path)
-    expected: dict[str, tuple[int, ...]] = {}
-    for rule in wmap.rules:
-        expected.update(rule.hf_shapes())
-    aliases: dict[str, list[str]] = {}
-    for alias, canonical in wmap.tied.items():
-        aliases.setdefault(canonical, []).append(alias)
-    source: dict[str, str] = {}
-    for hf in expected:
-        for candidate in (hf, *aliases.get(hf, ())):
-            if candidate in where:
-                source[hf] = candidate
-                break
-    missing = tuple(hf for hf in expected if hf not in source)
-    required_missing = [hf for hf in missing if not (r := wmap.rule_for_hf(hf)) or not r.optional]
-    unexpected = tuple(
-        sorted(n for n in where if n not in expected and n not in wmap.tied and not wmap.is_ignored(n))
-    )
-    bad = [
-        f"{hf}: file {where[src].shape} != model {expected[hf]}"
-        for hf, src in source.items()
-        if where[src].shape != expected[hf]
-    ]
-    bad += [
-        f"{hf}: file dtype {where[src].dtype} for a floating-point parameter"
-        for hf, src in source.items()
-        if not where[src].dtype.is_floating_point
-    ]
-    if bad:
-        raise CheckpointError(
-            f"load_hf({path}): shape mismatch (or int/bool data for a float parameter) in {len(bad)} "
-            f"tensors, e.g. {bad[:3]}; the weights belong to another model configuration"
-        )
-    if strict and (required_missing or unexpected):
-        raise CheckpointError(
-            f"load_hf({path}): missing {required_missing[:5]} ({len(required_missing)} in all), unexpected "
-            f"{list(unexpected[:5])} ({len(unexpected)} in all); fix the model config or pass strict=False"
-        )
-    return where, source, missing, unexpected
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class FSDP2WeightLoader:
-    """Streams safetensors into FSDP2 shards and exports full HF checkpoints from rank 0, driven by the
-    engine's ``weight_map`` through the ``ParallelEngine`` protocol.
+    """Loads safetensors into FSDP2 shards (reads split across ranks) and exports full HF checkpoints
+    from rank 0 (written while gathering), driven by the engine's ``weight_map`` through the
+    ``ParallelEngine`` protocol.
 
-    Memory: loading holds, per rank, the HF tensors of one engine parameter and that parameter's full
-    value; export holds one full engine parameter on every rank and at most one output shard
-    (``max_shard_bytes``) on rank 0.
+    ``load_bucket_bytes``: the bytes broadcast per loading round (loading's extra host memory is about
+    twice that, see ``load_hf_into``). ``export_buffer_bytes``: gathered tensors rank 0 may hold while its writer
+    thread catches up (``0``: rank 0 writes each tensor before gathering the next). Memory: export
+    holds one full engine parameter on every rank, and on rank 0 up to ``export_buffer_bytes`` of
+    converted tensors (a larger single tensor is admitted alone); never a whole shard.
     """
 
-    def __init__(self, device: Device | None = None) -> None:
+    def __init__(
+        self,
+        device: Device | None = None,
+        *,
+        load_bucket_bytes: int = DEFAULT_LOAD_BUCKET_BYTES,
+        export_buffer_bytes: int = DEFAULT_EXPORT_BUFFER_BYTES,
+    ) -> None:
+        if (
+            isinstance(load_bucket_bytes, bool)
+            or not isinstance(load_bucket_bytes, int)
+            or load_bucket_bytes < 1
+        ):
+            raise InvalidInput(
+                f"FSDP2WeightLoader: load_bucket_bytes={load_bucket_bytes!r} must be an int >= 1"
+            )
+        if (
+            isinstance(export_buffer_bytes, bool)
+            or not isinstance(export_buffer_bytes, int)
+            or export_buffer_bytes < 0
+        ):
+            raise InvalidInput(
+                f"FSDP2WeightLoader: export_buffer_bytes={export_buffer_bytes!r} must be an int >= 0"
+            )
         self._device = device
+        self._load_bucket_bytes = load_bucket_bytes
+        self._export_buffer_bytes = export_buffer_bytes
 
     @property
     def name(self) -> str:
@@ -159,7 +146,7 @@ class FSDP2WeightLoader:
     def load_hf(self, engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
         """Load every HF tensor of ``path`` that ``engine.weight_map`` names into ``engine``'s shards
         (LoRA adapters are not part of HF files and are left alone); see ``load_hf_into``."""
-        return load_hf_into(engine, path, strict=strict)
+        return load_hf_into(engine, path, strict=strict, bucket_bytes=self._load_bucket_bytes)
 
     def iter_hf_tensors(self, engine: ParallelEngine) -> Iterator[tuple[str, torch.Tensor]]:
         """Full fp32 tensors with HF names (LoRA merged), one engine parameter at a time, in
@@ -176,9 +163,13 @@ class FSDP2WeightLoader:
     ) -> Path | None:
         """Rank 0 writes ``config.json``, ``model-XXXXX-of-YYYYY.safetensors`` shards of at most
         ``max_shard_bytes`` (a larger tensor gets a shard of its own), ``model.safetensors.index.json``
-        and the tokenizer and processor files (``models.PROCESSOR_FILES``) of the source directory when it had them. Tensors are gathered one
-        at a time in ``dtype`` (default: the engine's ``param_dtype``); LoRA models export merged
-        weights. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere."""
+        and the tokenizer and processor files (``models.PROCESSOR_FILES``) of the source directory when it
+        had them. Tensors are gathered one at a time in ``dtype`` (default: the engine's ``param_dtype``)
+        and written by a writer thread while the next ones are gathered (``export_buffer_bytes``); LoRA
+        models export merged weights. The export is built in a fresh sibling directory and swapped in
+        whole (fsynced): ``out_dir`` holds the complete new export or what it held before. Collective;
+        returns ``out_dir`` on rank 0, ``None`` elsewhere; ``CheckpointError`` on every rank when rank 0
+        fails."""
         eng = engine
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
             raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be an int >= 1")
@@ -194,11 +185,14 @@ class FSDP2WeightLoader:
         rank0 = current_rank() == 0
         error: BaseException | None = None
         tmp: Path | None = None
-        writer: _ShardWriter | None = None
+        writer: StreamingShardWriter | None = None
         if rank0:
             try:
                 tmp = begin_directory(out)
-                writer = _ShardWriter(tmp, max_shard_bytes)
+                entries = [
+                    (hf, shape) for rule in eng.weight_map.rules for hf, shape in rule.hf_shapes().items()
+                ]
+                writer = StreamingShardWriter(tmp, entries, dtype, max_shard_bytes, self._export_buffer_bytes)
             except Exception as exc:
                 error = exc
         for name, full in self.iter_hf_tensors(eng):  # collective: every rank iterates to the end
@@ -216,8 +210,12 @@ class FSDP2WeightLoader:
                     commit_directory(tmp, out)
             except Exception as exc:
                 error = exc
+            finally:
+                writer.close()
             if error is not None:
                 abort_directory(tmp)
+        elif tmp is not None:
+            abort_directory(tmp)
         agree(
             error is None, describe(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error
         )
@@ -271,45 +269,3 @@ class FSDP2WeightLoader:
             for fname in TOKENIZER_FILES + PROCESSOR_FILES:
                 if (Path(src) / fname).is_file():
                     shutil.copyfile(Path(src) / fname, out / fname)
-
-
-class _ShardWriter:
-    """Buffers tensors up to ``max_bytes``, flushes numbered safetensors shards, writes the index."""
-
-    def __init__(self, out: Path, max_bytes: int) -> None:
-        self.out, self.max_bytes = out, max_bytes
-        out.mkdir(parents=True, exist_ok=True)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.shards: list[tuple[Path, list[str]]] = []
-        self.total = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.size + nbytes > self.max_bytes:
-            self.flush()
-        self.pending[name] = tensor.contiguous()
-        self.size += nbytes
-        self.total += nbytes
-
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending:
-            return
-        tmp = self.out / f"shard-{len(self.shards):05d}.safetensors.tmp"
-        save_file(self.pending, str(tmp), metadata={"format": "pt"})
-        self.shards.append((tmp, list(self.pending)))
-        self.pending, self.size = {}, 0
-
-    def finish(self) -> None:
-        self.flush()
-        n = len(self.shards)
-        weight_map: dict[str, str] = {}
-        for i, (tmp, names) in enumerate(self.shards):
-            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(tmp, self.out / final)
-            weight_map.update({name: final for name in names})
-        if n > 1:
-            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
