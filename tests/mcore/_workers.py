@@ -23,11 +23,19 @@ def grad_by_hf_name(eng: Any) -> dict[str, torch.Tensor]:
 
 
 def check_forward_grads(
-    rank: int, world: int, family: str, tp: int, pp: int, ep: int, opts: dict[str, Any]
+    rank: int,
+    world: int,
+    family: str,
+    tp: int,
+    pp: int,
+    ep: int,
+    opts: dict[str, Any],
+    sizes: dict[str, Any] | None = None,
 ) -> dict[str, float]:
-    """Log-probs (infer), loss and gradients of one forward_backward against the float64 HF model."""
+    """Log-probs (infer), loss and gradients of one forward_backward against the float64 HF model;
+    ``sizes`` are further ``ParallelConfig`` sizes (``etp``, ``vpp``, ``cp``)."""
     cfg = H.tiny_config(family)
-    eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp, ep=ep, **opts))
+    eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp, ep=ep, **(sizes or {}), **opts))
     dp = eng.layout.dp_shard
     full = H.make_batch(1, b=4 * dp // max(dp, 1) * dp)
     mine = full.select(list(range(eng_dp_rank(eng), full.batch_size, dp)))
@@ -45,6 +53,7 @@ def check_forward_grads(
         "loss": abs(res.metrics["loss"] - float(ref_loss)),
         "grad_rel": gerr,
         "n": len(grads),
+        "etp": eng.layout.etp,
     }
 
 

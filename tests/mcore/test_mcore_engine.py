@@ -22,28 +22,31 @@ GRAD_TOL = 1e-4
 
 
 @pytest.mark.parametrize(
-    ("family", "tp", "pp", "ep", "world", "opts"),
+    ("family", "tp", "pp", "ep", "world", "opts", "sizes"),
     [
-        pytest.param("llama", 2, 1, 1, 2, {}, id="llama-tp2"),
-        pytest.param("qwen2_tied", 1, 2, 1, 2, {}, id="qwen2tied-pp2"),
-        pytest.param("qwen3", 2, 2, 1, 4, {}, id="qwen3-tp2pp2"),
-        pytest.param("qwen2", 2, 1, 1, 2, {"sequence_parallel": True}, id="qwen2-tp2-sp"),
-        pytest.param("qwen3_moe", 1, 1, 1, 1, {}, id="qwen3moe-1rank"),
+        pytest.param("llama", 2, 1, 1, 2, {}, {}, id="llama-tp2"),
+        pytest.param("qwen2_tied", 1, 2, 1, 2, {}, {}, id="qwen2tied-pp2"),
+        pytest.param("qwen3", 2, 2, 1, 4, {}, {}, id="qwen3-tp2pp2"),
+        pytest.param("qwen2", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen2-tp2-sp"),
+        pytest.param("qwen3_moe", 1, 1, 1, 1, {}, {}, id="qwen3moe-1rank"),
+        # etp unset = tp (megatron's default): experts split over TP like the dense layers
+        pytest.param("qwen3_moe", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen3moe-tp2-sp-etp2"),
         # the plain DDP all-reduce: the distributed optimizer leaves each rank only its reduce-scattered shard
-        pytest.param("mistral", 1, 1, 1, 2, {"distributed_optimizer": False}, id="mistral-dp2"),
+        pytest.param("mistral", 1, 1, 1, 2, {"distributed_optimizer": False}, {}, id="mistral-dp2"),
     ],
 )
 def test_logprobs_loss_grads_equal_hf(
-    family: str, tp: int, pp: int, ep: int, world: int, opts: dict[str, Any]
+    family: str, tp: int, pp: int, ep: int, world: int, opts: dict[str, Any], sizes: dict[str, Any]
 ) -> None:
     """Packed variable-length micro-batches (several per step, 24 tokens max) through megatron's
     schedules: per-token log-probs, the token-mean loss over dp, and every gradient (gathered over
-    TP/PP/EP) equal the float64 HF model's."""
-    results = run_distributed(W.check_forward_grads, world, family, tp, pp, ep, opts, timeout_s=300)
+    TP/PP/EP/ETP) equal the float64 HF model's. The layout reports ``etp`` (``tp`` when unset)."""
+    results = run_distributed(W.check_forward_grads, world, family, tp, pp, ep, opts, sizes, timeout_s=300)
     for r in results:
         assert r["lp"] < LP_TOL, r
         assert r["loss"] < LOSS_TOL, r
         assert r["grad_rel"] < GRAD_TOL, r
+        assert r["etp"] == sizes.get("etp", tp), r
 
 
 @pytest.mark.parametrize("which", ["qkv", "gate_up"])

@@ -89,7 +89,7 @@ class MCoreEngine:
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, value models, context parallelism, virtual pipelines or expert parallelism (not enabled: the
+    LoRA, value models, ``etp != tp``, context parallelism, virtual pipelines or expert parallelism (not enabled: the
     last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
@@ -126,6 +126,12 @@ class MCoreEngine:
                 f"mcore: ep={par.ep}: expert parallelism did not complete in this engine's tests (gloo, "
                 "alltoall dispatcher); it is not enabled. Use ep=1 (experts replicated over data parallel)"
             )
+        if par.etp is not None and par.etp != par.tp:
+            raise ConfigError(
+                f"mcore: etp={par.etp} with tp={par.tp}: the mcore engine runs experts with expert tensor "
+                f"parallel size equal to tp (megatron's default); leave ParallelConfig.etp unset or set "
+                f"etp={par.tp}"
+            )
         if par.dp_replicate != 1:
             raise ConfigError(
                 f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
@@ -144,7 +150,8 @@ class MCoreEngine:
                 "test fixture tests/mcore/_cpu_fixture.py",
             )
         recompute = config.recompute
-        etp = par.etp if par.etp is not None else 1
+        # megatron-core's default (TransformerConfig and initialize_model_parallel): expert TP = TP
+        etp = par.etp if par.etp is not None else par.tp
         if not dist.is_initialized():
             from underlay.parallel.distributed import init_distributed
 
