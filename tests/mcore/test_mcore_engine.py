@@ -78,3 +78,22 @@ def test_export_reload_and_load_hf(tmp_path: Path) -> None:
     assert errs[0] < 1e-9, errs
     lps = run_distributed(W.load_roundtrip, 2, "qwen3", 1, 2, out, timeout_s=300)
     assert max(lps) < LP_TOL, lps
+
+
+def test_checkpoint_tp2pp2_resumes_with_identical_next_step(tmp_path: Path) -> None:
+    """A checkpoint (model + distributed-optimizer state in megatron's fully_reshardable format,
+    through CheckpointManager) saved at TP2xPP2 on 4 ranks, loaded into engines with other initial
+    weights at the same layout and at TP1 x DP2: the next AdamW step gives the uninterrupted run's
+    parameters (the Adam moments and step were restored and resharded, not started fresh)."""
+    import torch
+
+    root = str(tmp_path)
+    (ref,) = run_distributed(W.resume_step, 4, "qwen3", 2, 2, root, "run", timeout_s=300)[:1]
+    expect = torch.load(tmp_path / "run_tp2pp2.pt")
+    for world, tp, pp in ((4, 2, 2), (2, 1, 1)):
+        got = run_distributed(W.resume_step, world, "qwen3", tp, pp, root, "resume", timeout_s=300)[0]
+        params = torch.load(tmp_path / f"resume_tp{tp}pp{pp}.pt")
+        assert set(params) == set(expect)
+        diff = max(float((params[n] - expect[n]).abs().max()) for n in expect)
+        assert diff < 1e-6, (world, tp, pp, diff)
+        assert abs(got["loss"] - ref["loss"]) < 1e-6 and got["step"] == 2.0, (got, ref)
