@@ -119,8 +119,11 @@ class MCoreEngine:
             )
         if par.vpp > 1:
             raise ConfigError(
-                f"mcore: vpp={par.vpp}: the interleaved schedule did not complete with packed "
-                "variable-length micro-batches in this engine's tests (gloo); it is not enabled. Use vpp=1"
+                f"mcore: vpp={par.vpp}: the interleaved schedule deadlocks with packed variable-length "
+                "micro-batches on gloo (forward_backward; infer completes): with variable_seq_lengths one "
+                "pipeline rank waits in the per-micro-batch shape exchange (send_forward_backward_recv_"
+                "forward_backward) while its peer waits in the tensor send_forward_recv_forward; not "
+                "enabled until it is verified on NCCL. Use vpp=1"
             )
         if par.ep > 1:
             raise ConfigError(
