@@ -4,6 +4,7 @@ Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as a
 - ``triton``: underlay's TritonLogprobKernel in its default mode (``_logprob_triton.DEFAULT_MODE``),
   log-prob + entropy, both with upstream gradients; ``triton_fwd_only``: its forward alone;
 - ``triton_no_ent``: the same kernel with ``with_entropy=False``;
+- ``triton_pointer``: the default mode with ``UNDERLAY_TRITON_LOGPROB_TMA=0`` (pointer tile loads);
 - ``triton_fused`` / ``triton_hybrid`` (whichever is not the default): logits by ``tl.dot`` inside Triton,
   or cuBLAS logits blocks with fp32 output read by the same Triton statistics / dlogits kernels;
 - ``chunked_torch``: ``underlay.ops.linear_logprobs`` (log-prob + entropy);
@@ -95,6 +96,14 @@ def main() -> None:
 
         return fn
 
+    def pointer_loads() -> None:
+        """The default mode with TMA tile loads switched off (the kernel before TMA): same-run baseline."""
+        os.environ["UNDERLAY_TRITON_LOGPROB_TMA"] = "0"
+        try:
+            ours()()
+        finally:
+            os.environ.pop("UNDERLAY_TRITON_LOGPROB_TMA", None)
+
     def ours_fwd(mode: str) -> Callable[[], None]:
         def fn() -> None:
             with torch.no_grad():
@@ -127,6 +136,7 @@ def main() -> None:
         ("triton", ours(), 4),
         ("triton_fwd_only", ours_fwd(impl.DEFAULT_MODE), 1),
         ("triton_no_ent", ours(False), 4),
+        ("triton_pointer", pointer_loads, 4),
         (f"triton_{other}", ours(mode=other), 4),
         (f"triton_{other}_fwd", ours_fwd(other), 1),
     ]
@@ -174,7 +184,10 @@ def main() -> None:
     if "ms" in rows.get("matmul_bf16", {}):
         # Per-token outputs get their upstream gradients only in backward, so any kernel with this contract
         # makes 4 matmuls of this size (forward logits, recomputed logits, grad_hidden, grad_weight).
-        info["backward_floor_4_matmuls_ms"] = 4 * rows["matmul_bf16"]["ms"]
+        info["backward_floor_4_matmuls_ms"] = floor = 4 * rows["matmul_bf16"]["ms"]
+        for name in ("triton", "triton_pointer", f"triton_{other}"):  # goal (issue 23): <= 1.10
+            if "ms" in rows.get(name, {}):
+                info[f"backward_ratio_to_floor_{name}"] = rows[name]["ms"] / floor
     print(f"shape N={n} H={h} V={v} bf16 | torch {torch.__version__} triton {impl.triton.__version__} | "
           f"{torch.cuda.get_device_name()}")  # fmt: skip
     print(f"{'method':>16} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} (gemms counted)")

@@ -2,8 +2,12 @@
 
 1. fp32: log-probs of a packed variable-length batch (Qwen3 tiny, q/k norm, GQA) equal the float64 HF
    model's (< 2e-4), and one step's loss / gradient norm equal the float64 ones.
-2. bf16: the same step through mcore and through fsdp2; each engine's loss and grad-norm error against
-   float64 is recorded; mcore's must be no larger than 1.5x fsdp2's (+ a small floor).
+2. bf16: the same step through mcore and through fsdp2 on ``--seeds`` batches (default 5); each
+   engine's loss and grad-norm error against float64 is recorded per batch. One batch's grad-norm error is
+   a single scalar whose sign and size are luck (errors of the gradient entries partly cancel in the
+   norm; on the CPU, under the test fixture, each engine was the worse one on some seeds), so the check
+   compares the root mean square over the batches: mcore's must be no larger than 1.5x fsdp2's (+ a
+   small floor).
 3. A Qwen3-MoE step (bf16) runs with finite loss and grad norm.
 
 Needs megatron-core (the 0.19.2 wheel from ``.whl/``), torch, transformers. Writes
@@ -47,8 +51,8 @@ def tiny(family: str) -> Any:
     return tf.Qwen3Config(**kw)
 
 
-def batch(device: torch.device) -> TokenBatch:
-    g = torch.Generator().manual_seed(0)
+def batch(device: torch.device, seed: int = 0) -> TokenBatch:
+    g = torch.Generator().manual_seed(seed)
     b, s = 8, 200
     ids = torch.randint(0, VOCAB, (b, s), generator=g)
     lens = torch.randint(20, s + 1, (b,), generator=g)
@@ -108,6 +112,7 @@ def step(name: str, cfg: Any, dtype: str, b: TokenBatch) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
+    p.add_argument("--seeds", type=int, default=5, help="bf16 batches to compare the engines on")
     args = p.parse_args()
     dev = torch.device("cuda")
     cfg = tiny("qwen3")
@@ -123,15 +128,23 @@ def main() -> int:
         "norm_rel": abs(m32["grad_norm"] - ref_norm) / ref_norm,
     }
     ok &= lp_err < 2e-4 and report["fp32"]["loss_err"] < 1e-4 and report["fp32"]["norm_rel"] < 1e-3
-    errs = {}
-    for name in ("mcore", "fsdp2"):
-        r = step(name, cfg, "bfloat16", b)
-        errs[name] = {
-            "loss_err": abs(r["loss"] - ref_loss),
-            "norm_rel": abs(r["grad_norm"] - ref_norm) / ref_norm,
-        }
-    report["bf16"] = errs
-    for key, floor in (("loss_err", 1e-3), ("norm_rel", 1e-3)):
+    per_seed: dict[str, dict[str, list[float]]] = {
+        n: {"loss_err": [], "norm_rel": []} for n in ("mcore", "fsdp2")
+    }
+    for seed in range(args.seeds):
+        bs = batch(dev, seed)
+        _, s_loss, s_norm = reference(cfg, bs)
+        for name in ("mcore", "fsdp2"):
+            r = step(name, cfg, "bfloat16", bs)
+            per_seed[name]["loss_err"].append(abs(r["loss"] - s_loss))
+            per_seed[name]["norm_rel"].append(abs(r["grad_norm"] - s_norm) / s_norm)
+    errs = {
+        name: {key: math.sqrt(sum(x * x for x in xs) / len(xs)) for key, xs in d.items()}
+        for name, d in per_seed.items()
+    }
+    report["bf16_rms_over_seeds"] = errs
+    report["bf16_per_seed"] = per_seed
+    for key, floor in (("loss_err", 1e-4), ("norm_rel", 1e-4)):
         ok &= errs["mcore"][key] <= 1.5 * errs["fsdp2"][key] + floor
     moe = step("mcore", tiny("qwen3_moe"), "bfloat16", b)
     report["moe"] = {"loss": moe["loss"], "grad_norm": moe["grad_norm"], "skipped": moe["skipped"]}

@@ -10,6 +10,9 @@ picks there (attention: ``torch`` = varlen_attn/SDPA unless flash_attn is instal
             where the architecture has no sdpa path) and ``logits.log_softmax`` -- the error a bf16
             run has anyway.
 
+Vision-language models (``VL_ARCHS``: Qwen2.5-VL, Qwen3-VL) are checked the same way with images in two of
+three sequences (the vision tower inside the packed forward; ``hf`` is their sdpa padded forward).
+
 A row passes when our log-prob/entropy errors are within 1.5x (+ a small floor) of the ``hf`` bf16
 errors and the cosine of our parameter gradient (of a weighted log-prob loss) to the fp32 gradient is
 >= 0.99. Value models (token classification, ``num_labels=1``), the padded route (an attention mask
@@ -279,6 +282,141 @@ def check_value(arch: str, quick: bool, device: torch.device, attention: str | N
     return row
 
 
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+"""Vision-language models checked with images in some sequences (packed forward with the vision tower)."""
+
+
+def build_vl(arch: str, quick: bool, device: torch.device) -> nn.Module:
+    """A small random Qwen2.5-VL / Qwen3-VL (2 text layers, 2 vision blocks, 2x2 patches merged 2x2;
+    token ids 500-503 are the image / video / vision-start / vision-end tokens)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    hidden = 64 if quick else 256
+    text: dict[str, Any] = dict(
+        vocab_size=512 if quick else 4096,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4 if quick else 8,
+        num_key_value_heads=2,
+        attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    vision: dict[str, Any] = dict(
+        depth=2, hidden_size=32 if quick else 128, intermediate_size=48 if quick else 256, num_heads=2,
+        out_hidden_size=hidden, patch_size=2, spatial_merge_size=2, temporal_patch_size=1,
+    )  # fmt: skip
+    if arch == "qwen2_5_vl":
+        vision.update(window_size=8, fullatt_block_indexes=[1])
+    else:
+        text.update(head_dim=16 if quick else 32)
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
+        if not quick:
+            text["rope_parameters"]["mrope_section"] = [4, 6, 6]
+        vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
+    if arch == "qwen2_5_vl" and not quick:
+        text["rope_parameters"]["mrope_section"] = [4, 6, 6]  # head_dim 32: 16 rotary pairs
+    cfg = AutoConfig.for_model(
+        arch, text_config=text, vision_config=vision, image_token_id=500, video_token_id=501,
+        vision_start_token_id=502, vision_end_token_id=503, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model.float().to(device).eval()  # type: ignore[no-any-return]
+
+
+def vl_batch(quick: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Three right-padded sequences: an image inside the first, one at the start of the second, the
+    third text-only; images of ``side x side`` patches."""
+    side = 8 if quick else 16
+    g = torch.Generator().manual_seed(1)
+    image = [502] + [500] * (side * side // 4) + [503]
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, 500, (n,), generator=g).tolist()
+
+    seqs = [text(9) + image + text(20), image + text(33), text(57 if quick else 150)]
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    mask = torch.zeros(len(seqs), s, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    grid = torch.tensor([[1, side, side]] * 2)
+    pixels = torch.randn(2 * side * side, 3 * 2 * 2, generator=g)
+    return (
+        ids.to(device),
+        mask.to(device),
+        {"pixel_values": pixels.to(device), "image_grid_thw": grid.to(device)},
+    )
+
+
+def vl_padded_logprobs(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, mm: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kinds = (ids == 500).long()
+    logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=kinds, **mm).logits.float()
+    lsm = logits.log_softmax(-1)
+    lp = torch.zeros(ids.shape, device=ids.device)
+    ent = torch.zeros(ids.shape, device=ids.device)
+    lp[:, 1:] = lsm[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    ent[:, 1:] = -(lsm.exp() * lsm).sum(-1)[:, :-1]
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    scored[:, 1:] = (mask[:, 1:] > 0) & (mask[:, :-1] > 0)
+    return lp * scored, ent * scored
+
+
+def check_vl(arch: str, quick: bool, device: torch.device, attention: str | None) -> dict[str, Any]:
+    """As ``check_causal`` for a vision-language model with images (``hf``: sdpa, bf16)."""
+    ref = build_vl(arch, quick, device)
+    ids, mask, mm = vl_batch(quick, device)
+    keep = mask.bool()
+    w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    ref_lp, ref_ent = vl_padded_logprobs(ref, ids, mask, mm)
+    (ref_lp * w).sum().backward()
+    g_ref = flat_grad(ref)
+    mm16 = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in mm.items()}
+    hf = copy.deepcopy(ref).to(torch.bfloat16)
+    hf.zero_grad(set_to_none=True)
+    hf_impl = hf_bf16_attention(hf)
+    hf_lp, hf_ent = vl_padded_logprobs(hf, ids, mask, mm16)
+    (hf_lp * w).sum().backward()
+    g_hf = flat_grad(hf)
+    ours = prepare_model(copy.deepcopy(ref).to(torch.bfloat16), attention=attention)
+    ours.zero_grad(set_to_none=True)
+    packed = unpad(ids, mask)
+    kernel = get_logprob_kernel()
+    out = packed_forward(ours, packed, logprob_kernel=kernel, multimodal=mm16)
+    assert out.log_probs is not None and out.entropy is not None
+    lp, ent = pad(out.log_probs, packed), pad(out.entropy, packed)
+    (lp * w).sum().backward()
+    g_ours = flat_grad(ours)
+    row: dict[str, Any] = {
+        "check": f"{arch} causal-lm + images",
+        "logprob_kernel": kernel.name,
+        "hf_attention": hf_impl,
+    }
+    row["lp_max_ours"], row["lp_mean_ours"] = errs(lp, ref_lp, keep)
+    row["lp_max_hf"], row["lp_mean_hf"] = errs(hf_lp, ref_lp, keep)
+    row["ent_max_ours"], row["ent_mean_ours"] = errs(ent, ref_ent, keep)
+    row["ent_max_hf"], row["ent_mean_hf"] = errs(hf_ent, ref_ent, keep)
+    row["grad_cos_ours"], row["grad_cos_hf"] = cosine(g_ours, g_ref), cosine(g_hf, g_ref)
+    row["ok"] = bool(
+        row["lp_mean_ours"] <= 1.5 * row["lp_mean_hf"] + 2e-3
+        and row["lp_max_ours"] <= 1.5 * row["lp_max_hf"] + 2e-2
+        and row["ent_mean_ours"] <= 1.5 * row["ent_mean_hf"] + 2e-3
+        and row["grad_cos_ours"] >= 0.99
+    )
+    return row
+
+
 def check_tiled(quick: bool, device: torch.device) -> dict[str, Any]:
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
@@ -336,6 +474,8 @@ def main() -> int:
         rows.append(check_causal(arch, args.quick, device, args.attention))
     for arch in VALUE_ARCHS:
         rows.append(check_value(arch, args.quick, device, args.attention))
+    for arch in VL_ARCHS:
+        rows.append(check_vl(arch, args.quick, device, args.attention))
     rows.append(check_tiled(args.quick, device))
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

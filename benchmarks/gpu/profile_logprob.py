@@ -5,7 +5,8 @@ events, median of 3), then one forward + backward under ``torch.profiler`` with 
 name. Then the cuBLAS matmuls that the backward plan issues, timed alone at their shapes, so that the
 "cuBLAS floor" of that plan can be set against the measured backward.
 
-Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/profile_logprob.py [N H V]``; prints tables and
+Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/profile_logprob.py [N H V]`` (``PROFILE_MODES=fused``
+limits the modes); prints tables and
 writes ``$OUT/profile_logprob.json``.
 """
 
@@ -69,7 +70,8 @@ def main() -> None:
         hidden.grad = weight.grad = None
 
     report: dict[str, Any] = {"shape": [n, h, v], "modes": {}}
-    for mode in impl.MODES:
+    modes = [m for m in os.environ.get("PROFILE_MODES", ",".join(impl.MODES)).split(",") if m]
+    for mode in modes:
 
         def fwd(mode: str = mode) -> tuple[torch.Tensor, torch.Tensor | None]:
             return impl.fused_linear_logprobs(hidden, weight, labels, mode=mode)
@@ -94,8 +96,9 @@ def main() -> None:
 
     report["plans"] = {}
     print("== backward plans: mode, rows per split x vocabulary chunk (None: the planned size)")
-    plans = [("fused", None, None), ("fused", 4096, 16384), ("hybrid", None, None)]
+    plans = [("fused", None, None), ("fused", 4096, 16384), ("fused", 16384, 4096), ("hybrid", None, None)]
     plans += [("hybrid", 8192, c) for c in (2048, 3072, 4096)]
+    plans = [p for p in plans if p[0] in modes]
     for md, rs, vc in plans:
 
         def plan_step(md: str = md, rs: int | None = rs, vc: int | None = vc) -> None:

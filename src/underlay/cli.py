@@ -50,6 +50,10 @@ def _print_info(data: dict[str, Any]) -> None:
                 print("      recompute: " + "; ".join(f"{k}: {v}" for k, v in r["recompute"].items()))
             for o in r.get("options", []):
                 print(f"      option {o['name']} ({o['type']}, default {o['default']!r}): {o['doc']}")
+            for dev, values in r.get("auto_defaults", {}).items():
+                print(f"      auto defaults on {dev}:")
+                for opt, (value, why) in values.items():
+                    print(f"        {opt} = {value!r}: {why}")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

@@ -756,10 +756,14 @@ def _options_info(name: str) -> dict[str, Any]:
     if cls is None:
         return {"options": [], "recompute": {}}
     policies: dict[str, str] = {}
-    for policy in ("none", "full", "selective"):
+    for policy in ("auto", "none", "full", "selective"):
         probe_result = cls.supports_recompute(policy)
         policies[policy] = "yes" if probe_result.available else f"no: {probe_result.reason}"
-    return {"options": [o.__dict__ for o in describe_options(cls)], "recompute": policies}
+    out: dict[str, Any] = {"options": [o.__dict__ for o in describe_options(cls)], "recompute": policies}
+    auto = getattr(cls, "auto_defaults", None)
+    if callable(auto):  # optional: what the engine's auto options become per device family
+        out["auto_defaults"] = {d: auto(d) for d in ("cuda", "npu", "cpu")}
+    return out
 
 
 def get_weight_loader(name: str | None = None) -> WeightLoader:

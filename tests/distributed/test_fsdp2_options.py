@@ -65,11 +65,19 @@ def test_typed_options_are_validated_with_names() -> None:
 
     assert engine_options("fsdp2") is FSDP2Options
     fields = {o.name: o for o in describe_options(FSDP2Options)}
-    assert list(fields) == ["reshard_after_forward", "fused_adamw", "compile", "compile_memory_budget"]
-    assert (
-        fields["reshard_after_forward"].default is True
-        and "all-gathers" in fields["reshard_after_forward"].doc
-    )
+    assert list(fields) == [
+        "reshard_after_forward",
+        "fused_adamw",
+        "compile",
+        "compile_memory_budget",
+        "optimizer_offload",
+        "activation_offload",
+        "activation_offload_min_bytes",
+    ]
+    # every speed/memory option is auto (None) by default and documents what auto means
+    for name in list(fields)[:5]:
+        assert fields[name].default is None and "auto" in fields[name].doc, fields[name]
+    assert "all-gathers" in fields["reshard_after_forward"].doc
     opts = resolve_options(FSDP2Options, {"compile": "layer", "compile_memory_budget": 1}, "fsdp2")
     assert opts == FSDP2Options(compile="layer", compile_memory_budget=1)
     with pytest.raises(ConfigError, match=r"unknown fsdp2 option\(s\) \['fused_adam'\]; fsdp2 accepts \["):
@@ -78,3 +86,6 @@ def test_typed_options_are_validated_with_names() -> None:
         resolve_options(FSDP2Options, {"reshard_after_forward": "no"}, "fsdp2")
     with pytest.raises(ConfigError, match="compile_memory_budget=2.0.*\\(0, 1\\]"):
         FSDP2Options(compile_memory_budget=2.0)
+    for bad in (-1, 0.5, True, "1M"):
+        with pytest.raises(ConfigError, match="activation_offload_min_bytes=.*int >= 0"):
+            FSDP2Options(activation_offload=True, activation_offload_min_bytes=bad)  # type: ignore[arg-type]

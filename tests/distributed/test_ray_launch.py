@@ -146,6 +146,22 @@ def test_object_store_transport_is_zero_copy_and_keeps_dtypes() -> None:
     got = ray.get(ray.put(_WireBatch.of(batch))).batch()
     assert torch.equal(got.input_ids, batch.input_ids) and torch.equal(got.loss_mask, batch.loss_mask)
     assert torch.equal(got.extras["advantages"], batch.extras["advantages"])
+    # a vision-language batch keeps its images and videos
+    from underlay.interfaces import VisionInputs
+
+    images = VisionInputs(
+        torch.randn(32, 12, generator=g), torch.tensor([[1, 4, 4]] * 2), torch.tensor([0, 3])
+    )
+    videos = VisionInputs(
+        torch.randn(16, 12, generator=g), torch.tensor([[1, 4, 4]]), torch.tensor([2]), torch.tensor([0.5])
+    )
+    vl = dataclasses.replace(batch, images=images, videos=videos)
+    got = ray.get(ray.put(_WireBatch.of(vl))).batch()
+    assert got.images is not None and got.videos is not None and got.videos.second_per_grid is not None
+    assert torch.equal(got.images.pixel_values, images.pixel_values) and torch.equal(
+        got.images.rows, images.rows
+    )
+    assert torch.equal(got.videos.grid_thw, videos.grid_thw) and float(got.videos.second_per_grid[0]) == 0.5
 
 
 # --------------------------------------------------------------------------- bad input

@@ -209,7 +209,7 @@ def test_recompute_policy_and_its_deprecated_alias() -> None:
     from underlay.interfaces import EngineConfig
 
     model = ModelConfig(hf_config=_llama())
-    assert EngineConfig(model).recompute == "none"
+    assert EngineConfig(model).recompute == "auto"
     assert EngineConfig(model, recompute="full").recompute == "full"
     with pytest.warns(DeprecationWarning, match="recompute"):
         assert EngineConfig(model, activation_checkpointing=True).recompute == "full"

@@ -48,7 +48,7 @@ def _case(
     **plan: Any,
 ) -> dict[str, Any]:
     """Run the fused kernel and the float64 reference on fresh inputs; return error figures."""
-    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs
+    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs, tma_usable
 
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     if strided:  # hidden as a transposed view, weight as every other row of a larger tensor
@@ -79,6 +79,7 @@ def _case(
     assert hid.grad is not None and wt.grad is not None and hd.grad is not None and wd.grad is not None
     ignored = labels == IGNORE_INDEX
     return {
+        "tma": plan.get("mode", "fused") == "fused" and tma_usable(hidden, weight, plan.get("tma")),
         "lp_err": (lp.double() - rlp).abs().max().item(),
         "ent_err": None if ent is None else (ent.double() - rent).abs().max().item(),
         "ent_none": ent is None,
@@ -99,6 +100,10 @@ def _cases() -> dict[str, dict[str, Any]]:
             "odd", 37, 50, 131, torch.float32, strided=True, temperature=1.3, row_split=16, v_chunk=40
         ),
         "bf16": _case("bf16", 37, 48, 130, torch.bfloat16, v_chunk=64),
+        "bf16_pointer": _case("bf16_pointer", 37, 48, 130, torch.bfloat16, v_chunk=64, tma=False),
+        "fp32_pointer": _case(
+            "fp32_pointer", 37, 48, 130, torch.float32, row_split=16, v_chunk=64, tma=False
+        ),
         "fp16": _case("fp16", 29, 40, 97, torch.float16),
         "no_entropy": _case("noent", 21, 32, 70, torch.float32, with_entropy=False),
         # the default mode is fused; these run the cuBLAS-block ("hybrid") tiles
@@ -185,7 +190,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "no_entropy", "hybrid_fp32_chunks"]
+    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "fp32_pointer", "no_entropy", "hybrid_fp32_chunks"]
 )
 def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case: str) -> None:
     r = report[0][case]
@@ -199,7 +204,10 @@ def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case:
     assert r["grad_dtypes"] == ["torch.float32", "torch.float32"]
 
 
-@pytest.mark.parametrize(("case", "ulp"), [("bf16", 2.0**-8), ("fp16", 2.0**-11), ("hybrid_bf16", 2.0**-8)])
+@pytest.mark.parametrize(
+    ("case", "ulp"),
+    [("bf16", 2.0**-8), ("bf16_pointer", 2.0**-8), ("fp16", 2.0**-11), ("hybrid_bf16", 2.0**-8)],
+)
 def test_half_precision_within_rounding(report: dict[int, dict[str, Any]], case: str, ulp: float) -> None:
     r = report[0][case]
     assert r["lp_err"] < 1e-3 and r["ent_err"] < 5e-3
@@ -207,6 +215,17 @@ def test_half_precision_within_rounding(report: dict[int, dict[str, Any]], case:
     assert r["gh_rel"] < 4 * ulp and r["gw_rel"] < 4 * ulp
     dt = "torch.float16" if case == "fp16" else "torch.bfloat16"
     assert r["grad_dtypes"] == [dt, dt]
+
+
+def test_both_tile_load_paths_are_exercised(report: dict[int, dict[str, Any]]) -> None:
+    """The TMA-descriptor loads where operands are aligned row-major; pointer loads for a strided or
+    misaligned operand (odd H), when forced, and in hybrid mode."""
+    r = report[0]
+    assert r["fp32"]["tma"] and r["bf16"]["tma"] and r["fp32_chunks"]["tma"] and r["fp16"]["tma"]
+    assert (
+        not r["fp32_odd_h_strided"]["tma"] and not r["bf16_pointer"]["tma"] and not r["fp32_pointer"]["tma"]
+    )
+    assert not r["hybrid_bf16"]["tma"]
 
 
 def test_ignore_index_gives_zero_and_no_gradient(report: dict[int, dict[str, Any]]) -> None:

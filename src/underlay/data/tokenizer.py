@@ -113,7 +113,8 @@ def load_processor(path_or_uri: str | Path, *, cache_dir: str | Path | None = No
     """A ``transformers`` processor (``AutoProcessor``) from a local directory or remote URL, for
     models with one (vision-language). A directory with only a tokenizer gives the tokenizer. The
     processor's tokenizer gets the pad fix of :func:`load_tokenizer`. Raises ``ConfigError`` when
-    nothing loads."""
+    nothing loads, and when the processor needs a package that is not installed (Qwen-VL video
+    processors need ``torchvision``), naming it."""
     import transformers
 
     local = _local(path_or_uri, cache_dir)
@@ -123,6 +124,12 @@ def load_processor(path_or_uri: str | Path, *, cache_dir: str | Path | None = No
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"load_processor({str(path_or_uri)!r}): no loadable processor in {local} ({exc})"
+        ) from exc
+    except ImportError as exc:  # transformers names the missing package in its message
+        first = next((line for line in str(exc).splitlines() if line.strip()), repr(exc))
+        raise ConfigError(
+            f"load_processor({str(path_or_uri)!r}): the processor in {local} needs a package that is "
+            f"not installed: {first.strip()}; install it (torchvision: the build matching your torch)"
         ) from exc
     tok = getattr(proc, "tokenizer", proc)
     if getattr(tok, "pad_token", "") is None and tok.eos_token is not None:

@@ -39,6 +39,7 @@ from underlay.interfaces.types import (
     StepResult,
     TokenBatch,
     TokenOutputs,
+    VisionInputs,
 )
 from underlay.interfaces.weightmap import RuleBuilder, RulePattern, WeightMap, WeightRule
 
@@ -86,6 +87,7 @@ __all__ = [
     "UnderlayError",
     "UnknownBackend",
     "UnsupportedOperation",
+    "VisionInputs",
     "WeightLoader",
     "WeightMap",
     "WeightRule",

@@ -224,8 +224,10 @@ class EngineConfig:
     (``ops.plan_micro_batches``). ``param_dtype``/``reduce_dtype`` are the mixed-precision policy
     (compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; master weights and optimizer
     state stay fp32). ``recompute`` is the activation recomputation policy (``RecomputePolicy``:
-    ``"none"``, ``"full"``: each decoder layer in backward, ``"selective"`` where the engine supports
-    it; an engine refuses a policy it does not support with ``ConfigError`` and its reason).
+    ``"auto"`` (default): the engine chooses at build from the model size, ``micro_batch_max_tokens``
+    and the device memory, and logs its choice; ``"none"``, ``"full"``: each decoder layer in
+    backward, ``"selective"`` where the engine supports it; an explicit policy is always obeyed, and an
+    engine refuses one it does not support with ``ConfigError`` and its reason).
     ``activation_checkpointing`` is the deprecated spelling of ``recompute`` (``True`` -> ``"full"``,
     ``False`` -> ``"none"``; a ``DeprecationWarning``; ``ConfigError`` when it contradicts
     ``recompute``). ``options`` holds engine-specific settings: a mapping validated against the
@@ -238,7 +240,7 @@ class EngineConfig:
     micro_batch_max_tokens: int = 16384
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
-    recompute: RecomputePolicy = "none"
+    recompute: RecomputePolicy = "auto"
     activation_checkpointing: bool | Literal["none", "full"] | None = None
     cpu_offload: bool = False
     temperature: float = 1.0
@@ -270,7 +272,7 @@ class EngineConfig:
                 stacklevel=3,
             )
             mode = _AC_MODES[ac]
-            if self.recompute not in ("none", mode):
+            if self.recompute not in ("auto", "none", mode):
                 raise ConfigError(
                     f"EngineConfig: activation_checkpointing={ac!r} contradicts recompute="
                     f"{self.recompute!r}; give recompute alone"
@@ -284,12 +286,12 @@ class EngineConfig:
             )
 
     @property
-    def activation_checkpointing_mode(self) -> Literal["none", "full", "selective"]:
+    def activation_checkpointing_mode(self) -> RecomputePolicy:
         """Deprecated alias of ``recompute``."""
         return self.recompute
 
 
-_RECOMPUTE: tuple[RecomputePolicy, ...] = ("none", "full", "selective")
+_RECOMPUTE: tuple[RecomputePolicy, ...] = ("auto", "none", "full", "selective")
 
 
 def _check_temperature(where: str, value: object) -> None:

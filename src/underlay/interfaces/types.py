@@ -29,12 +29,15 @@ __all__ = [
     "StepResult",
     "TokenBatch",
     "TokenOutputs",
+    "VisionInputs",
 ]
 
-RecomputePolicy = Literal["none", "full", "selective"]
-"""Activation recomputation: ``"none"`` keeps every activation, ``"full"`` recomputes each decoder layer
-in backward, ``"selective"`` recomputes the cheap-to-recompute parts (e.g. attention core) only; an
-engine says which it supports (``ParallelEngine.supports_recompute``)."""
+RecomputePolicy = Literal["auto", "none", "full", "selective"]
+"""Activation recomputation: ``"auto"`` lets the engine choose at build (fsdp2: ``"none"`` when its
+memory estimate fits the device, else ``"full"``; mcore: ``"none"``) and reports the choice;
+``"none"`` keeps every activation, ``"full"`` recomputes each decoder layer in backward,
+``"selective"`` recomputes the cheap-to-recompute parts (e.g. attention core) only; an engine says
+which it supports (``ParallelEngine.supports_recompute``)."""
 
 BackendKind = Literal["device", "engine", "attention", "logprob", "quant", "profiler", "weight_loader"]
 
@@ -328,6 +331,123 @@ class LogprobOutput:
 
 
 @dataclass(frozen=True)
+class VisionInputs:
+    """The images (or the videos) of a :class:`TokenBatch` for a Qwen-VL style vision-language model.
+
+    - ``pixel_values``: ``[P, C * T_patch * patch * patch]`` float, the flattened patches of every
+      image, image after image, as the model's image processor returns them
+      (``AutoProcessor(...)["pixel_values"]``; ``"pixel_values_videos"`` for videos).
+    - ``grid_thw``: ``[n, 3]`` int64 (``int32`` accepted and converted), the (t, h, w) patch grid of
+      each image (``image_grid_thw`` / ``video_grid_thw``); image ``i`` owns ``t * h * w`` consecutive
+      rows of ``pixel_values``, so ``P == sum(t * h * w)``.
+    - ``rows``: ``[n]`` int64, the batch row (sequence) each image belongs to, non-decreasing: images
+      are listed row by row, and inside a row in the order of their placeholder runs in ``input_ids``.
+    - ``second_per_grid``: ``[n]`` float or ``None``, seconds per temporal grid step of each video
+      (Qwen2.5-VL's ``second_per_grid_ts``); ``None`` for images.
+
+    Raises ``InvalidInput`` naming the field when a shape, dtype or count disagrees. The count of
+    placeholder tokens in ``input_ids`` (``t * h * w / merge_size**2`` per image) depends on the
+    model's config and is checked by the engine (``underlay.models.check_vision_batch``).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    rows: torch.Tensor
+    second_per_grid: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        grid, rows = self.grid_thw, self.rows
+        if grid.dim() != 2 or grid.shape[-1] != 3 or grid.dtype not in (torch.int64, torch.int32):
+            raise InvalidInput(
+                f"VisionInputs.grid_thw must be [n, 3] int64 (t, h, w), got {tuple(grid.shape)} {grid.dtype}"
+            )
+        if grid.dtype != torch.int64:
+            object.__setattr__(self, "grid_thw", grid.long())
+            grid = self.grid_thw
+        n = int(grid.shape[0])
+        if n < 1:
+            raise InvalidInput("VisionInputs has no images (grid_thw is [0, 3]); pass None instead")
+        if bool((grid < 1).any()):
+            raise InvalidInput(f"VisionInputs.grid_thw has entries < 1: {grid.tolist()[:4]}")
+        if rows.dim() != 1 or rows.numel() != n or rows.is_floating_point():
+            raise InvalidInput(
+                f"VisionInputs.rows must be [n={n}] integer (one batch row per image), got "
+                f"{tuple(rows.shape)} {rows.dtype}"
+            )
+        if rows.dtype != torch.int64:
+            object.__setattr__(self, "rows", rows.long())
+            rows = self.rows
+        if n > 1 and bool((rows[1:] < rows[:-1]).any()):
+            raise InvalidInput(
+                f"VisionInputs.rows {rows.tolist()[:8]} must be non-decreasing: list images row by row, "
+                "in the order their placeholders appear"
+            )
+        px = self.pixel_values
+        patches = int(grid.prod(dim=1).sum())
+        if px.dim() != 2 or not px.is_floating_point() or int(px.shape[0]) != patches:
+            raise InvalidInput(
+                f"VisionInputs.pixel_values must be [P, D] float with P = sum(t*h*w) = {patches} patches "
+                f"of grid_thw; got {tuple(px.shape)} {px.dtype}"
+            )
+        sec = self.second_per_grid
+        if sec is not None and (sec.dim() != 1 or sec.numel() != n):
+            raise InvalidInput(f"VisionInputs.second_per_grid must be [n={n}], got {tuple(sec.shape)}")
+
+    @property
+    def count(self) -> int:
+        """``n``, the number of images (videos)."""
+        return int(self.grid_thw.shape[0])
+
+    def patch_counts(self) -> torch.Tensor:
+        """``[n]`` int64: patches of each image (``t * h * w``), on the device of ``grid_thw``."""
+        return self.grid_thw.prod(dim=1)
+
+    def patches_per_row(self, batch_size: int) -> torch.Tensor:
+        """``[batch_size]`` int64 on the cpu: the patches each batch row owns (0 for text-only rows)."""
+        out = torch.zeros(batch_size, dtype=torch.int64)
+        return out.index_add_(0, self.rows.cpu(), self.patch_counts().cpu())
+
+    def select(self, index: list[int]) -> VisionInputs | None:
+        """The images of rows ``index`` (in that order; a repeated row repeats its images), renumbered
+        to the new rows ``0..len(index)-1``; ``None`` when those rows have no image."""
+        rows = self.rows.tolist()
+        counts = self.patch_counts().tolist()
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
+        picked: list[int] = []
+        new_rows: list[int] = []
+        patch_idx: list[torch.Tensor] = []
+        for new, old in enumerate(index):
+            for i, r in enumerate(rows):
+                if r == old:
+                    picked.append(i)
+                    new_rows.append(new)
+                    patch_idx.append(torch.arange(starts[i], starts[i] + counts[i]))
+        if not picked:
+            return None
+        dev = self.pixel_values.device
+        images = torch.tensor(picked, dtype=torch.long)
+        return VisionInputs(
+            self.pixel_values[torch.cat(patch_idx).to(dev)],
+            self.grid_thw[images.to(self.grid_thw.device)],
+            torch.tensor(new_rows, dtype=torch.long, device=self.rows.device),
+            None
+            if self.second_per_grid is None
+            else self.second_per_grid[images.to(self.second_per_grid.device)],
+        )
+
+    def to(self, device: torch.device) -> VisionInputs:
+        """The same inputs on ``device``."""
+        return VisionInputs(
+            self.pixel_values.to(device),
+            self.grid_thw.to(device),
+            self.rows.to(device),
+            None if self.second_per_grid is None else self.second_per_grid.to(device),
+        )
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """A padded training batch as an RL trainer holds it.
 
@@ -338,12 +458,19 @@ class TokenBatch:
       over response tokens selects exactly their log-probs; position 0 never has one.
     - ``extras``: further ``[B, ...]`` tensors the loss function needs (advantages, old log-probs,
       reference log-probs, returns); micro-batching slices them along dim 0.
+    - ``images`` / ``videos``: for vision-language models (Qwen2.5-VL, Qwen3-VL), the
+      :class:`VisionInputs` of the batch (``None``: none). Each image belongs to one row
+      (``VisionInputs.rows``), whose ``input_ids`` hold its placeholder tokens (``image_token_id``,
+      ``t * h * w / merge_size**2`` of them); :meth:`select` (micro-batching) keeps every row's images
+      with it. Rows without images are text-only sequences of the same model.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    images: VisionInputs | None = None
+    videos: VisionInputs | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -361,20 +488,42 @@ class TokenBatch:
                 raise InvalidInput(
                     f"TokenBatch.extras[{key!r}] has batch size {t.shape[:1]}, expected {self.input_ids.shape[0]}"
                 )
+        for name in ("images", "videos"):
+            media = getattr(self, name)
+            if media is None:
+                continue
+            if not isinstance(media, VisionInputs):
+                raise InvalidInput(
+                    f"TokenBatch.{name} is a {type(media).__name__}; give a VisionInputs or None"
+                )
+            rows = media.rows
+            if int(rows.min()) < 0 or int(rows.max()) >= self.batch_size:
+                raise InvalidInput(
+                    f"TokenBatch.{name}.rows {rows.tolist()[:8]} out of range [0, {self.batch_size})"
+                )
 
     @property
     def batch_size(self) -> int:
         """``B``."""
         return int(self.input_ids.shape[0])
 
+    @property
+    def has_vision(self) -> bool:
+        """Whether the batch carries images or videos."""
+        return self.images is not None or self.videos is not None
+
     def select(self, index: torch.Tensor | list[int]) -> TokenBatch:
-        """The rows ``index`` (in that order) of every tensor, as a new batch."""
+        """The rows ``index`` (in that order) of every tensor, as a new batch; images and videos follow
+        their rows (renumbered)."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.input_ids.device)
+        rows = idx.tolist() if self.has_vision else []
         return TokenBatch(
             self.input_ids[idx],
             self.attention_mask[idx],
             self.loss_mask[idx],
             {k: v[idx.to(v.device)] for k, v in self.extras.items()},
+            None if self.images is None else self.images.select(rows),
+            None if self.videos is None else self.videos.select(rows),
         )
 
     def to(self, device: torch.device) -> TokenBatch:
@@ -384,6 +533,8 @@ class TokenBatch:
             self.attention_mask.to(device),
             self.loss_mask.to(device),
             {k: v.to(device) for k, v in self.extras.items()},
+            None if self.images is None else self.images.to(device),
+            None if self.videos is None else self.videos.to(device),
         )
 
 

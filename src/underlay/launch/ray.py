@@ -55,6 +55,7 @@ from underlay.interfaces import (
     TokenBatch,
     TokenOutputs,
     UnderlayError,
+    VisionInputs,
 )
 
 try:
@@ -309,11 +310,36 @@ class _Wire:
 
 
 @dataclass(frozen=True)
+class _WireVision:
+    """``VisionInputs`` on the wire (images or videos of a batch)."""
+
+    pixel_values: _Wire
+    grid_thw: _Wire
+    rows: _Wire
+    second_per_grid: _Wire | None
+
+    @classmethod
+    def of(cls, m: VisionInputs | None) -> _WireVision | None:
+        if m is None:
+            return None
+        sec = None if m.second_per_grid is None else _Wire.of(m.second_per_grid)
+        return cls(_Wire.of(m.pixel_values), _Wire.of(m.grid_thw), _Wire.of(m.rows), sec)
+
+    def inputs(self, device: torch.device | None) -> VisionInputs:
+        sec = None if self.second_per_grid is None else self.second_per_grid.tensor(device)
+        return VisionInputs(
+            self.pixel_values.tensor(device), self.grid_thw.tensor(device), self.rows.tensor(device), sec
+        )
+
+
+@dataclass(frozen=True)
 class _WireBatch:
     input_ids: _Wire
     attention_mask: _Wire
     loss_mask: _Wire
     extras: tuple[tuple[str, _Wire], ...]
+    images: _WireVision | None = None
+    videos: _WireVision | None = None
 
     @classmethod
     def of(cls, b: TokenBatch) -> _WireBatch:
@@ -322,6 +348,8 @@ class _WireBatch:
             _Wire.of(b.attention_mask),
             _Wire.of(b.loss_mask),
             tuple((k, _Wire.of(v)) for k, v in b.extras.items()),
+            _WireVision.of(b.images),
+            _WireVision.of(b.videos),
         )
 
     def batch(self, device: torch.device | None = None) -> TokenBatch:
@@ -330,6 +358,8 @@ class _WireBatch:
             self.attention_mask.tensor(device),
             self.loss_mask.tensor(device),
             {k: v.tensor(device) for k, v in self.extras},
+            None if self.images is None else self.images.inputs(device),
+            None if self.videos is None else self.videos.inputs(device),
         )
 
 

@@ -29,22 +29,40 @@ from underlay.models.forward import (
 )
 from underlay.models.prepare import prepare_model
 from underlay.models.tiled_mlp import TiledMLP, apply_tiled_mlp
+from underlay.models.vision import (
+    PROCESSOR_FILES,
+    check_vision_batch,
+    is_vision_config,
+    multimodal_inputs,
+    patch_cost,
+    sequence_costs,
+    vision_calls,
+    zero_vision_pass,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "MULTIMODAL_KEYS",
+    "PROCESSOR_FILES",
     "SUPPORTED_ARCHITECTURES",
     "TESTED_TRANSFORMERS",
     "ModelCapabilities",
     "TiledMLP",
     "apply_tiled_mlp",
     "check_transformers_version",
+    "check_vision_batch",
     "cu_seqlens_from_position_ids",
     "inspect_model",
+    "is_vision_config",
+    "multimodal_inputs",
     "multimodal_position_ids",
     "next_token_labels",
     "packed_forward",
+    "patch_cost",
     "prepare_model",
+    "sequence_costs",
     "shift_to_tokens",
     "softcapped_logprobs",
+    "vision_calls",
+    "zero_vision_pass",
 ]

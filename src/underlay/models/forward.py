@@ -18,6 +18,7 @@ from underlay.interfaces import (
 )
 from underlay.models._compat import ModelCapabilities, capabilities, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
+from underlay.models.vision import zero_vision_pass
 from underlay.ops.attention import seqlens_from_cu
 from underlay.ops.packing import pad, pad_to_multiple
 from underlay.parallel.ulysses import gather_seq, slice_for_rank, sp_world_size
@@ -171,6 +172,7 @@ def packed_forward(
     logprob_kernel: LogprobKernel | None = None,
     sp_group: Any | None = None,
     multimodal: Mapping[str, torch.Tensor] | None = None,
+    zero_vision_passes: int = 0,
 ) -> TokenOutputs:
     """Run a :func:`prepare_model`-ed model on a packed (padding-free) batch and return per-token outputs.
 
@@ -199,6 +201,10 @@ def packed_forward(
     and video inputs in ``multimodal`` (keys :data:`MULTIMODAL_KEYS`); the vision tower runs inside the
     backbone (its attention routed too) and the text attention gets 3-D rotary position ids from
     :func:`multimodal_position_ids`. Text-only batches of such models need no ``multimodal``.
+    ``zero_vision_passes``: run the vision tower that many more times on a one-token dummy image whose
+    outputs enter the result with weight 0 (:func:`underlay.models.vision.zero_vision_pass`), so that a
+    rank with fewer images than the other ranks of an FSDP group runs the sharded vision blocks as often
+    as they do (the fsdp2 engine agrees the count per micro-batch); outputs and gradients are unchanged.
 
     Raises ``ConfigError`` when the model was not prepared, is not a supported architecture, has an
     unsupported head (lm_head bias, ``num_labels != 1``), or ``sp_group`` differs from the prepared one;
@@ -212,6 +218,16 @@ def packed_forward(
     caps = capabilities(inner)
     config = inner.config
     mm = _validate_multimodal(caps, multimodal)
+    if (
+        isinstance(zero_vision_passes, bool)
+        or not isinstance(zero_vision_passes, int)
+        or zero_vision_passes < 0
+    ):
+        raise InvalidInput(f"packed_forward: zero_vision_passes={zero_vision_passes!r} must be an int >= 0")
+    if zero_vision_passes and not caps.multimodal_rope:
+        raise InvalidInput(
+            f"packed_forward: zero_vision_passes={zero_vision_passes} for {caps.model_type}, a model without a vision tower"
+        )
     routes = _routes(inner)
     if not routes or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ConfigError(
@@ -233,7 +249,9 @@ def packed_forward(
         kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
     outs = _run_inside(
         model,
-        lambda _ids: _packed_body(inner, head, kernel, cap, packed, group, temperature, with_entropy, mm),
+        lambda _ids: _packed_body(
+            inner, head, kernel, cap, packed, group, temperature, with_entropy, mm, zero_vision_passes
+        ),
         packed.input_ids,
     )
     log_probs, entropy, values = outs
@@ -318,6 +336,7 @@ def _packed_body(
     temperature: float,
     with_entropy: bool,
     multimodal: dict[str, torch.Tensor] | None,
+    zero_vision_passes: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     ids, pos = packed.input_ids, packed.position_ids
     cu = packed.cu_seqlens.to(device=ids.device, dtype=torch.int32)
@@ -335,6 +354,10 @@ def _packed_body(
     # all boundaries checked on the host once per forward (compiled layers call the kernel unchecked)
     seqlens_from_cu(cu, int(ids.numel()), max_len, "cu_seqlens")
     backbone: nn.Module = getattr(inner, str(getattr(inner, "base_model_prefix", "model")))
+    zero: torch.Tensor | None = None
+    for _ in range(zero_vision_passes):  # before the real passes: every rank all-gathers in one order
+        part = zero_vision_pass(backbone)
+        zero = part if zero is None else zero + part
     kwargs: dict[str, Any] = dict(
         use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len
     )
@@ -356,7 +379,7 @@ def _packed_body(
         dropout = getattr(inner, "dropout", None)
         h = dropout(hidden) if isinstance(dropout, nn.Module) else hidden
         values = gather_seq(score(h).squeeze(-1).float(), group)[:total]
-        return None, None, values
+        return None, None, values if zero is None else values + zero.float()
     lm_head: nn.Linear = inner.get_output_embeddings()  # type: ignore[operator]
     labels = next_token_labels(ids, cu)
     if labels.numel() > total:  # the sp padding predicts nothing
@@ -376,6 +399,8 @@ def _packed_body(
     lp_local, ent_local = _run_inside(lm_head, fused_head, hidden)
     cu_real = packed.cu_seqlens.to(device=ids.device)
     log_probs = shift_to_tokens(gather_seq(lp_local, group)[:total], cu_real)
+    if zero is not None:
+        log_probs = log_probs + zero.to(log_probs.dtype)
     entropy = None
     if with_entropy and ent_local is not None:
         entropy = shift_to_tokens(gather_seq(ent_local, group)[:total], cu_real)

@@ -5,7 +5,7 @@ Convention (so figures compare with published RL-training MFU): one forward+back
 all attention and MLP projections (for MoE: the router, the ``top_k`` routed experts and the shared
 experts) and the output head. A tied head still runs its matmul, so it is counted next to the
 embedding. Biases and norms are not counted. The vision tower of Qwen-VL models
-(qwen2_vl, qwen2_5_vl, qwen3_vl) is counted when ``estimate_flops`` is given the image/video grids: per
+(qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe) is counted when ``estimate_flops`` is given the image/video grids: per
 patch, the patch embedding and every block's q/k/v/out and MLP matrices; per merged token, the patch
 merger (and Qwen3-VL's deepstack mergers); bidirectional attention over each image's patches
 (``12 * hidden`` per patch pair per block; Qwen2.5-VL's window blocks only within each window). Attention adds the causal
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import ConfigError, Device, InvalidInput
+from underlay.interfaces import ConfigError, Device, InvalidInput, TokenBatch
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "FlopsCounter"]
 
@@ -39,12 +39,20 @@ _DENSE = (
     "phi3",
     "glm4",
 )
-_VL_TEXT = {"qwen2_vl_text": "qwen2_vl", "qwen2_5_vl_text": "qwen2_5_vl", "qwen3_vl_text": "qwen3_vl"}
-_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+_VL_TEXT = {
+    "qwen2_vl_text": "qwen2_vl",
+    "qwen2_5_vl_text": "qwen2_5_vl",
+    "qwen3_vl_text": "qwen3_vl",
+    "qwen3_vl_moe_text": "qwen3_vl_moe",
+}
+_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+_QWEN_MOE = ("qwen2_moe", "qwen3_moe", "qwen3_vl_moe")
+"""Qwen MoE decoders (Qwen3-VL-MoE's text model is a Qwen3-MoE decoder)."""
 SUPPORTED_MODEL_TYPES = (
     *_DENSE,
     "qwen2_moe",
     "qwen3_moe",
+    "qwen3_vl_moe",
     "mixtral",
     "deepseek_v3",
     "gemma3_text",
@@ -147,8 +155,9 @@ def _layers(cfg: _Cfg, model_type: str) -> list[_Layer]:
         return out
     attn, heads, d = _gqa_attention(cfg, h)
     for i in range(n):
-        if model_type in ("qwen2_moe", "qwen3_moe"):
-            experts = int(cfg.need("num_experts"))
+        if model_type in _QWEN_MOE:
+            # Qwen3-VL-MoE's text config names it num_local_experts
+            experts = int(cfg.get("num_experts") or cfg.need("num_local_experts"))
             step = int(cfg.get("decoder_sparse_step", 1))
             sparse = i not in list(cfg.get("mlp_only_layers", [])) and experts > 0 and (i + 1) % step == 0
             if sparse:
@@ -208,7 +217,11 @@ def _vision(hf_config: Any, model_type: str) -> _Vision | None:
     block = 4.0 * d * d + (3.0 if gated else 2.0) * d * inter
     patch_embed = float(int(v.get("in_channels", v.get("in_chans", 3))) * tp * patch * patch * d)
     dm = d * m * m
-    mergers = 1 + len(list(v.get("deepstack_visual_indexes", []) or [])) if model_type == "qwen3_vl" else 1
+    mergers = (
+        1 + len(list(v.get("deepstack_visual_indexes", []) or []))
+        if model_type in ("qwen3_vl", "qwen3_vl_moe")
+        else 1
+    )
     full: frozenset[int] | None = None
     window = 0
     if model_type == "qwen2_5_vl":
@@ -314,11 +327,21 @@ class FlopsCounter:
             vision = _vision_flops(figures, vision_grids)
         return 6.0 * self.params_per_token * tokens + attn + vision
 
-    def achieved_tflops(self, seqlens: Sequence[int] | torch.Tensor, seconds: float) -> float:
-        """``estimate_flops(seqlens) / seconds / 1e12``; ``InvalidInput`` unless ``seconds > 0``."""
+    def batch_flops(self, batch: TokenBatch) -> float:
+        """``estimate_flops`` of a ``TokenBatch``: its rows' real tokens (``attention_mask``) and, for a
+        vision-language batch, the grids of its images and videos (the vision tower). One host read."""
+        seqlens = batch.attention_mask.sum(dim=1).cpu()
+        grids = [m.grid_thw.cpu() for m in (batch.images, batch.videos) if m is not None]
+        return self.estimate_flops(seqlens, torch.cat(grids) if grids else None)
+
+    def achieved_tflops(
+        self, seqlens: Sequence[int] | torch.Tensor, seconds: float, vision_grids: torch.Tensor | None = None
+    ) -> float:
+        """``estimate_flops(seqlens, vision_grids) / seconds / 1e12``; ``InvalidInput`` unless
+        ``seconds > 0``."""
         if not seconds > 0:
             raise InvalidInput(f"achieved_tflops: seconds={seconds} must be > 0 (wall time of the step)")
-        return self.estimate_flops(seqlens) / seconds / 1e12
+        return self.estimate_flops(seqlens, vision_grids) / seconds / 1e12
 
     def mfu(
         self,
@@ -326,14 +349,17 @@ class FlopsCounter:
         seconds: float,
         device: Device,
         dtype: torch.dtype = torch.bfloat16,
+        vision_grids: torch.Tensor | None = None,
     ) -> float | None:
         """Achieved FLOP/s of one device divided by ``device.peak_flops(dtype)``.
 
-        ``seqlens`` are the sequences this device processed in ``seconds``; ``dtype`` is the dtype the
-        matmuls ran in (bf16 for mixed-precision training; fp32 for an fp32 CPU run). Returns ``None``
-        when the device's peak is unknown (report MFU as unavailable; ``UNDERLAY_PEAK_TFLOPS`` sets it).
+        ``seqlens`` are the sequences this device processed in ``seconds`` (``vision_grids``: the grids
+        of their images and videos, for a vision-language model, see ``estimate_flops``); ``dtype`` is
+        the dtype the matmuls ran in (bf16 for mixed-precision training; fp32 for an fp32 CPU run).
+        Returns ``None`` when the device's peak is unknown (report MFU as unavailable;
+        ``UNDERLAY_PEAK_TFLOPS`` sets it).
         """
         peak = device.peak_flops(dtype)
         if peak is None or peak <= 0:
             return None
-        return self.achieved_tflops(seqlens, seconds) * 1e12 / peak
+        return self.achieved_tflops(seqlens, seconds, vision_grids) * 1e12 / peak

@@ -83,6 +83,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "triton log-prob kernel: logits tiles by tl.dot in Triton, or cuBLAS fp32 blocks read by Triton",
         ),
         EnvVar(
+            "UNDERLAY_TRITON_LOGPROB_TMA",
+            "1, 0",
+            "1",
+            "triton log-prob kernel: load GEMM tiles through TMA descriptors where the GPU (sm90+) and "
+            "operands allow (0: pointer loads); read at each call",
+        ),
+        EnvVar(
             "UNDERLAY_FP8_AUTOTUNE",
             "1, 0",
             "1",

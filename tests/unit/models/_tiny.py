@@ -8,6 +8,7 @@ layer) so the window routing is exercised by sequences longer than it.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -176,13 +177,14 @@ def reference_values(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 150, 151, 152, 153
 
 
-VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
-    """A random fp32 Qwen2.5-VL or Qwen3-VL (2 text layers, 2 vision blocks; 2x2 patches merged 2x2, so
-    a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the image/video/vision-start/
-    vision-end tokens. Qwen2.5-VL has a window block and a full one; Qwen3-VL a deepstack merger."""
+    """A random fp32 Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE (2 text layers, 2 vision blocks; 2x2 patches
+    merged 2x2, so a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the image/video/
+    vision-start/vision-end tokens. Qwen2.5-VL has a window block and a full one; Qwen3-VL(-MoE) a
+    deepstack merger; Qwen3-VL-MoE 4 experts (top 2) in every text layer."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text: dict[str, Any] = dict(
@@ -213,6 +215,8 @@ def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
         text.update(head_dim=16)
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
+        if arch == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
     cfg = AutoConfig.for_model(
         arch,
         text_config=text,
@@ -227,8 +231,8 @@ def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
     model = AutoModelForImageTextToText.from_config(cfg).float()
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or (p.dim() == 3 and ".experts." in name):  # the MoE's fused experts are 3-D
                 p.normal_(0, 0.15)
     return model.eval()
 
@@ -252,3 +256,25 @@ def vl_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch
     grid = torch.tensor([[1, 4, 4], [1, 4, 4]])
     pixels = torch.randn(32, 3 * 2 * 2, generator=g)
     return ids, mask, {"pixel_values": pixels, "image_grid_thw": grid}
+
+
+def save_vl_source(src: Path) -> Path:
+    """Save the tiny Qwen2.5-VL with transformers (flat checkpoint names) into ``src``, with an image
+    processor (the PIL one: no torchvision needed) and a word-level tokenizer that knows the vision
+    tokens, all built here. Returns ``src``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tiny_vl_model("qwen2_5_vl").save_pretrained(str(src))
+    vocab = {f"t{i}": i for i in range(150)}
+    for i, tok in enumerate(("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")):
+        vocab[tok] = IMAGE_TOKEN + i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t1", eos_token="t1")
+    tok.save_pretrained(str(src))
+    Qwen2VLImageProcessorPil(
+        patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=16, max_pixels=4096
+    ).save_pretrained(str(src))
+    return src

@@ -13,6 +13,7 @@ import torch
 
 from tests.unit.models._tiny import (
     NEW_ARCHS,
+    VL_ARCHS,
     VOCAB,
     clone,
     logprob_kernel,
@@ -262,7 +263,7 @@ def test_flops_counter_counts_windows_mla_and_moe(arch: str) -> None:
         assert {(layer.qk_dim, layer.v_dim) for layer in counter._layers} == {(16, 12)}
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", VL_ARCHS)
 def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> None:
     """Qwen2.5-VL and Qwen3-VL: the vision tower runs inside the packed forward (its attention routed too), the text
     attention gets 3-D rotary positions computed per packed sequence; log-probs, entropy and the
@@ -273,6 +274,8 @@ def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> No
     ref = tiny_vl_model(arch)
     caps = inspect_model(ref)
     assert caps.multimodal_rope and len(caps.attention_modules) == 4  # 2 vision blocks + 2 text layers
+    if arch == "qwen3_vl_moe":
+        assert caps.moe_blocks
     model = prepare_model(clone(ref), attention="eager")
     ids, mask, mm = vl_batch()
     packed = unpad(ids, mask)
@@ -311,7 +314,7 @@ def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> No
         packed_forward(prepare_model(tiny_model("llama")), packed, multimodal=mm)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", VL_ARCHS)
 def test_flops_counter_counts_the_vision_tower(arch: str) -> None:
     """Vision matrices per patch / per merged token equal the tiny model's own parameters; the vision
     FLOPs of a batch's grids follow the module convention; a text model refuses grids."""
@@ -342,3 +345,7 @@ def test_flops_counter_counts_the_vision_tower(arch: str) -> None:
     assert extra == pytest.approx(want)
     with pytest.raises(InvalidInput, match="no vision tower"):
         FlopsCounter(tiny_config("llama")).estimate_flops([5], grids)
+    if arch == "qwen3_vl_moe":  # the text model counts as the Qwen3-MoE decoder of the same shape
+        text = model.config.text_config.to_dict()
+        text.update(model_type="qwen3_moe", num_experts=text["num_local_experts"])
+        assert counter.params_per_token == FlopsCounter(text).params_per_token

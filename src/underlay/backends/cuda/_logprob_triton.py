@@ -13,6 +13,12 @@ chunk (dtype of the inputs); two cuBLAS matmuls turn it into ``grad_weight[chunk
 ``_BWD_BUDGET_BYTES`` independently of ``V`` (in hybrid mode the fp32 logits block and the dlogits chunk
 share one budget).
 
+Operand tiles of the ``tl.dot`` GEMMs are loaded through Hopper's tensor-memory accelerator (host-side
+``TensorDescriptor``s, a persistent grid of one program per multiprocessor walking the tiles) where the
+device and the operands allow it (:func:`tma_usable`), and through pointer loads otherwise; the TMA loads
+brought both kernels from about 540 / 430 TFLOP/s to about 650 (``benchmarks/gpu/logprob_tma_variants.py``,
+figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA=0`` forces the pointer loads.
+
 ``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``fused`` (the default) computes them
 with ``tl.dot`` inside the kernels; ``hybrid`` computes cuBLAS ``[rows, v_chunk]`` logits blocks with fp32
 output, read by the same kernels (``FROM_LOGITS``).
@@ -30,6 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Triton >= 3.3: host-side descriptors for Hopper's tensor-memory accelerator
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
 from underlay.interfaces import ConfigError
 from underlay.utils import env
 
@@ -42,6 +53,7 @@ __all__ = [
     "mm_fp32",
     "mm_path",
     "plan_backward",
+    "tma_usable",
 ]
 
 MODES = ("hybrid", "fused")
@@ -92,9 +104,46 @@ _READ_SHAPES = (
 )
 
 
+_TMA_SHAPES = (
+    # BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages: tiles of the TMA-loaded persistent kernels
+    # (benchmarks/gpu/logprob_tma_variants.py measured these best on the H200)
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 8, 5),
+    (256, 128, 64, 8, 3),
+)
+
+
+def _set_block_shapes(nargs: dict[str, Any]) -> None:
+    """Autotune pre-hook of the TMA configs: a descriptor's block shape is the config's tile."""
+    if TensorDescriptor is None:
+        return
+    shapes = {
+        "h_ptr": [nargs["BLOCK_N"], nargs["BLOCK_K"]],
+        "w_ptr": [nargs["BLOCK_V"], nargs["BLOCK_K"]],
+        "d_ptr": [nargs["BLOCK_N"], nargs["BLOCK_V"]],
+    }
+    for name, shape in shapes.items():
+        if isinstance(nargs.get(name), TensorDescriptor):
+            nargs[name].block_shape = shape
+
+
 def _configs() -> list[triton.Config]:
-    if INTERPRET:
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "GROUP_N": 2})]
+    if INTERPRET:  # one config (the interpreter cannot time configs); the pre-hook serves both load paths
+        return [
+            triton.Config(
+                {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "GROUP_N": 2}, pre_hook=_set_block_shapes
+            )
+        ]
+    tma = [
+        triton.Config(
+            {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "GROUP_N": 8},
+            num_warps=w,
+            num_stages=s,
+            pre_hook=_set_block_shapes,
+        )
+        for bn, bv, bk, w, s in _TMA_SHAPES
+    ]
     matmul = [
         triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=s)
         for bn, bv, bk, w, s in _SHAPES
@@ -103,7 +152,7 @@ def _configs() -> list[triton.Config]:
         triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": 16, "GROUP_N": 8}, num_warps=w, num_stages=1)
         for bn, bv, w in _READ_SHAPES
     ]
-    return matmul + read
+    return tma + matmul + read
 
 
 def fwd_block_v(dtype: torch.dtype) -> int:
@@ -113,13 +162,20 @@ def fwd_block_v(dtype: torch.dtype) -> int:
     return 64 if dtype == torch.float32 else 256
 
 
+def _dtype(arg: Any) -> torch.dtype:
+    """The dtype of a kernel operand: a tensor or a ``TensorDescriptor`` over one."""
+    tensor = arg.base if TensorDescriptor is not None and isinstance(arg, TensorDescriptor) else arg
+    dtype: torch.dtype = tensor.dtype
+    return dtype
+
+
 def _from_logits(nargs: dict[str, Any], kwargs: dict[str, Any]) -> bool:
     return bool(kwargs.get("FROM_LOGITS", nargs.get("FROM_LOGITS", False)))
 
 
 def _prune_fwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
     """Keep the configs of the right kind whose BLOCK_V matches the workspace allocated for this dtype."""
-    dtype = nargs["w_ptr"].dtype
+    dtype = _dtype(nargs["w_ptr"])
     bv = fwd_block_v(dtype)
     return [c for c in _of_kind(configs, nargs, kwargs) if c.kwargs["BLOCK_V"] == bv]
 
@@ -127,17 +183,21 @@ def _prune_fwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: An
 def _of_kind(
     configs: list[triton.Config], nargs: dict[str, Any], kwargs: dict[str, Any]
 ) -> list[triton.Config]:
-    """The read-tile configs (``num_stages == 1``) when reading a logits buffer, else the matmul ones."""
+    """The read-tile configs (``num_stages == 1``) when reading a logits buffer; else the TMA configs
+    (those with the block-shape pre-hook) when the operands are descriptors, the pointer matmul ones
+    when not."""
     if INTERPRET:
         return configs
-    reading = _from_logits(nargs, kwargs)
-    return [c for c in configs if (c.num_stages == 1) == reading]
+    if _from_logits(nargs, kwargs):
+        return [c for c in configs if c.num_stages == 1]
+    tma = bool(kwargs.get("USE_TMA", nargs.get("USE_TMA", False)))
+    return [c for c in configs if c.num_stages > 1 and (c.pre_hook is not None) == tma]
 
 
 def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
     """The configs of the right kind; fp32 matmul tiles need half the block size to fit shared memory."""
     keep = _of_kind(configs, nargs, kwargs)
-    if _from_logits(nargs, kwargs) or nargs["w_ptr"].dtype != torch.float32 or INTERPRET:
+    if _from_logits(nargs, kwargs) or _dtype(nargs["w_ptr"]) != torch.float32 or INTERPRET:
         return keep
     return [c for c in keep if c.kwargs["BLOCK_K"] == 32]
 
@@ -151,16 +211,29 @@ def _prune_bwd(configs: list[triton.Config], nargs: dict[str, Any], **kwargs: An
 #   specialisation of integer arguments divisible by 16 (or equal to 1), which would compile again the
 #   first time such a value comes.
 _NO_SPECIALISE = ("N", "V", "label_offset")
-_TUNE_KEY = ["H", "WITH_ENTROPY", "FROM_LOGITS"]
+_TUNE_KEY = ["H", "WITH_ENTROPY", "FROM_LOGITS", "USE_TMA"]
 
 _EVEN_K = {"EVEN_K": lambda args: bool(args.get("FROM_LOGITS")) or args["H"] % args["BLOCK_K"] == 0}
 """No K masking when H is a multiple of BLOCK_K (and no K loop at all when reading a logits buffer)."""
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _tile_of(tile, N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``(pid_n, pid_v)`` of linear tile number ``tile``: tiles are grouped by ``GROUP_N`` row blocks so
+    neighbours share weight tiles in L2."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_N * tl.cdiv(V, BLOCK_V)
+    first_n = (tile // per_group) * GROUP_N
+    size = min(num_n - first_n, GROUP_N)
+    return first_n + (tile % per_group) % size, (tile % per_group) // size
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _program_logits(  # type: ignore[no-untyped-def]
     h_ptr,
     w_ptr,
+    pid_n,
+    pid_v,
     N,
     V,
     H,
@@ -172,22 +245,15 @@ def _program_logits(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """This program's tile: ``(pid_v, offs_n, offs_v, z)`` with ``z = hidden[offs_n] @ weight[offs_v].T *
-    inv_t`` in fp32 (masked rows/columns read zeros). Programs are grouped by ``GROUP_N`` row blocks so
-    neighbours share weight tiles in L2. With ``FROM_LOGITS`` the tile is read from an fp32 logits buffer
-    at ``h_ptr`` (strides ``stride_hn``, ``stride_hk``) instead of being computed."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_N * tl.cdiv(V, BLOCK_V)
-    first_n = (pid // per_group) * GROUP_N
-    size = min(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % size
-    pid_v = (pid % per_group) // size
+    """Tile ``(pid_n, pid_v)``: ``(offs_n, offs_v, z)`` with ``z = hidden[offs_n] @ weight[offs_v].T *
+    inv_t`` in fp32 (masked rows/columns read zeros). With ``USE_TMA`` ``h_ptr``/``w_ptr`` are
+    ``TensorDescriptor``s (out-of-bounds blocks read zeros); with ``FROM_LOGITS`` the tile is read from an
+    fp32 logits buffer at ``h_ptr`` (strides ``stride_hn``, ``stride_hk``) instead of being computed."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     n_mask = offs_n < N
@@ -195,6 +261,15 @@ def _program_logits(  # type: ignore[no-untyped-def]
     if FROM_LOGITS:
         ptrs = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_v[None, :] * stride_hk
         acc = tl.load(ptrs, mask=n_mask[:, None] & v_mask[None, :], other=0.0)
+    elif USE_TMA:
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            a = h_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])
+            b = w_ptr.load([pid_v * BLOCK_V, k * BLOCK_K])
+            if _UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         h_ptrs = h_ptr + offs_n.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hk
@@ -214,7 +289,39 @@ def _program_logits(  # type: ignore[no-untyped-def]
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             h_ptrs += BLOCK_K * stride_hk
             w_ptrs += BLOCK_K * stride_wk
-    return pid_v, offs_n, offs_v, acc * inv_t
+    return offs_n, offs_v, acc * inv_t
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _fwd_tile(  # type: ignore[no-untyped-def]
+    tile, h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_ws,
+    WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, FROM_LOGITS: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """One tile's softmax partials: row max, sum exp, sum exp * z into column ``pid_v`` of the
+    workspace, and the label logit of the rows whose label falls inside the tile."""
+    pid_n, pid_v = _tile_of(tile, N, V, BLOCK_N, BLOCK_V, GROUP_N)
+    offs_n, offs_v, z = _program_logits(
+        h_ptr, w_ptr, pid_n, pid_v, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, PRECISION, FROM_LOGITS, USE_TMA,
+    )  # fmt: skip
+    n_mask = offs_n < N
+    v_mask = offs_v < V
+    z = tl.where(v_mask[None, :], z, float("-inf"))
+    m = tl.max(z, 1)
+    e = tl.exp2((z - m[:, None]) * 1.4426950408889634)
+    ws = offs_n.to(tl.int64) * stride_ws + pid_v
+    tl.store(m_ptr + ws, m, mask=n_mask)
+    tl.store(s_ptr + ws, tl.sum(e, 1), mask=n_mask)
+    if WITH_ENTROPY:
+        tl.store(t_ptr + ws, tl.sum(e * tl.where(v_mask[None, :], z, 0.0), 1), mask=n_mask)
+    local = tl.load(lab_ptr + offs_n, mask=n_mask, other=-1) - label_offset
+    lo = pid_v * BLOCK_V
+    hit = n_mask & (local >= lo) & (local < lo + BLOCK_V) & (local < V)
+    zl = tl.sum(tl.where(offs_v[None, :] == local[:, None], z, 0.0), 1)
+    tl.store(zl_ptr + offs_n, zl, mask=hit)
 
 
 @triton.autotune(
@@ -245,31 +352,62 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     WITH_ENTROPY: tl.constexpr,
     PRECISION: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    pid_v, offs_n, offs_v, z = _program_logits(
-        h_ptr, w_ptr, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
-        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION, FROM_LOGITS,
+    """With ``USE_TMA`` a persistent grid of ``NUM_PROGRAMS`` programs walks all tiles; else one
+    program per tile."""
+    if USE_TMA:
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N) * tl.cdiv(V, BLOCK_V), NUM_PROGRAMS):
+            _fwd_tile(
+                tile, h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t,
+                stride_hn, stride_hk, stride_wv, stride_wk, stride_ws, WITH_ENTROPY, PRECISION, FROM_LOGITS,
+                USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+            )  # fmt: skip
+    else:
+        _fwd_tile(
+            tl.program_id(0), h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t,
+            stride_hn, stride_hk, stride_wv, stride_wk, stride_ws, WITH_ENTROPY, PRECISION, FROM_LOGITS,
+            USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+        )  # fmt: skip
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _bwd_tile(  # type: ignore[no-untyped-def]
+    tile, h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H, label_offset, inv_t,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_dn,
+    WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, FROM_LOGITS: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """One tile of ``dlogits = (onehot - p) * g_lp - p * (z - E[z]) * g_ent`` (times ``inv_t``)."""
+    pid_n, pid_v = _tile_of(tile, N, V, BLOCK_N, BLOCK_V, GROUP_N)
+    offs_n, offs_v, z = _program_logits(
+        h_ptr, w_ptr, pid_n, pid_v, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
+        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, PRECISION, FROM_LOGITS, USE_TMA,
     )  # fmt: skip
     n_mask = offs_n < N
     v_mask = offs_v < V
-    z = tl.where(v_mask[None, :], z, float("-inf"))
-    m = tl.max(z, 1)
-    e = tl.exp2((z - m[:, None]) * 1.4426950408889634)
-    ws = offs_n.to(tl.int64) * stride_ws + pid_v
-    tl.store(m_ptr + ws, m, mask=n_mask)
-    tl.store(s_ptr + ws, tl.sum(e, 1), mask=n_mask)
-    if WITH_ENTROPY:
-        tl.store(t_ptr + ws, tl.sum(e * tl.where(v_mask[None, :], z, 0.0), 1), mask=n_mask)
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    g_lp = tl.load(glp_ptr + offs_n, mask=n_mask, other=0.0)
+    p = tl.exp2((z - lse[:, None]) * 1.4426950408889634)
     local = tl.load(lab_ptr + offs_n, mask=n_mask, other=-1) - label_offset
-    lo = pid_v * BLOCK_V
-    hit = n_mask & (local >= lo) & (local < lo + BLOCK_V) & (local < V)
-    zl = tl.sum(tl.where(offs_v[None, :] == local[:, None], z, 0.0), 1)
-    tl.store(zl_ptr + offs_n, zl, mask=hit)
+    onehot = offs_v[None, :] == local[:, None]
+    dz = tl.where(onehot, g_lp[:, None], 0.0) - p * g_lp[:, None]
+    if WITH_ENTROPY:
+        ez = tl.load(ez_ptr + offs_n, mask=n_mask, other=0.0)
+        g_ent = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
+        dz -= p * (z - ez[:, None]) * g_ent[:, None]
+    if USE_TMA:  # the descriptor clips the tile at the edges: full-width stores without masks
+        d_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], (dz * inv_t).to(d_ptr.dtype))
+    else:
+        d_ptrs = d_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_v[None, :]
+        tl.store(d_ptrs, (dz * inv_t).to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
 
 
 @triton.autotune(
@@ -301,30 +439,28 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
     WITH_ENTROPY: tl.constexpr,
     PRECISION: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    _pid_v, offs_n, offs_v, z = _program_logits(
-        h_ptr, w_ptr, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
-        BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, PRECISION, FROM_LOGITS,
-    )  # fmt: skip
-    n_mask = offs_n < N
-    v_mask = offs_v < V
-    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
-    g_lp = tl.load(glp_ptr + offs_n, mask=n_mask, other=0.0)
-    p = tl.exp2((z - lse[:, None]) * 1.4426950408889634)
-    local = tl.load(lab_ptr + offs_n, mask=n_mask, other=-1) - label_offset
-    onehot = offs_v[None, :] == local[:, None]
-    dz = tl.where(onehot, g_lp[:, None], 0.0) - p * g_lp[:, None]
-    if WITH_ENTROPY:
-        ez = tl.load(ez_ptr + offs_n, mask=n_mask, other=0.0)
-        g_ent = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
-        dz -= p * (z - ez[:, None]) * g_ent[:, None]
-    d_ptrs = d_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_v[None, :]
-    tl.store(d_ptrs, (dz * inv_t).to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
+    """Grid as :func:`_fwd_kernel`'s."""
+    if USE_TMA:
+        for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N) * tl.cdiv(V, BLOCK_V), NUM_PROGRAMS):
+            _bwd_tile(
+                tile, h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H, label_offset,
+                inv_t, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
+                FROM_LOGITS, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+            )  # fmt: skip
+    else:
+        _bwd_tile(
+            tl.program_id(0), h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H,
+            label_offset, inv_t, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
+            FROM_LOGITS, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+        )  # fmt: skip
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -332,8 +468,60 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _grid(n: int, v: int) -> Any:
-    return lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(v, meta["BLOCK_V"]),)
+def _grid(n: int, v: int, programs: int | None = None) -> Any:
+    """One program per tile, or at most ``programs`` programs (the persistent TMA grid)."""
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(v, meta["BLOCK_V"])
+        return (max(1, min(tiles, programs)) if programs else tiles,)
+
+    return grid
+
+
+def _num_programs(t: torch.Tensor) -> int:
+    """Programs of the persistent grid: one per multiprocessor (a few in the interpreter)."""
+    if INTERPRET or not t.is_cuda:
+        return 3
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+_SMS: dict[int, int] = {}
+
+
+def _tma_operand(t: torch.Tensor) -> bool:
+    """A row-major matrix whose rows and base a TMA descriptor can address (16-byte aligned)."""
+    size = t.element_size()
+    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_usable(hidden: torch.Tensor, weight: torch.Tensor, tma: bool | None = None) -> bool:
+    """Whether the ``tl.dot`` kernels load ``hidden``/``weight`` tiles through TMA descriptors.
+
+    ``tma=False`` (or ``UNDERLAY_TRITON_LOGPROB_TMA=0`` when ``tma`` is None) forces pointer loads. Else
+    TMA needs Triton's ``TensorDescriptor``, a compute-capability >= 9.0 GPU and 16-bit operands (fp32
+    operands keep the measured pointer path; the interpreter takes every dtype, so CPU tests run this
+    code), and row-major operands with 16-byte aligned rows and base. Anything else: pointer loads."""
+    if tma is False or TensorDescriptor is None:
+        return False
+    if tma is None and env.get("UNDERLAY_TRITON_LOGPROB_TMA") == "0":
+        return False
+    if not INTERPRET:
+        if not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device) < (9, 0):
+            return False
+        if hidden.dtype not in (torch.bfloat16, torch.float16):
+            return False
+    return _tma_operand(hidden) and _tma_operand(weight)
+
+
+def _operands(hidden: torch.Tensor, weight: torch.Tensor, use_tma: bool) -> tuple[Any, Any]:
+    """The two GEMM operands as the kernels take them: tensors, or descriptors whose block shape the
+    autotune pre-hook sets per config."""
+    if not use_tma:
+        return hidden, weight
+    return TensorDescriptor.from_tensor(hidden, [16, 16]), TensorDescriptor.from_tensor(weight, [16, 16])
 
 
 def _forward_stats(
@@ -346,6 +534,7 @@ def _forward_stats(
     mode: str,
     row_split: int | None = None,
     v_chunk: int | None = None,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row max, sum-exp relative to it, sum exp * z relative to it, and label logit (0 where not local)."""
     n, h = hidden.shape
@@ -359,10 +548,14 @@ def _forward_stats(
     if n == 0:
         return zl, zl.clone(), zl.clone(), zl.clone()
     if mode == "fused":
-        _fwd_kernel[_grid(n, v)](
-            hidden, weight, labels, m_ws, s_ws, t_ws, zl, n, v, h, label_offset, inv_t,
+        use_tma = tma_usable(hidden, weight, tma)
+        progs = _num_programs(hidden)
+        h_op, w_op = _operands(hidden, weight, use_tma)
+        _fwd_kernel[_grid(n, v, progs if use_tma else None)](
+            h_op, w_op, labels, m_ws, s_ws, t_ws, zl, n, v, h, label_offset, inv_t,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), m_ws.stride(0),
             WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=False,
+            USE_TMA=use_tma, NUM_PROGRAMS=progs,
         )  # fmt: skip
     else:
         bv = fwd_block_v(hidden.dtype)
@@ -379,6 +572,7 @@ def _forward_stats(
                 r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
                 z.stride(0), z.stride(1), 0, 0, m_ws.stride(0),
                 WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=True,
+                USE_TMA=False, NUM_PROGRAMS=1,
             )  # fmt: skip
     m = m_ws.max(dim=1).values
     rescale = torch.exp(m_ws - m[:, None])
@@ -478,10 +672,12 @@ def _backward(
     row_split: int | None,
     v_chunk: int | None,
     mode: str,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     n, h = hidden.shape
     v = weight.shape[0]
     hybrid = mode == "hybrid"
+    progs = _num_programs(hidden)
     auto_rows, auto_chunk = plan_backward(n, h, hidden.element_size(), mode)
     rows = row_split or auto_rows
     chunk = min(v_chunk or auto_chunk, v)
@@ -489,6 +685,9 @@ def _backward(
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
     grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else None
     d_buf = torch.empty((min(rows, n), chunk), device=hidden.device, dtype=hidden.dtype)
+    # TMA loads of row/vocabulary slices keep the operands' alignment; the dlogits chunk is stored through
+    # a descriptor too, so its row pitch must be 16-byte aligned
+    use_tma = not hybrid and tma_usable(hidden, weight, tma) and _tma_operand(d_buf)
     fp32_acc = hidden.dtype != torch.float32
     acc = (
         torch.empty((min(rows, n), h), device=hidden.device, dtype=torch.float32)
@@ -514,12 +713,15 @@ def _backward(
             if z_buf is not None:
                 src = z_buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
                 mm_fp32(hid, w.T, src)
-            _bwd_dlogits_kernel[_grid(r1 - r0, v1 - v0)](
-                src, w, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
-                (g_ent if g_ent is not None else g_lp)[r0:r1], d,
+            src_op, w_op = _operands(src, w, use_tma)
+            d_op = TensorDescriptor.from_tensor(d, [16, 16]) if use_tma else d
+            _bwd_dlogits_kernel[_grid(r1 - r0, v1 - v0, progs if use_tma else None)](
+                src_op, w_op, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
+                (g_ent if g_ent is not None else g_lp)[r0:r1], d_op,
                 r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
                 src.stride(0), src.stride(1), w.stride(0), w.stride(1), d.stride(0),
                 WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=hybrid,
+                USE_TMA=use_tma, NUM_PROGRAMS=progs,
             )  # fmt: skip
             if grad_w is not None:
                 if r0 == 0:
@@ -547,10 +749,11 @@ class _FusedLinearLogprob(torch.autograd.Function):
         row_split: int | None,
         v_chunk: int | None,
         mode: str,
+        tma: bool | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_t = 1.0 / temperature
         m, s, t, zl = _forward_stats(
-            hidden, weight, labels, label_offset, inv_t, with_entropy, mode, row_split, v_chunk
+            hidden, weight, labels, label_offset, inv_t, with_entropy, mode, row_split, v_chunk, tma
         )
         if group is not None:
             import torch.distributed as dist
@@ -568,7 +771,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
         ez = t / s
         entropy = torch.where(valid, lse - ez, 0.0) if with_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(hidden, weight, labels, lse, ez)
-        ctx.cfg = (inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode)
+        ctx.cfg = (inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode, tma)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
@@ -576,7 +779,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
         hidden, weight, labels, lse, ez = ctx.saved_tensors
-        inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode = ctx.cfg
+        inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode, tma = ctx.cfg
         valid = labels != -100
         g_lp = torch.where(valid, g_lp, 0.0) if g_lp is not None else torch.zeros_like(lse)
         g_ent = torch.where(valid, g_ent, 0.0) if (g_ent is not None and with_entropy) else None
@@ -584,13 +787,13 @@ class _FusedLinearLogprob(torch.autograd.Function):
             hidden, weight, labels, lse, ez, g_lp.float().contiguous(),
             g_ent.float().contiguous() if g_ent is not None else None,
             label_offset, inv_t, ctx.needs_input_grad[0], ctx.needs_input_grad[1], row_split, v_chunk,
-            mode,
+            mode, tma,
         )  # fmt: skip
         if group is not None and grad_h is not None:
             import torch.distributed as dist
 
             dist.all_reduce(grad_h, group=group)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def check_mode(mode: str, source: str = "UNDERLAY_TRITON_LOGPROB_MODE") -> str:
@@ -615,6 +818,7 @@ def fused_linear_logprobs(
     row_split: int | None = None,
     v_chunk: int | None = None,
     mode: str | None = None,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused ``log_softmax(hidden @ weight.T / temperature)[labels]`` and entropy, fp32 ``[N]`` each.
 
@@ -627,11 +831,12 @@ def fused_linear_logprobs(
     the logits inside the Triton kernels (``tl.dot``); ``"hybrid"`` computes each ``[rows, v_chunk]`` logits
     block with cuBLAS (fp32 output) and runs the Triton statistics / dlogits kernels on it. Both keep
     workspace bounded independently of ``V`` and agree up to fp32 rounding; which one is faster depends
-    on ``H`` (see :data:`DEFAULT_MODE`).
+    on ``H`` (see :data:`DEFAULT_MODE`). ``tma`` (default: :func:`tma_usable` decides, honouring
+    ``UNDERLAY_TRITON_LOGPROB_TMA``): ``False`` forces pointer tile loads in the fused mode.
     """
     mode = check_mode(mode) if mode is not None else check_mode(env.get("UNDERLAY_TRITON_LOGPROB_MODE"))
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.contiguous(), float(temperature), bool(with_entropy), group, int(label_offset),
-        row_split, v_chunk, mode,
+        row_split, v_chunk, mode, tma,
     )  # fmt: skip
     return lp, (ent if with_entropy else None)

@@ -69,6 +69,16 @@ def meta_params() -> Iterator[None]:
 def _auto_model(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    if getattr(hf_config, "vision_config", None) is not None:  # Qwen-VL style: image-text-to-text
+        if model_cfg.kind == "value":
+            raise ConfigError(
+                f"ModelConfig.kind='value' for the vision-language model {hf_config.model_type!r}: "
+                "transformers has no token-classification head for it; train a causal_lm policy, or a "
+                "value model on its text_config"
+            )
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-any-return,no-untyped-call]
     if model_cfg.kind == "value":
         hf_config.num_labels = 1
         model = AutoModelForTokenClassification.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]

@@ -8,8 +8,12 @@ from the safetensors of ``config.model.path`` or copied from the seed-initialise
 sharded model equals the single-process model built with the same seed), then AdamW and the LR schedule.
 
 Engine options: ``FSDP2Options`` (``underlay.engines.fsdp2.options``; ``EngineConfig.options`` is a
-mapping of its fields or an instance). Recompute policies: ``"none"`` and ``"full"`` (``"selective"`` is
-refused with the reason, see ``FSDP2Options.supports_recompute``). ``compile_memory_budget`` is applied
+mapping of its fields or an instance). Its speed and memory fields default to ``None`` (auto) and
+``EngineConfig.recompute`` to ``"auto"``: right after the meta model is built they are decided once
+(``_auto.resolve_for`` -> the pure ``defaults.resolve``: per-device speed settings, then the memory
+policy), logged with their reasons and kept in ``resolved_options``/``option_reasons``/``recompute``.
+Recompute policies: ``"auto"``, ``"none"`` and ``"full"`` (``"selective"`` is refused with the reason,
+see ``FSDP2Options.supports_recompute``). ``compile_memory_budget`` is applied
 only around this engine's own forward/backward calls (``torch._functorch.config.patch``), where its
 compiled graphs are partitioned, so two engines in one process keep their own budgets.
 """
@@ -30,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
-from underlay.engines.fsdp2 import _build
+from underlay.engines.fsdp2 import _auto, _build
+from underlay.engines.fsdp2.act_offload import ActivationOffloader, install_activation_offload
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
@@ -88,7 +93,7 @@ class FSDP2Engine:
         from underlay.parallel.distributed import init_distributed
 
         options: FSDP2Options = resolve_options(FSDP2Options, config.options, "fsdp2")
-        support = FSDP2Options.supports_recompute(config.recompute)
+        support = FSDP2Options.supports_recompute(config.recompute)  # before any work
         if not support.available:
             raise ConfigError(
                 f"EngineConfig.recompute={config.recompute!r}: {support.reason}; {support.hint}"
@@ -123,19 +128,28 @@ class FSDP2Engine:
             ),
         )
         self._param_dtype = torch_dtype(config.param_dtype)
+        model = _build.build_model(config.model, self._hf_config, meta=True)
+        # the auto options (None) and recompute="auto" are decided once, here, and logged
+        self._resolved = _auto.resolve_for(model, self._hf_config, config, options, device, layout)
+        options = self._resolved.options
+        self._options = options
+        self._recompute = self._resolved.recompute
         # parameters stay unsharded from forward to backward: then also from one micro-batch to the next
         self._keep_unsharded = not options.reshard_after_forward
-        model = _build.build_model(config.model, self._hf_config, meta=True)
         buffers = {n: b for n, b in model.named_buffers()}
-        apply_activation_checkpointing(model, config.recompute)
+        apply_activation_checkpointing(model, self._recompute)
         self._prepare(model)
         compile_opt = options.compile
+        self._compile_auto = self._resolved.reasons.get("compile") != "given" and bool(compile_opt)
+        self._compile_warmup = _auto.CompileWarmup()
         if compile_opt:
             compile_layer_parts(
                 model,
                 backend=_compile_backend(),
                 scope="layer_parts" if compile_opt is True else str(compile_opt),
             )
+        # outermost around each layer's (compiled, checkpointed) forward: see act_offload
+        self._act_offload = install_activation_offload(model, device, options)
         apply_fsdp(
             model,
             self._meshes.fsdp,
@@ -151,16 +165,30 @@ class FSDP2Engine:
         self._model = model
         self._materialise()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        fused = options.fused_adamw and device.is_accelerator
+        fused = bool(options.fused_adamw) and device.is_accelerator
         optim = config.optim
-        self._optimizer = torch.optim.AdamW(
-            trainable,
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            **({"fused": True} if fused else {"foreach": True}),
-        )
+        self._optimizer: torch.optim.Optimizer
+        if options.optimizer_offload:
+            from underlay.engines.fsdp2.optim_offload import HostOffloadAdamW
+
+            self._optimizer = HostOffloadAdamW(
+                trainable,
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+                fused=fused,
+                pin_memory=device.is_accelerator,
+            )
+        else:
+            self._optimizer = torch.optim.AdamW(
+                trainable,
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+                **({"fused": True} if fused else {"foreach": True}),
+            )
         from underlay.ops import build_lr_scheduler
 
         self._scheduler = build_lr_scheduler(self._optimizer, optim)
@@ -221,11 +249,20 @@ class FSDP2Engine:
         """Where this engine's compiled graphs are traced and partitioned (their first calls, and
         recompiles): ``compile_memory_budget`` is set for that span only, then restored."""
         budget = self._options.compile_memory_budget
-        if not self._options.compile or budget is None:
+        if not self._options.compile:
             return contextlib.nullcontext()
-        import torch._functorch.config as functorch_config
+        stack = contextlib.ExitStack()
+        if budget is not None:
+            import torch._functorch.config as functorch_config
 
-        return functorch_config.patch(activation_memory_budget=float(budget))  # type: ignore[no-any-return]
+            stack.enter_context(functorch_config.patch(activation_memory_budget=float(budget)))
+        if self._compile_auto:
+            # compile was the engine's choice, not the user's: a frame torch.compile cannot compile
+            # runs eagerly (torch logs why) instead of failing the step
+            import torch._dynamo.config as dynamo_config
+
+            stack.enter_context(dynamo_config.patch(suppress_errors=True))
+        return stack
 
     # ------------------------------------------------------------------------------- properties
 
@@ -254,8 +291,56 @@ class FSDP2Engine:
 
     @property
     def options(self) -> FSDP2Options:
-        """The validated engine options."""
+        """The engine options in effect: the user's, with every auto field (``None``) decided at build
+        (same as ``resolved_options``)."""
         return self._options
+
+    @property
+    def activation_offloader(self) -> ActivationOffloader | None:
+        """The activation offloader (``options.activation_offload``; its ``stats`` count what moved),
+        or ``None``."""
+        return self._act_offload
+
+    @property
+    def resolved_options(self) -> FSDP2Options:
+        """The options in effect, no auto field left (see ``option_reasons`` for why each was chosen)."""
+        return self._options
+
+    @property
+    def recompute(self) -> str:
+        """The recompute policy in effect (``"none"`` or ``"full"``; ``config.recompute="auto"``
+        decided by the memory policy)."""
+        return self._recompute
+
+    @property
+    def option_reasons(self) -> Mapping[str, str]:
+        """Why each auto option got its value (``"given"`` for the user's), by option name, plus
+        ``"recompute"``."""
+        return dict(self._resolved.reasons)
+
+    @property
+    def memory_estimate(self) -> Any:
+        """The memory policy's decision (``underlay.engines.fsdp2.defaults.MemoryPolicy``: the chosen
+        configuration, its estimated device bytes by part, the usable bytes), or ``None`` when the
+        user fixed recompute, resharding and optimizer offload."""
+        return self._resolved.memory
+
+    @property
+    def compile_warmup(self) -> Mapping[str, float]:
+        """One-time torch.compile cost so far: ``{"steps": n, "seconds": s, "graphs": g}``: the
+        ``forward_backward`` and ``infer`` calls in which torch.compile compiled graphs, their host wall
+        time, and the graphs compiled (torch's process-wide counter, read before and after each call).
+        Zeros when not compiling."""
+        return self._compile_warmup.as_dict()
+
+    def __repr__(self) -> str:
+        o = self._options
+        return (
+            f"FSDP2Engine(world={self._layout.world_size}, dp_shard={self._layout.dp_shard}, "
+            f"device={self._device.device_type}, recompute={self._recompute!r}, compile={o.compile!r}, "
+            f"compile_memory_budget={o.compile_memory_budget!r}, fused_adamw={o.fused_adamw!r}, "
+            f"reshard_after_forward={o.reshard_after_forward!r}, optimizer_offload={o.optimizer_offload!r})"
+        )
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -322,12 +407,17 @@ class FSDP2Engine:
             raise InvalidInput(
                 f"TokenBatch.input_ids out of range [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}"
             )
+        from underlay.models import check_vision_batch
+
+        check_vision_batch(self._hf_config, batch)
         return batch.to(self._torch_device)
 
     def _plan(self, batch: TokenBatch) -> list[list[int]]:
+        from underlay.models import sequence_costs
         from underlay.ops import plan_micro_batches
 
-        seqlens = batch.attention_mask.sum(dim=1).tolist()
+        # tokens, plus the vision patches of a row's images weighted by models.patch_cost
+        seqlens = sequence_costs(self._hf_config, batch)
         return plan_micro_batches(seqlens, self._config.micro_batch_max_tokens, group=self._dp_group)
 
     def _forward(self, batch: TokenBatch, temperature: float, with_entropy: bool) -> TokenOutputs:
@@ -336,6 +426,7 @@ class FSDP2Engine:
         from underlay.ops import pad, unpad
 
         packed = unpad(batch.input_ids, batch.attention_mask)
+        multimodal, zero_passes = self._vision_inputs(batch)
         with self._compile_scope():  # AOTAutograd partitions forward/backward when forward compiles
             out = packed_forward(
                 self._model,
@@ -344,12 +435,31 @@ class FSDP2Engine:
                 with_entropy=with_entropy,
                 logprob_kernel=self._logprob_kernel,
                 sp_group=self._ulysses_group,
+                multimodal=multimodal,
+                zero_vision_passes=zero_passes,
             )
 
         def back(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else pad(t, packed)
 
         return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values))
+
+    def _vision_inputs(self, batch: TokenBatch) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """A vision-language micro-batch's ``multimodal`` inputs, and how many zero-weight vision
+        passes this rank adds: the vision blocks are FSDP units, so every rank runs the tower as many
+        times as the rank with the most (images: one run, videos: another; agreed by one all-reduce
+        over the world per micro-batch, only for VLMs on more than one rank)."""
+        from underlay.models import is_vision_config, multimodal_inputs, vision_calls
+
+        if not is_vision_config(self._hf_config):
+            return None, 0
+        calls = vision_calls(batch)
+        most = calls
+        if self._layout.world_size > 1:
+            agreed_calls = torch.tensor([calls], dtype=torch.int64, device=self._torch_device)
+            dist.all_reduce(agreed_calls, op=dist.ReduceOp.MAX)
+            most = int(agreed_calls.item())
+        return multimodal_inputs(batch), most - calls
 
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
         """Accumulate gradients of the global token-mean loss over ``batch`` (this rank's share).
@@ -372,6 +482,7 @@ class FSDP2Engine:
         self._model.train()
         sums: dict[str, torch.Tensor] = {}
         completed = False
+        warm = self._compile_warmup.start() if self._options.compile else None
         try:
             for i, idx in enumerate(plan):
                 # with reshard_after_forward=False the parameters are unsharded for the whole
@@ -395,6 +506,8 @@ class FSDP2Engine:
             if self._keep_unsharded:
                 self._set_reshard_after_backward(True)
                 self._reshard()  # after a failed micro-batch too: the optimizer works on the shards
+        if warm is not None:
+            self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         keys = sorted(sums)
         stacked = torch.stack([sums[k].to(torch.float64).reshape(()) for k in keys]).to(self._torch_device)
         dist.all_reduce(stacked, group=dp_group)
@@ -404,9 +517,14 @@ class FSDP2Engine:
     def _dummy_backward(self, batch: TokenBatch) -> None:
         """This rank has no sequence for a micro-batch that other dp ranks run: take part in FSDP's
         collectives with a one-token forward whose loss is multiplied by zero."""
+        from underlay.models import is_vision_config
+
         sub = batch.select([0])
+        ids = sub.input_ids[:, :1]
+        if is_vision_config(self._hf_config):  # token 0, never an image placeholder without its image
+            ids = torch.zeros_like(ids)
         one = TokenBatch(
-            sub.input_ids[:, :1],
+            ids,
             torch.ones_like(sub.attention_mask[:, :1]),
             torch.zeros_like(sub.loss_mask[:, :1]),
         )
@@ -430,6 +548,7 @@ class FSDP2Engine:
         self._model.eval()
         shape = tuple(batch.input_ids.shape)
         result: dict[str, torch.Tensor] = {}
+        warm = self._compile_warmup.start() if self._options.compile else None
         for idx in self._plan(batch):
             if not idx:
                 self._forward(batch.select([0]), temp, False)
@@ -444,6 +563,8 @@ class FSDP2Engine:
                     )
                     buf[rows] = t.to(torch.float32)
         self._reshard()
+        if warm is not None:  # inference compiles its own (no-grad) graphs once too
+            self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         return TokenOutputs(result.get("log_probs"), result.get("entropy"), result.get("values"))
 
     def _set_reshard_after_backward(self, value: bool) -> None:
@@ -452,9 +573,14 @@ class FSDP2Engine:
             setter(value)
 
     def _reshard(self) -> None:
-        reshard = getattr(self._model, "reshard", None)
-        if callable(reshard):
-            reshard()
+        """Free every unsharded parameter: ``FSDPModule.reshard`` acts on its own module's parameters
+        only, so each decoder layer is resharded too (with ``reshard_after_forward=False`` a forward
+        without backward, as in ``infer`` or a failed micro-batch, leaves the layers unsharded)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self._model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (set to ``None``)."""
@@ -505,6 +631,8 @@ class FSDP2Engine:
         parameters already live on the host and stay there."""
         host = torch.device("cpu")
         pin = self._device.is_accelerator
+        if self._act_offload is not None:
+            self._act_offload.release()  # held activations and the free pinned buffers
         if grads and "grads" not in self._offloaded:
             saved = {}
             for i, p in enumerate(self._model.parameters()):
@@ -514,7 +642,9 @@ class FSDP2Engine:
             self._offloaded["grads"] = saved
         if optimizer and "optimizer" not in self._offloaded:
             state: dict[int, dict[str, Any]] = {}
-            for i, group_param in enumerate(_optim_params(self._optimizer)):
+            # optimizer_offload: the AdamW state already lives in host memory; nothing to move
+            host_state = bool(self._options.optimizer_offload)
+            for i, group_param in enumerate([] if host_state else _optim_params(self._optimizer)):
                 entry = self._optimizer.state.get(group_param)
                 if entry:
                     state[i] = {k: _to_host(v, pin) for k, v in entry.items()}

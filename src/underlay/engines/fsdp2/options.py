@@ -24,29 +24,53 @@ included; the FSDP hooks around it stay eager)."""
 class FSDP2Options:
     """Engine-specific settings of ``fsdp2`` (``EngineConfig.options``, a mapping or this class)."""
 
-    reshard_after_forward: bool = option(
-        True,
+    reshard_after_forward: bool | None = option(
+        None,
         "free each decoder layer's gathered parameters after its forward (False: keep them unsharded "
-        "from forward to backward and across micro-batches; more memory, fewer all-gathers)",
+        "from forward to backward and across micro-batches; more memory, fewer all-gathers); None = auto: "
+        "False when all ranks are on one node and the memory estimate fits, else True",
     )
-    fused_adamw: bool = option(False, "use the fused AdamW kernel (accelerators only; ignored on cpu)")
-    compile: bool | Literal["norm_mlp", "layer_parts", "layer"] = option(
-        False,
+    fused_adamw: bool | None = option(
+        None,
+        "use the fused AdamW kernel (accelerators only; ignored on cpu); None = auto: True on cuda, and "
+        "on other accelerators where torch has the kernel",
+    )
+    compile: bool | Literal["norm_mlp", "layer_parts", "layer"] | None = option(
+        None,
         "torch.compile parts of each decoder layer: True = 'layer_parts' (norms, dense MLPs, attention "
-        "modules), 'norm_mlp', or 'layer' (each layer's whole forward); backend from "
-        "UNDERLAY_COMPILE_BACKEND (default inductor)",
+        "modules), 'norm_mlp', or 'layer' (each layer's whole forward); False = eager; None = auto: "
+        "'layer' on cuda when inductor works (a failing compile falls back to eager, logged), eager on "
+        "cpu/npu; backend from UNDERLAY_COMPILE_BACKEND (default inductor)",
     )
     compile_memory_budget: float | None = option(
         None,
         "fraction in (0, 1] of the activations compiled graphs save for backward (the partitioner "
-        "recomputes the cheapest of the rest); None = torch's choice; applies to this engine's compiled "
-        "calls only",
+        "recomputes the cheapest of the rest; 1.0 = torch's default); None = auto: 0.85 when compiling; "
+        "applies to this engine's compiled calls only",
+    )
+    optimizer_offload: bool | None = option(
+        None,
+        "keep AdamW's state in pinned host memory and step it in chunks streamed through the device "
+        "(copies overlap the fused step); None = auto: only when the memory estimate does not fit "
+        "otherwise",
+    )
+
+    activation_offload: bool = option(
+        False,
+        "move the activations each decoder layer saves for backward to (pinned) host memory during "
+        "forward and prefetch them back ahead of its backward (side streams, double-buffered); with "
+        "recompute='full' only the layer inputs are saved and offloaded; gradients are unchanged",
+    )
+    activation_offload_min_bytes: int = option(
+        1 << 20,
+        "saved tensors smaller than this many bytes stay on the device under activation_offload",
     )
 
     def __post_init__(self) -> None:
-        if self.compile not in (False, True, *COMPILE_SCOPES):
+        if self.compile not in (None, False, True, *COMPILE_SCOPES):
             raise ConfigError(
-                f"EngineConfig.options compile={self.compile!r}: use False, True or one of {COMPILE_SCOPES}"
+                f"EngineConfig.options compile={self.compile!r}: use None (auto), False, True or one of "
+                f"{COMPILE_SCOPES}"
             )
         budget = self.compile_memory_budget
         if budget is not None and (
@@ -57,9 +81,35 @@ class FSDP2Options:
                 "of the activations a compiled layer saves for backward; the rest is recomputed)"
             )
 
+        min_bytes = self.activation_offload_min_bytes
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ConfigError(
+                f"EngineConfig.options activation_offload_min_bytes={min_bytes!r}: use an int >= 0 (bytes)"
+            )
+
+    @staticmethod
+    def auto_defaults(device_type: str) -> dict[str, tuple[object, str]]:
+        """What the auto (``None``) speed options become on ``device_type`` (``"cuda"``, ``"npu"``,
+        ``"cpu"``), with the reason: ``{option: (value, reason)}`` (``underlay info`` prints it).
+        ``reshard_after_forward``, ``optimizer_offload`` and ``recompute="auto"`` depend on the model
+        and the memory, so they are described, not valued."""
+        from underlay.engines.fsdp2.defaults import device_defaults
+
+        d = device_defaults(device_type)
+        memory = "memory policy at build (model size, micro_batch_max_tokens, device memory)"
+        return {
+            "compile": (d.compile, d.reasons["compile"]),
+            "fused_adamw": (d.fused_adamw, d.reasons["fused_adamw"]),
+            "compile_memory_budget": (d.compile_memory_budget, d.reasons["compile_memory_budget"]),
+            "reshard_after_forward": ("auto", "False on one node when the estimate fits; " + memory),
+            "optimizer_offload": ("auto", "True only when nothing fits without it; " + memory),
+            "recompute": ("auto", "'none' when the estimate fits, else 'full'; " + memory),
+        }
+
     @staticmethod
     def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
-        """Whether fsdp2 runs the recompute ``policy``: ``"none"`` and ``"full"`` yes; ``"selective"``
+        """Whether fsdp2 runs the recompute ``policy``: ``"auto"`` (the memory policy picks ``"none"``
+        or ``"full"``), ``"none"`` and ``"full"`` yes; ``"selective"``
         no (measured slower than full recomputation on the H200 and removed; use ``"full"``, or
         ``compile="layer"`` with ``compile_memory_budget`` to let the compiler choose what to save)."""
         return supports_recompute(policy)
@@ -67,7 +117,7 @@ class FSDP2Options:
 
 def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
     """See ``FSDP2Options.supports_recompute``."""
-    if policy in ("none", "full"):
+    if policy in ("auto", "none", "full"):
         return ProbeResult.ok()
     if policy == "selective":
         return ProbeResult.fail(
@@ -75,4 +125,4 @@ def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
             "and was removed",
             "use recompute='full', or options compile='layer' with compile_memory_budget",
         )
-    return ProbeResult.fail(f"unknown recompute policy {policy!r}", "use 'none', 'full' or 'selective'")
+    return ProbeResult.fail(f"unknown recompute policy {policy!r}", "use 'auto', 'none' or 'full'")

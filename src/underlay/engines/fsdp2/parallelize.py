@@ -7,6 +7,7 @@ then shard with ``fully_shard`` per decoder layer and finally the root (``apply_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,8 +178,11 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
     if scope == "layer":
         layers = decoder_layers(model)
         for layer in layers:
-            # the bound method, so that hooks registered later (fully_shard) run eagerly around it
-            layer.forward = torch.compile(layer.forward, backend=backend)
+            # an instance attribute, so that hooks registered later (fully_shard) run eagerly around
+            # it; the class's forward is looked up at call time because fully_shard swaps the class
+            # for a subclass, and transformers checkpoints (recompute="full") only when that class's
+            # forward is the one called (a bound method taken now would silently skip recomputation)
+            layer.forward = torch.compile(functools.partial(_class_forward, layer), backend=backend)
         return len(layers)
     suffixes: tuple[str, ...] = ("RMSNorm", "MLP") + (("Attention",) if scope == "layer_parts" else ())
     count = 0
@@ -194,6 +198,10 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
             inside_compiled.append(module)
             count += 1
     return count
+
+
+def _class_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(layer).forward(layer, *args, **kwargs)
 
 
 def apply_fsdp(

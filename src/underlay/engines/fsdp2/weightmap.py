@@ -11,6 +11,10 @@ adapters get no rule (``named_full_parameters`` merges them into their base weig
 - Value models (``ModelConfig.kind == "value"``): the head (``score.*``) is optional (a causal-LM
   checkpoint lacks it; the engine initialises it from the seed) and a checkpoint's ``lm_head.*`` is
   ignored.
+- Qwen2-VL / Qwen2.5-VL (``LEGACY_VL_CHECKPOINTS``): transformers 5 nests the modules
+  (``model.visual.*``, ``model.language_model.*``) while their checkpoints, and what ``save_pretrained``
+  writes, keep the flat layout (``visual.*``, ``model.*``): those two prefixes are renamed. Qwen3-VL
+  checkpoints use the module names.
 Tied parameters (``lm_head.weight`` = ``model.embed_tokens.weight``) map once, the alias in ``tied``.
 """
 
@@ -26,11 +30,29 @@ from underlay.engines._weightmap import rename, stack_experts
 from underlay.engines.fsdp2._build import hf_name
 from underlay.interfaces import RulePattern, WeightMap, WeightRule
 
-__all__ = ["PER_EXPERT_CHECKPOINTS", "fsdp2_weight_map", "hf_name"]
+__all__ = ["LEGACY_VL_CHECKPOINTS", "PER_EXPERT_CHECKPOINTS", "fsdp2_weight_map", "hf_name"]
 
 PER_EXPERT_CHECKPOINTS = frozenset({"qwen2_moe", "qwen3_moe"})
 """Model types whose checkpoints store ``experts.{e}.{gate,up,down}_proj.weight`` while transformers 5
 fuses them in memory (verified for qwen3_moe with transformers 5.24's ``save_pretrained``)."""
+
+LEGACY_VL_CHECKPOINTS = frozenset({"qwen2_vl", "qwen2_5_vl"})
+"""Vision-language model types whose checkpoints hold ``visual.*`` and ``model.*`` for the modules
+``model.visual.*`` and ``model.language_model.*`` (transformers 5.24's ``save_pretrained`` writes them so)."""
+
+
+def _legacy_vl_name(name: str) -> str:
+    """The flat checkpoint name of a nested Qwen2(.5)-VL module name (HF name, peft already removed)."""
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
+
+
+def _legacy_vl(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+    return rename(match.string, _legacy_vl_name(hf_name(match.string)))
+
 
 LORA_PATTERN = r".*\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\..*"
 
@@ -64,6 +86,12 @@ def fsdp2_weight_map(
     """The map of a model from ``model.named_parameters(remove_duplicate=False)`` (every alias, so ties
     are found), its ``hf_config`` and ``kind`` (``"causal_lm"`` or ``"value"``). Only names and shapes
     are read (meta parameters are fine)."""
+    model_type = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
+    legacy_vl = getattr(hf_config, "model_type", None) in LEGACY_VL_CHECKPOINTS
+
+    def hf(name: str) -> str:
+        return _legacy_vl_name(hf_name(name)) if legacy_vl else hf_name(name)
+
     first: dict[int, str] = {}
     tied: dict[str, str] = {}
     unique: list[tuple[str, tuple[int, ...]]] = []
@@ -71,12 +99,11 @@ def fsdp2_weight_map(
         key = id(param)
         if key in first:
             if not re.fullmatch(LORA_PATTERN, name):
-                tied[hf_name(name)] = hf_name(first[key])
+                tied[hf(name)] = hf(first[key])
             continue
         first[key] = name
         unique.append((name, tuple(param.shape)))
     patterns = [RulePattern(LORA_PATTERN, skip=True)]
-    model_type = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
     if model_type in PER_EXPERT_CHECKPOINTS:
         patterns += [
             RulePattern(r".*\.experts\.gate_up_proj", _gate_up),
@@ -86,5 +113,5 @@ def fsdp2_weight_map(
     if kind == "value":
         patterns.append(RulePattern(r"(.*\.)?score\.(weight|bias)", _optional))
         ignored = ("lm_head.*",)
-    patterns.append(RulePattern(r".*", _renamed))
+    patterns.append(RulePattern(r".*", _legacy_vl if legacy_vl else _renamed))
     return WeightMap.resolve(unique, patterns, tied=tied, ignored=ignored)

@@ -176,7 +176,7 @@ class FSDP2WeightLoader:
     ) -> Path | None:
         """Rank 0 writes ``config.json``, ``model-XXXXX-of-YYYYY.safetensors`` shards of at most
         ``max_shard_bytes`` (a larger tensor gets a shard of its own), ``model.safetensors.index.json``
-        and the tokenizer files of the source directory when it had them. Tensors are gathered one
+        and the tokenizer and processor files (``models.PROCESSOR_FILES``) of the source directory when it had them. Tensors are gathered one
         at a time in ``dtype`` (default: the engine's ``param_dtype``); LoRA models export merged
         weights. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere."""
         eng = engine
@@ -266,7 +266,9 @@ class FSDP2WeightLoader:
         cfg.save_pretrained(str(out))
         src = eng.config.model.path
         if src is not None:
-            for fname in TOKENIZER_FILES:
+            from underlay.models.vision import PROCESSOR_FILES
+
+            for fname in TOKENIZER_FILES + PROCESSOR_FILES:
                 if (Path(src) / fname).is_file():
                     shutil.copyfile(Path(src) / fname, out / fname)
 

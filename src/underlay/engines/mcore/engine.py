@@ -153,7 +153,7 @@ class MCoreEngine:
                 "use UNDERLAY_ENGINE=fsdp2 on the CPU; tests run mcore on the CPU only under the "
                 "test fixture tests/mcore/_cpu_fixture.py",
             )
-        recompute = config.recompute
+        recompute = "none" if config.recompute == "auto" else config.recompute  # no memory policy here
         # megatron-core's default (TransformerConfig and initialize_model_parallel): expert TP = TP
         etp = par.etp if par.etp is not None else par.tp
         if not dist.is_initialized():
@@ -489,6 +489,11 @@ class MCoreEngine:
             raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
         if batch.batch_size < 1:
             raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
+        if batch.has_vision:
+            raise InvalidInput(
+                "TokenBatch carries images/videos but the mcore engine runs text decoders only; train "
+                "vision-language models with the fsdp2 engine (UNDERLAY_ENGINE=fsdp2)"
+            )
         lengths = mask.sum(dim=1)
         if bool((lengths < 1).any()):
             rows = torch.nonzero(lengths < 1).flatten().tolist()

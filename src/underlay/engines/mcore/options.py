@@ -34,7 +34,8 @@ class MCoreOptions:
     @staticmethod
     def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
         """``"none"``, ``"full"`` (every decoder layer, megatron's uniform full recompute) and
-        ``"selective"`` (megatron's core-attention recompute) are all supported."""
-        if policy in ("none", "full", "selective"):
+        ``"selective"`` (megatron's core-attention recompute) are all supported; ``"auto"`` is
+        ``"none"`` (mcore has no memory policy of its own)."""
+        if policy in ("auto", "none", "full", "selective"):
             return ProbeResult.ok()
         return ProbeResult.fail(f"unknown recompute policy {policy!r}", "use 'none', 'full' or 'selective'")

@@ -1,0 +1,187 @@
+"""The fsdp2 engine's side of the auto options: measure the model and the machine, call the pure
+``defaults.resolve``, log each decision; and the compile warm-up account."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from underlay.engines.fsdp2.defaults import ModelShape, Resolved, resolve
+from underlay.engines.fsdp2.options import FSDP2Options
+from underlay.engines.fsdp2.parallelize import decoder_layers, torch_dtype
+from underlay.interfaces import Device, EngineConfig, ParallelLayout
+from underlay.parallel.rank import current_rank
+
+__all__ = ["CompileWarmup", "model_shape", "resolve_for"]
+
+log = logging.getLogger("underlay.engines.fsdp2")
+
+
+def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return list({id(p): p for p in module.parameters()}.values())
+
+
+def model_shape(model: torch.nn.Module, hf_config: Any) -> ModelShape:
+    """``ModelShape`` of a (meta-device) Hugging Face decoder model: parameter counts from the module
+    (tied parameters once), dimensions from its config (``text_config`` of multimodal ones; MoE: the
+    routed experts per token x expert width, plus the shared expert)."""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    hidden = int(cfg.hidden_size)
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    ffn = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    topk = getattr(cfg, "num_experts_per_tok", None)
+    moe_width = getattr(cfg, "moe_intermediate_size", None)
+    if topk and moe_width:
+        ffn = int(topk) * int(moe_width) + int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+    params = _unique_params(model)
+    layers = decoder_layers(model)
+    layer_ids = {id(p) for layer in layers for p in layer.parameters()}
+    largest = max((sum(p.numel() for p in _unique_params(layer)) for layer in layers), default=0)
+    qk_norm = any(name.endswith(("q_norm", "k_norm")) for name, _ in model.named_modules())
+    return ModelShape(
+        hidden=hidden,
+        layers=len(layers),
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        ffn=ffn,
+        vocab=int(getattr(cfg, "vocab_size", 0) or 0),
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        layer_params=largest,
+        root_params=sum(p.numel() for p in params if id(p) not in layer_ids),
+        qk_norm=qk_norm,
+    )
+
+
+def _single_node(world: int) -> bool:
+    """Whether every rank runs on this host: ``LOCAL_WORLD_SIZE`` (torchrun, the ray launcher) when
+    set, else the ranks' host names compared (one collective at build)."""
+    if world == 1:
+        return True
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if local.isdigit():
+        return int(local) >= world
+    import socket
+
+    names: list[Any] = [None] * world
+    dist.all_gather_object(names, socket.gethostname())
+    return len(set(names)) == 1
+
+
+def _fused_adamw_ok(device_type: str) -> bool:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return device_type in _get_fused_kernels_supported_devices()
+
+
+def resolve_for(
+    model: torch.nn.Module,
+    hf_config: Any,
+    config: EngineConfig,
+    options: FSDP2Options,
+    device: Device,
+    layout: ParallelLayout,
+) -> Resolved:
+    """Decide the auto options of an engine being built (``defaults.resolve``) from the meta model,
+    the device's total memory and the layout; log every decision with its reason (rank 0, INFO; a
+    memory estimate over the usable bytes as a WARNING). Collective when ``LOCAL_WORLD_SIZE`` is unset
+    and the world has more than one rank (host names are gathered)."""
+    dtype = device.device_type
+    inductor_ok: bool | None = None
+    if dtype == "cuda":
+        inductor_ok = importlib.util.find_spec("triton") is not None
+    resolved = resolve(
+        options,
+        device_type=dtype,
+        recompute=config.recompute,
+        shape=model_shape(model, hf_config),
+        device_total=int(device.memory_stats().total),
+        tokens=config.micro_batch_max_tokens,
+        single_node=_single_node(layout.world_size),
+        dp=layout.dp_shard,
+        ulysses=layout.ulysses,
+        param_bytes=torch.empty((), dtype=torch_dtype(config.param_dtype)).element_size(),
+        cpu_offload=config.cpu_offload,
+        inductor_ok=inductor_ok,
+        fused_adamw_ok=_fused_adamw_ok(dtype),
+    )
+    if current_rank() == 0:
+        o = resolved.options
+        values = {
+            "compile": o.compile,
+            "compile_memory_budget": o.compile_memory_budget,
+            "fused_adamw": o.fused_adamw,
+            "reshard_after_forward": o.reshard_after_forward,
+            "optimizer_offload": o.optimizer_offload,
+            "recompute": resolved.recompute,
+        }
+        for name, value in values.items():
+            log.info("fsdp2 option %s=%r: %s", name, value, resolved.reasons.get(name, ""))
+        if resolved.memory is not None and not resolved.memory.fits:
+            log.warning("fsdp2 memory policy: %s", resolved.memory.reason)
+    return resolved
+
+
+@dataclass
+class CompileWarmup:
+    """The engine calls (``forward_backward``, ``infer``) in which torch.compile compiled graphs
+    (one-time cost), their host wall time and the graph count; each such call is logged once at INFO.
+    A compile the engine chose itself that compiled no graph in its first call is logged as a fallback
+    to eager (WARNING)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    graphs: int = 0
+    _checked: bool = False
+
+    @staticmethod
+    def _graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"].get("unique_graphs", 0))
+
+    def start(self) -> tuple[float, int]:
+        """A token for ``stop``: the time and graph count now."""
+        return time.perf_counter(), self._graphs()
+
+    def stop(self, token: tuple[float, int], step: int, auto: bool) -> None:
+        """Account the step started at ``token`` (``step``: the engine's ``global_step``)."""
+        t0, g0 = token
+        new = self._graphs() - g0
+        if new > 0:
+            dt = time.perf_counter() - t0
+            self.steps += 1
+            self.seconds += dt
+            self.graphs += new
+            if current_rank() == 0:
+                log.info(
+                    "fsdp2: torch.compile compiled %d graph(s) in a call at step %d: %.1f s "
+                    "(one-time warm-up; %.1f s in %d call(s) so far)",
+                    new,
+                    step,
+                    dt,
+                    self.seconds,
+                    self.steps,
+                )
+        if not self._checked:
+            self._checked = True
+            if auto and self.graphs == 0 and current_rank() == 0:
+                log.warning(
+                    "fsdp2: compile was chosen automatically but torch.compile compiled no graph in the "
+                    "first step (see torch's log for why): the layers run eagerly; set "
+                    "options compile=False to skip the attempt"
+                )
+
+    def as_dict(self) -> dict[str, float]:
+        """``{"steps", "seconds", "graphs"}``."""
+        return {"steps": float(self.steps), "seconds": self.seconds, "graphs": float(self.graphs)}

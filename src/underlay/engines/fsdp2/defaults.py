@@ -1,0 +1,453 @@
+"""How the fsdp2 engine fills in the options a user left to it ("auto"): pure functions, no torch.
+
+Two parts, both unit-tested with made-up device sizes:
+
+- ``device_defaults(device_type, ...)``: the speed settings per device family (``compile``,
+  ``fused_adamw``, ``compile_memory_budget``), each with the reason it was chosen. On ``cuda`` they are
+  the fastest robust settings measured on the H200 (``benchmarks/results/h200_2026-12-02.md`` runs J-O:
+  whole-layer compile, fused AdamW, a 0.85 activation budget: 51.8% MFU against 40% eager on the
+  Qwen2-1.5B benchmark); on ``cpu`` and ``npu`` the safe ones (no compile; fused AdamW where torch has
+  the kernel for that device and it was measured).
+- ``estimate_memory`` and ``choose_memory_policy``: device bytes of one training step from the model's
+  shape and ``micro_batch_max_tokens``, and the first configuration in a fixed order that fits the
+  device: no recomputation -> full recomputation -> parameters resharded after forward; when none of
+  those fits, the same order again with the AdamW state in host memory (``optimizer_offload``).
+
+The activation model (bytes saved per token per decoder layer, bf16 compute; ``h`` hidden, ``q`` =
+heads x head_dim, ``kv`` = kv heads x head_dim, ``f`` ffn width):
+
+- eager: ``16h + 12q + 4kv + 8f`` (each RMSNorm keeps its fp32 input and its bf16 normalised output,
+  the projections their inputs, rotary its inputs, the attention kernel q, the GQA-repeated k and v and
+  its output, the MLP gate, SiLU, up and product);
+- compiled whole layer at ``compile_memory_budget <= 0.9``: ``4h + 4q + 4kv + 4f`` (+ ``2q + 2kv`` with
+  q/k norms): the layer input and mid residual, the q/k/v projections, the attention output, gate and
+  up; the partitioner recomputes the pointwise rest. Measured: 48.4 KiB against 48 KiB modelled
+  (Qwen2-1.5B, budgets 0.85 and 0.7 gave the same 47.99 GiB peak: lower budgets save nothing more, so
+  the policy never lowers it), 76 KiB against 78 KiB (Qwen3-4B, 111.6 GiB peak);
+- compiled at a budget above 0.9 (torch's own default is 1.0): 0.66 x eager (Qwen2-1.5B: 59.55 GiB
+  peak, 75 KiB per token and layer);
+- full recomputation: the layer input (``2h``) per layer plus one layer's activations.
+
+``tests/unit/test_fsdp2_defaults.py`` holds the recorded peaks and the tolerance (15%).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from underlay.engines.fsdp2.options import FSDP2Options
+
+__all__ = [
+    "AUTO_COMPILE_BUDGET",
+    "DeviceDefaults",
+    "MemoryEstimate",
+    "MemoryPolicy",
+    "ModelShape",
+    "Resolved",
+    "choose_memory_policy",
+    "device_defaults",
+    "estimate_memory",
+    "resolve",
+    "usable_bytes",
+]
+
+GiB = 1 << 30
+
+AUTO_COMPILE_BUDGET = 0.85
+"""The activation memory budget of compiled layers when the user gives none: measured as fast as 1.0
+and 20% less memory on the Qwen2-1.5B benchmark (runs J, K, O)."""
+
+MEMORY_MARGIN_FRACTION = 0.08
+MEMORY_MARGIN_BYTES = 2 * GiB
+"""What the memory policy leaves free of ``device total``: the caching allocator's fragmentation and
+the CUDA/NPU context (8% + 2 GiB: 140.4 GiB -> 127.2 GiB usable on an H200)."""
+
+Scope = Literal["norm_mlp", "layer_parts", "layer"]
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """The speed options for one device family, each with a one-line reason (logged at build and
+    printed by ``underlay info``). ``compile``: ``False`` or a compile scope."""
+
+    compile: bool | Scope
+    fused_adamw: bool
+    compile_memory_budget: float | None
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+def device_defaults(
+    device_type: str, *, inductor_ok: bool | None = None, fused_adamw_ok: bool | None = None
+) -> DeviceDefaults:
+    """The ``compile``, ``fused_adamw`` and ``compile_memory_budget`` an fsdp2 engine uses on
+    ``device_type`` (``"cuda"``, ``"npu"``, ``"cpu"``, or a plugin's) when the user gives none.
+
+    ``inductor_ok``: whether torch.compile's inductor can generate code here (on cuda: triton imports);
+    ``fused_adamw_ok``: whether torch has a fused AdamW kernel for the device. ``None`` means unknown
+    (``underlay info`` without probing): the device's usual answer is assumed and the reason says so.
+    Never raises."""
+    reasons: dict[str, str] = {}
+    if device_type == "cuda":
+        if inductor_ok is False:
+            compile_: bool | Scope = False
+            reasons["compile"] = "cuda without a usable inductor (triton does not import): eager"
+        else:
+            compile_ = "layer"
+            reasons["compile"] = (
+                "cuda: whole decoder layers compiled (measured fastest on the H200, 51.8% vs 40% MFU eager)"
+                + ("" if inductor_ok else "; needs triton")
+            )
+        fused = fused_adamw_ok is not False
+        reasons["fused_adamw"] = (
+            "cuda: fused AdamW kernel (fastest measured)" if fused else "torch has no fused AdamW here"
+        )
+    elif device_type == "cpu":
+        compile_ = False
+        reasons["compile"] = "cpu: eager (compile time dwarfs the gain for cpu test runs)"
+        fused = False
+        reasons["fused_adamw"] = "cpu: foreach AdamW (unchanged cpu numerics; no measured gain)"
+    else:
+        compile_ = False
+        reasons["compile"] = f"{device_type}: eager (torch.compile on this device is not measured here)"
+        fused = bool(fused_adamw_ok)
+        if fused_adamw_ok is None:
+            reasons["fused_adamw"] = (
+                f"{device_type}: decided at build: True when torch lists a fused AdamW kernel for it"
+            )
+        else:
+            reasons["fused_adamw"] = (
+                f"{device_type}: torch has a fused AdamW kernel for it"
+                if fused
+                else f"{device_type}: foreach AdamW (torch has no fused kernel for it)"
+            )
+    budget = AUTO_COMPILE_BUDGET if compile_ else None
+    reasons["compile_memory_budget"] = (
+        "as fast as 1.0 and 20% less activation memory (H200 runs J, K)" if budget else "not compiling"
+    )
+    return DeviceDefaults(compile_, fused, budget, reasons)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory estimate needs of a decoder-only model.
+
+    ``params``: every parameter (tied ones once); ``trainable``: those the optimizer updates (LoRA:
+    the adapters); ``layer_params``: the largest decoder layer; ``root_params``: parameters outside the
+    decoder layers (embeddings, head, final norm); the rest as in the Hugging Face config.
+    ``ffn``: the MLP width a token passes through (MoE: routed experts x expert width + shared)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    params: int
+    trainable: int
+    layer_params: int
+    root_params: int
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Device bytes of one training step, by part (``total`` is their sum)."""
+
+    master_params: int
+    grads: int
+    optimizer_state: int
+    unsharded_params: int
+    transient: int
+    activations: int
+    head: int
+
+    @property
+    def total(self) -> int:
+        """Sum of the parts, bytes."""
+        return (
+            self.master_params
+            + self.grads
+            + self.optimizer_state
+            + self.unsharded_params
+            + self.transient
+            + self.activations
+            + self.head
+        )
+
+    @property
+    def model_state(self) -> int:
+        """Master parameters, gradients and optimizer state, bytes."""
+        return self.master_params + self.grads + self.optimizer_state
+
+    def describe(self) -> str:
+        """One line in GiB for logs."""
+        parts = (
+            "master_params",
+            "grads",
+            "optimizer_state",
+            "unsharded_params",
+            "transient",
+            "activations",
+            "head",
+        )
+        inner = ", ".join(f"{p} {getattr(self, p) / GiB:.1f}" for p in parts)
+        return f"{self.total / GiB:.1f} GiB ({inner})"
+
+
+def activation_bytes_per_token_layer(
+    shape: ModelShape, *, compiled: bool, compile_memory_budget: float | None, param_bytes: int = 2
+) -> float:
+    """Activation bytes one token leaves saved for backward in one decoder layer without recomputation
+    (the module docstring gives the model and its calibration). ``compile_memory_budget=None`` is
+    torch's default (1.0)."""
+    h, f = shape.hidden, shape.ffn
+    q = shape.heads * shape.head_dim
+    kv = shape.kv_heads * shape.head_dim
+    eager = 16 * h + 12 * q + 4 * kv + 8 * f
+    if not compiled:
+        return eager * param_bytes / 2
+    budget = 1.0 if compile_memory_budget is None else compile_memory_budget
+    if budget > 0.9:
+        return 0.66 * eager * param_bytes / 2
+    floor = 4 * h + 4 * q + 4 * kv + 4 * f + ((2 * q + 2 * kv) if shape.qk_norm else 0)
+    return floor * param_bytes / 2
+
+
+def estimate_memory(
+    shape: ModelShape,
+    *,
+    tokens: int,
+    recompute: Literal["none", "full"],
+    keep_unsharded: bool,
+    optimizer_offload: bool,
+    compiled: bool,
+    compile_memory_budget: float | None,
+    dp: int = 1,
+    ulysses: int = 1,
+    param_bytes: int = 2,
+    cpu_offload: bool = False,
+    activation_offload: bool = False,
+) -> MemoryEstimate:
+    """Device bytes of a training step on one rank.
+
+    Model state: fp32 master parameters, fp32 gradients of the trainable ones and AdamW's two fp32
+    states, each sharded over ``dp`` ranks (``optimizer_offload``: the AdamW state lives on the host;
+    ``cpu_offload``: all three do). Unsharded ``param_bytes`` parameters: the whole model when
+    ``keep_unsharded`` (``reshard_after_forward=False``), else the root and two layers (one prefetched).
+    Transient: one layer's unsharded gradient and its fp32 reduce buffer. Activations: ``tokens`` (one
+    micro-batch, ``micro_batch_max_tokens``; divided over ``ulysses`` ranks) x layers x
+    ``activation_bytes_per_token_layer``, or with ``recompute="full"`` the layer inputs plus one layer's
+    activations; ``activation_offload`` (saved activations in host memory, one layer of slack and one
+    prefetched): two layers' activations, or one with full recomputation. Head: the fused log-prob
+    head's hidden states and its bounded logits chunk."""
+    p, t = shape.params, shape.trainable
+    master = 0 if cpu_offload else 4 * p // dp
+    grads = 0 if cpu_offload else 4 * t // dp
+    optim = 0 if (cpu_offload or optimizer_offload) else 8 * t // dp
+    if keep_unsharded:
+        unsharded = param_bytes * p
+    else:
+        unsharded = param_bytes * (shape.root_params + 2 * shape.layer_params)
+    transient = shape.layer_params * (param_bytes + 4)
+    n = -(-tokens // ulysses)
+    per_layer = activation_bytes_per_token_layer(
+        shape, compiled=compiled, compile_memory_budget=compile_memory_budget, param_bytes=param_bytes
+    )
+    if activation_offload:
+        acts = n * per_layer * (1 if recompute == "full" else min(2, shape.layers))
+    elif recompute == "full":
+        acts = n * (shape.layers * param_bytes * shape.hidden + per_layer)
+    else:
+        acts = n * shape.layers * per_layer
+    head = n * (12 * shape.hidden + 65536)
+    return MemoryEstimate(master, grads, optim, unsharded, transient, int(acts), head)
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """What the memory policy chose, the estimate of that choice, the usable bytes, and why."""
+
+    recompute: Literal["none", "full"]
+    keep_unsharded: bool
+    optimizer_offload: bool
+    estimate: MemoryEstimate
+    usable: int
+    fits: bool
+    reason: str
+
+
+def usable_bytes(device_total: int) -> int:
+    """``device_total`` minus the margin (``MEMORY_MARGIN_FRACTION`` and ``MEMORY_MARGIN_BYTES``)."""
+    return max(0, int(device_total * (1 - MEMORY_MARGIN_FRACTION)) - MEMORY_MARGIN_BYTES)
+
+
+def choose_memory_policy(
+    shape: ModelShape,
+    *,
+    device_total: int,
+    tokens: int,
+    compiled: bool,
+    compile_memory_budget: float | None,
+    recompute: Literal["none", "full"] | None = None,
+    keep_unsharded: bool | None = None,
+    optimizer_offload: bool | None = None,
+    unsharded_allowed: bool = True,
+    dp: int = 1,
+    ulysses: int = 1,
+    param_bytes: int = 2,
+    cpu_offload: bool = False,
+    activation_offload: bool = False,
+) -> MemoryPolicy:
+    """The first configuration that fits ``usable_bytes(device_total)``, trying in order: no
+    recomputation, full recomputation, then parameters resharded after forward (each with the
+    parameters kept unsharded first when ``unsharded_allowed``). ``recompute``, ``keep_unsharded`` and
+    ``optimizer_offload`` given (not ``None``) are the user's and are never changed. ``optimizer_offload``
+    left open is set only when no configuration fits without it (then the same order is tried with it).
+    When nothing fits, the configuration with the smallest estimate, ``fits=False`` and a reason naming
+    the shortfall (the caller logs it; the estimate may be pessimistic, so the run is still tried).
+    Never raises."""
+    usable = usable_bytes(device_total)
+
+    def est(rc: Literal["none", "full"], keep: bool, off: bool) -> MemoryEstimate:
+        return estimate_memory(
+            shape,
+            tokens=tokens,
+            recompute=rc,
+            keep_unsharded=keep,
+            optimizer_offload=off,
+            compiled=compiled,
+            compile_memory_budget=compile_memory_budget,
+            dp=dp,
+            ulysses=ulysses,
+            param_bytes=param_bytes,
+            cpu_offload=cpu_offload,
+            activation_offload=activation_offload,
+        )
+
+    offloads = [optimizer_offload] if optimizer_offload is not None else [False, True]
+    rcs: list[Literal["none", "full"]] = [recompute] if recompute is not None else ["none", "full"]
+    keeps = (
+        [keep_unsharded] if keep_unsharded is not None else ([True, False] if unsharded_allowed else [False])
+    )
+    # keeping parameters unsharded costs less time than recomputing, which costs less than resharding
+    # every layer (an all-gather per layer in backward); the host optimizer step costs the most
+    candidates = [(rc, keep) for keep in keeps for rc in rcs]
+    best: MemoryPolicy | None = None
+    for off in offloads:
+        if off and optimizer_offload is None:
+            off_reason = "set: the model state does not fit with any recompute/reshard choice"
+        else:
+            off_reason = "given" if optimizer_offload is not None else "not needed"
+        for rc, keep in candidates:
+            e = est(rc, keep, off)
+            fits = e.total <= usable
+            why = (
+                f"recompute={rc}, keep_unsharded={keep}, optimizer_offload={off} ({off_reason}): "
+                f"estimate {e.describe()} {'<=' if fits else '>'} usable {usable / GiB:.1f} GiB"
+            )
+            policy = MemoryPolicy(rc, keep, off, e, usable, fits, why)
+            if fits:
+                return policy
+            if best is None or e.total < best.estimate.total:
+                best = policy
+    assert best is not None
+    return replace(best, reason=best.reason + "; nothing fits: the smallest estimate is used")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Every auto option of an fsdp2 engine decided: concrete ``options`` (no ``None`` left in the
+    auto fields), the recompute policy, one reason per decided field, and the memory policy (``None``
+    when the user fixed recompute, resharding and optimizer offload)."""
+
+    options: FSDP2Options
+    recompute: Literal["none", "full"]
+    reasons: dict[str, str]
+    memory: MemoryPolicy | None
+
+
+def resolve(
+    options: FSDP2Options,
+    *,
+    device_type: str,
+    recompute: str,
+    shape: ModelShape,
+    device_total: int,
+    tokens: int,
+    single_node: bool,
+    dp: int = 1,
+    ulysses: int = 1,
+    param_bytes: int = 2,
+    cpu_offload: bool = False,
+    inductor_ok: bool | None = None,
+    fused_adamw_ok: bool | None = None,
+) -> Resolved:
+    """Decide the auto fields of ``options`` (``None``) and ``recompute="auto"`` for an engine on
+    ``device_type`` with ``device_total`` bytes of memory: the speed fields from ``device_defaults``,
+    then resharding, recomputation and optimizer offload from ``choose_memory_policy`` (parameters may
+    stay unsharded only when ``single_node``). Fields the user set are kept as given, with the reason
+    "given". ``recompute`` must be ``"auto"``, ``"none"`` or ``"full"`` (the engine refused the rest).
+    Never raises."""
+    dd = device_defaults(device_type, inductor_ok=inductor_ok, fused_adamw_ok=fused_adamw_ok)
+    reasons: dict[str, str] = {}
+
+    def pick(name: str, given: object, auto: object) -> object:
+        if given is not None:
+            reasons[name] = "given"
+            return given
+        reasons[name] = dd.reasons[name]
+        return auto
+
+    compile_ = pick("compile", options.compile, dd.compile)
+    fused = pick("fused_adamw", options.fused_adamw, dd.fused_adamw)
+    if options.compile_memory_budget is None and not compile_:
+        budget: object = None
+        reasons["compile_memory_budget"] = "not compiling"
+    else:
+        budget = pick(
+            "compile_memory_budget", options.compile_memory_budget, AUTO_COMPILE_BUDGET if compile_ else None
+        )
+    given_rc: Literal["none", "full"] | None = None if recompute == "auto" else recompute  # type: ignore[assignment]
+    given_keep = None if options.reshard_after_forward is None else not options.reshard_after_forward
+    memory: MemoryPolicy | None = None
+    if given_rc is not None and given_keep is not None and options.optimizer_offload is not None:
+        rc, keep, offload = given_rc, given_keep, options.optimizer_offload
+        reasons["recompute"] = reasons["reshard_after_forward"] = reasons["optimizer_offload"] = "given"
+    else:
+        memory = choose_memory_policy(
+            shape,
+            device_total=device_total,
+            tokens=tokens,
+            compiled=bool(compile_),
+            compile_memory_budget=budget if isinstance(budget, float) else None,
+            recompute=given_rc,
+            keep_unsharded=given_keep,
+            optimizer_offload=options.optimizer_offload,
+            unsharded_allowed=single_node,
+            dp=dp,
+            ulysses=ulysses,
+            param_bytes=param_bytes,
+            cpu_offload=cpu_offload,
+            activation_offload=options.activation_offload,
+        )
+        rc, keep, offload = memory.recompute, memory.keep_unsharded, memory.optimizer_offload
+        policy = "memory policy: " + memory.reason
+        reasons["recompute"] = "given" if given_rc is not None else policy
+        if given_keep is not None:
+            reasons["reshard_after_forward"] = "given"
+        elif not single_node:
+            reasons["reshard_after_forward"] = "ranks on more than one node: reshard after forward"
+        else:
+            reasons["reshard_after_forward"] = policy
+        reasons["optimizer_offload"] = "given" if options.optimizer_offload is not None else policy
+    concrete = replace(
+        options,
+        compile=compile_,  # type: ignore[arg-type]
+        fused_adamw=bool(fused),
+        compile_memory_budget=budget,  # type: ignore[arg-type]
+        reshard_after_forward=not keep,
+        optimizer_offload=offload,
+    )
+    return Resolved(concrete, rc, reasons, memory)

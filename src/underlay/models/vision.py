@@ -1,0 +1,208 @@
+"""Vision-language batches (Qwen-VL style): placeholder checks, the inputs ``packed_forward`` takes, the
+micro-batch token cost of images, and the zero-weight vision pass that keeps FSDP-sharded vision towers
+in step across ranks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, VisionInputs
+
+__all__ = [
+    "PROCESSOR_FILES",
+    "check_vision_batch",
+    "is_vision_config",
+    "multimodal_inputs",
+    "patch_cost",
+    "sequence_costs",
+    "vision_calls",
+    "zero_vision_pass",
+]
+
+
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+)
+"""The files of a model directory's processor beyond its tokenizer's (image and video processors,
+processor-level chat template); engines copy them next to their Hugging Face exports."""
+
+
+def is_vision_config(hf_config: Any) -> bool:
+    """Whether ``hf_config`` describes a vision-language model (it has a ``vision_config``)."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def _vision_config(hf_config: Any) -> Any:
+    vc = getattr(hf_config, "vision_config", None)
+    if vc is None:
+        raise ConfigError(f"{getattr(hf_config, 'model_type', hf_config)!r} has no vision_config")
+    return vc
+
+
+def _merge_size(hf_config: Any) -> int:
+    return int(getattr(_vision_config(hf_config), "spatial_merge_size", 1) or 1)
+
+
+def check_vision_batch(hf_config: Any, batch: TokenBatch) -> None:
+    """Check a batch's images and videos against the model: a text model takes none; for a Qwen-VL
+    model every row holds exactly ``t * h * w / merge_size**2`` placeholder tokens (``image_token_id``
+    / ``video_token_id``, counted where ``attention_mask`` is 1) per image (video) it owns, and each
+    grid's ``h`` and ``w`` are multiples of ``merge_size``. Raises ``InvalidInput`` naming the row and
+    the counts. One host read of the per-row counts."""
+    if not batch.has_vision:
+        return
+    if not is_vision_config(hf_config):
+        raise InvalidInput(
+            f"TokenBatch carries images/videos but the model ({getattr(hf_config, 'model_type', '?')}) "
+            "is a text model; drop TokenBatch.images/videos or build a vision-language model"
+        )
+    merge = _merge_size(hf_config)
+    for name, media, attr in (
+        ("images", batch.images, "image_token_id"),
+        ("videos", batch.videos, "video_token_id"),
+    ):
+        token = getattr(hf_config, attr, None)
+        if token is None:
+            if media is not None:
+                raise InvalidInput(f"TokenBatch.{name} given but the model config has no {attr}")
+            continue
+        real = batch.attention_mask != 0
+        found = ((batch.input_ids == int(token)) & real).sum(dim=1).cpu()
+        if media is None:
+            if bool((found > 0).any()):
+                rows = torch.nonzero(found > 0).flatten().tolist()
+                raise InvalidInput(
+                    f"TokenBatch rows {rows[:5]} hold {attr}={int(token)} placeholders but TokenBatch.{name} is None"
+                )
+            continue
+        grid = media.grid_thw.cpu()
+        if bool((grid[:, 1:] % merge != 0).any()):
+            raise InvalidInput(
+                f"TokenBatch.{name}.grid_thw {grid.tolist()[:4]}: h and w must be multiples of the "
+                f"spatial_merge_size {merge}"
+            )
+        want = media.patches_per_row(batch.batch_size) // (merge * merge)
+        bad = torch.nonzero(want != found).flatten().tolist()
+        if bad:
+            r = bad[0]
+            raise InvalidInput(
+                f"TokenBatch row {r}: {int(found[r])} {attr}={int(token)} placeholder tokens but its "
+                f"{name} need {int(want[r])} (t*h*w / merge_size**2 = {merge}**2 per image); rows "
+                f"{bad[:5]} disagree. Tokenize with the model's processor, which expands the placeholders"
+            )
+
+
+def multimodal_inputs(batch: TokenBatch) -> dict[str, torch.Tensor] | None:
+    """The ``multimodal`` mapping :func:`underlay.models.packed_forward` takes for ``batch`` (keys of
+    ``MULTIMODAL_KEYS``), images and videos in row order (the order of their placeholders in the
+    packed ``input_ids``); ``None`` for a batch without images and videos."""
+    if not batch.has_vision:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    if batch.images is not None:
+        out["pixel_values"] = batch.images.pixel_values
+        out["image_grid_thw"] = batch.images.grid_thw
+    if batch.videos is not None:
+        out["pixel_values_videos"] = batch.videos.pixel_values
+        out["video_grid_thw"] = batch.videos.grid_thw
+        if batch.videos.second_per_grid is not None:
+            out["second_per_grid_ts"] = batch.videos.second_per_grid
+    return out
+
+
+def vision_calls(batch: TokenBatch) -> int:
+    """How many times transformers' Qwen-VL forward runs the vision tower on ``batch``: once for its
+    images and once for its videos (0, 1 or 2)."""
+    return int(batch.images is not None) + int(batch.videos is not None)
+
+
+def patch_cost(hf_config: Any) -> float:
+    """Micro-batch budget tokens one vision patch costs, for a vision-language config (0.0 for a text
+    config): ``(vision hidden * vision depth) / (text hidden * text layers)``.
+
+    Why: ``micro_batch_max_tokens`` bounds the activation memory of a micro-batch; what the decoder
+    stores per token grows with ``hidden * layers``, and the vision tower stores the same kinds of
+    activations (norms, attention in/out, MLP) per patch in each of its blocks. The placeholder tokens
+    the merged patches become are already counted as text tokens. For Qwen2.5-VL-7B (vision 1280 x 32,
+    text 3584 x 28) a patch costs 0.41 tokens, so a 4-patch merged token costs 2.6 tokens in all."""
+    if not is_vision_config(hf_config):
+        return 0.0
+    vc = _vision_config(hf_config)
+    text = getattr(hf_config, "text_config", None) or hf_config
+    v_hidden = int(getattr(vc, "hidden_size", 0) or getattr(vc, "embed_dim", 0) or 0)
+    v_depth = int(getattr(vc, "depth", 0) or getattr(vc, "num_hidden_layers", 0) or 0)
+    t_hidden = int(getattr(text, "hidden_size", 0) or 0)
+    t_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    if min(v_hidden, v_depth, t_hidden, t_layers) < 1:
+        raise ConfigError(
+            f"patch_cost: vision hidden/depth {v_hidden}/{v_depth} and text hidden/layers "
+            f"{t_hidden}/{t_layers} must all be >= 1 in the config"
+        )
+    return (v_hidden * v_depth) / (t_hidden * t_layers)
+
+
+def sequence_costs(hf_config: Any, batch: TokenBatch) -> list[int]:
+    """The micro-batch planner's cost of each row: its real tokens plus ``ceil(patches *
+    patch_cost(hf_config))`` for the patches of its images and videos. Text batches: the token counts."""
+    costs = batch.attention_mask.sum(dim=1).cpu().to(torch.float64)
+    weight = patch_cost(hf_config) if batch.has_vision else 0.0
+    media: list[VisionInputs] = [m for m in (batch.images, batch.videos) if m is not None]
+    for m in media:
+        costs = costs + m.patches_per_row(batch.batch_size).to(torch.float64) * weight
+    return [math.ceil(c - 1e-9) for c in costs.tolist()]
+
+
+def _tensor_sum(value: Any) -> torch.Tensor | None:
+    """Sum of every floating tensor in a (nested) model output, as a scalar (``None``: none)."""
+    if isinstance(value, torch.Tensor):
+        return value.sum() if value.is_floating_point() else None
+    items: list[Any]
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif hasattr(value, "to_tuple"):
+        items = list(value.to_tuple())
+    else:
+        return None
+    total: torch.Tensor | None = None
+    for item in items:
+        s = _tensor_sum(item)
+        if s is not None:
+            total = s if total is None else total + s
+    return total
+
+
+def zero_vision_pass(backbone: nn.Module) -> torch.Tensor:
+    """Run the vision tower ``backbone.visual`` once on a minimal random image (one merged token:
+    a ``1 x m x m`` patch grid, ``m = spatial_merge_size``) and return ``0 * sum(outputs)``, a zero
+    scalar whose backward runs through every vision block with zero gradients.
+
+    Why: when the vision blocks are FSDP units every rank must run them as often as the others (each
+    run all-gathers, each backward reduce-scatters); a rank whose micro-batch has fewer images or
+    videos than another rank's adds this pass. Call it inside the root module's forward (its
+    parameters unsharded). Raises ``ConfigError`` when the backbone has no ``visual`` tower."""
+    visual = getattr(backbone, "visual", None)
+    config = getattr(backbone, "config", None)
+    if not isinstance(visual, nn.Module) or config is None:
+        raise ConfigError(f"{type(backbone).__name__} has no vision tower (.visual) to run")
+    vc = _vision_config(config)
+    m = _merge_size(config)
+    width = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    param = next(visual.parameters())
+    dtype = param.dtype if param.is_floating_point() else torch.float32
+    device = param.device if param.device.type != "meta" else torch.device("cpu")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    pixels = torch.randn(m * m, width, generator=g).to(device=device, dtype=dtype)
+    grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
+    total = _tensor_sum(visual(pixels, grid_thw=grid))
+    if total is None:
+        raise ConfigError(f"{type(visual).__name__} returned no floating tensor")
+    return total * 0.0
