@@ -7,7 +7,11 @@ TP=1 (world size 1) with megatron's DDP + distributed optimizer; fsdp2 with its 
 mcore >= 0.9x fsdp2); writes ``$OUT/mcore_bench.json``. Needs megatron-core (the lead installs the
 0.19.2 wheel from ``.whl/``); nothing else beyond torch/transformers/numpy.
 
-    PYTHONPATH=src python benchmarks/gpu/bench_mcore.py --out OUT
+    PYTHONPATH=src python benchmarks/gpu/bench_mcore.py --out OUT [--profile]
+
+``--profile`` profiles one more step of each engine (torch profiler: the 30 costliest device ops and
+``trace_gaps.py``'s idle-gap attribution) into ``OUT/mcore_profile_tp1.txt`` and
+``OUT/fsdp2_profile_<variant>.txt``: the comparison that shows where mcore's step loses time.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def bench_mcore(cfg: Any, work: list[Any], args: Any, dev: Any) -> dict[str, Any
         param_dtype="bfloat16",
         reduce_dtype="float32",
         with_entropy=False,
-        options={"recompute": args.mcore_recompute},
+        recompute=args.mcore_recompute,
     )
     t0 = time.perf_counter()
     engine = get_engine(ec, "mcore")
@@ -57,10 +61,42 @@ def bench_mcore(cfg: Any, work: list[Any], args: Any, dev: Any) -> dict[str, Any
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     peak = dev.memory_stats().peak_allocated
+    if args.profile and dev.is_accelerator:
+        profile_mcore_step(engine, work[-1].batch, args.out)
     del engine
     gc.collect()
     dev.empty_cache()
     return {"times": times, "peak": peak, "build_s": build_s}
+
+
+def profile_mcore_step(engine: Any, batch: Any, out: str | None) -> None:
+    """One mcore step (``forward_backward`` + ``optimizer_step``) under torch.profiler: its wall time,
+    the 30 costliest device ops and the idle-gap attribution of ``trace_gaps.py``, printed and
+    written to ``OUT/mcore_profile_tp1.txt`` (a temp dir without ``--out``); the fsdp2 step of the
+    same run is profiled by ``bench_fsdp2.bench_engine`` (``fsdp2_profile_<variant>.txt``)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from trace_gaps import analyse
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        with record_function("bench.forward_backward"):
+            engine.forward_backward(batch, bf.pg_loss)
+        with record_function("bench.optimizer_step"):
+            engine.optimizer_step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="mcore_profile_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = out_dir / "mcore_trace_tp1.json"
+    prof.export_chrome_trace(str(trace))
+    gaps = analyse(json.loads(trace.read_text()), top=22)
+    trace.unlink()  # tens of MB; the report is what comes back
+    text = f"profiled mcore step (tp1): wall {wall:.3f} s ('Self CUDA time total' is kernel time)\n{table}\n{gaps}"
+    print(text, flush=True)
+    (out_dir / "mcore_profile_tp1.txt").write_text(text)
 
 
 def main() -> int:
@@ -71,7 +107,11 @@ def main() -> int:
     p.add_argument("--sequences", type=int, default=64)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--same-batch", action="store_true")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step of mcore and of fsdp2 (top ops, idle gaps)",
+    )
     p.add_argument("--fsdp2-variant", default="none+layer@0.85")
     p.add_argument("--mcore-recompute", default="none", choices=["none", "full", "selective"])
     args = p.parse_args()

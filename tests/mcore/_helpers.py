@@ -46,11 +46,22 @@ def tiny_config(family: str, **over: Any) -> Any:
     return cls(**base)
 
 
-def engine_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, **options: Any) -> EngineConfig:
+def engine_config(
+    hf_config: Any,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    vpp: int = 1,
+    cp: int = 1,
+    kind: str = "causal_lm",
+    **options: Any,
+) -> EngineConfig:
     """fp32 engine config (seed 0) for ``hf_config`` with the given sizes and mcore options."""
     return EngineConfig(
-        model=ModelConfig(hf_config=hf_config, seed=0),
-        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep),
+        model=ModelConfig(hf_config=hf_config, seed=0, kind=kind),  # type: ignore[arg-type]
+        parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, cp=cp),
         optim=OptimConfig(lr=1e-3, eps=1e-4, weight_decay=0.01, grad_clip=1.0),
         micro_batch_max_tokens=24,
         param_dtype="float32",

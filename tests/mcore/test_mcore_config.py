@@ -22,8 +22,9 @@ pytestmark = pytest.mark.mcore
 
 
 def _layout(arch, **kw):  # type: ignore[no-untyped-def]
-    sizes = dict(world=2, tp=1, pp=1, vpp=1, cp=1, ep=1, etp=1, sequence_parallel=False)
+    sizes = dict(world=2, tp=1, pp=1, vpp=1, cp=1, ep=1, sequence_parallel=False)
     sizes.update(kw)
+    sizes.setdefault("etp", sizes["tp"])  # megatron's default, as ParallelConfig.etp=None means
     return check_layout(arch, **sizes)
 
 
@@ -78,6 +79,8 @@ def test_model_type_refused() -> None:
         ("qwen3_moe", {"world": 2, "tp": 2}, "requires sequence parallelism"),
         ("llama", {"world": 2, "ep": 2}, "dense model"),
         ("llama", {"world": 2, "sequence_parallel": True}, "needs tp > 1"),
+        ("qwen3_moe", {"world": 2, "tp": 2, "etp": 1, "sequence_parallel": True}, "etp=1 with tp=2"),
+        ("llama", {"world": 2, "etp": 2}, "etp=2 with tp=1"),
     ],
 )
 def test_bad_layouts_refused(family: str, sizes: dict[str, object], needle: str) -> None:
@@ -150,6 +153,7 @@ def test_registry_refuses_mcore_on_cpu() -> None:
         ({"parallel": {"ep": 2}}, {}, "ep=2"),
         ({"parallel": {"pp": 2, "vpp": 2}}, {}, "vpp=2"),
         ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),
+        ({"parallel": {"tp": 2, "etp": 1}}, {}, "etp=1 with tp=2"),
         ({}, {"sequence_parallel": "yes"}, "sequence_parallel='yes'"),
         ({}, {"vpp": 2}, "unknown mcore option"),
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),

@@ -22,28 +22,31 @@ GRAD_TOL = 1e-4
 
 
 @pytest.mark.parametrize(
-    ("family", "tp", "pp", "ep", "world", "opts"),
+    ("family", "tp", "pp", "ep", "world", "opts", "sizes"),
     [
-        pytest.param("llama", 2, 1, 1, 2, {}, id="llama-tp2"),
-        pytest.param("qwen2_tied", 1, 2, 1, 2, {}, id="qwen2tied-pp2"),
-        pytest.param("qwen3", 2, 2, 1, 4, {}, id="qwen3-tp2pp2"),
-        pytest.param("qwen2", 2, 1, 1, 2, {"sequence_parallel": True}, id="qwen2-tp2-sp"),
-        pytest.param("qwen3_moe", 1, 1, 1, 1, {}, id="qwen3moe-1rank"),
+        pytest.param("llama", 2, 1, 1, 2, {}, {}, id="llama-tp2"),
+        pytest.param("qwen2_tied", 1, 2, 1, 2, {}, {}, id="qwen2tied-pp2"),
+        pytest.param("qwen3", 2, 2, 1, 4, {}, {}, id="qwen3-tp2pp2"),
+        pytest.param("qwen2", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen2-tp2-sp"),
+        pytest.param("qwen3_moe", 1, 1, 1, 1, {}, {}, id="qwen3moe-1rank"),
+        # etp unset = tp (megatron's default): experts split over TP like the dense layers
+        pytest.param("qwen3_moe", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen3moe-tp2-sp-etp2"),
         # the plain DDP all-reduce: the distributed optimizer leaves each rank only its reduce-scattered shard
-        pytest.param("mistral", 1, 1, 1, 2, {"distributed_optimizer": False}, id="mistral-dp2"),
+        pytest.param("mistral", 1, 1, 1, 2, {"distributed_optimizer": False}, {}, id="mistral-dp2"),
     ],
 )
 def test_logprobs_loss_grads_equal_hf(
-    family: str, tp: int, pp: int, ep: int, world: int, opts: dict[str, Any]
+    family: str, tp: int, pp: int, ep: int, world: int, opts: dict[str, Any], sizes: dict[str, Any]
 ) -> None:
     """Packed variable-length micro-batches (several per step, 24 tokens max) through megatron's
     schedules: per-token log-probs, the token-mean loss over dp, and every gradient (gathered over
-    TP/PP/EP) equal the float64 HF model's."""
-    results = run_distributed(W.check_forward_grads, world, family, tp, pp, ep, opts, timeout_s=300)
+    TP/PP/EP/ETP) equal the float64 HF model's. The layout reports ``etp`` (``tp`` when unset)."""
+    results = run_distributed(W.check_forward_grads, world, family, tp, pp, ep, opts, sizes, timeout_s=300)
     for r in results:
         assert r["lp"] < LP_TOL, r
         assert r["loss"] < LOSS_TOL, r
         assert r["grad_rel"] < GRAD_TOL, r
+        assert r["etp"] == sizes.get("etp", tp), r
 
 
 @pytest.mark.parametrize("which", ["qkv", "gate_up"])
@@ -75,3 +78,22 @@ def test_export_reload_and_load_hf(tmp_path: Path) -> None:
     assert errs[0] < 1e-9, errs
     lps = run_distributed(W.load_roundtrip, 2, "qwen3", 1, 2, out, timeout_s=300)
     assert max(lps) < LP_TOL, lps
+
+
+def test_checkpoint_tp2pp2_resumes_with_identical_next_step(tmp_path: Path) -> None:
+    """A checkpoint (model + distributed-optimizer state in megatron's fully_reshardable format,
+    through CheckpointManager) saved at TP2xPP2 on 4 ranks, loaded into engines with other initial
+    weights at the same layout and at TP1 x DP2: the next AdamW step gives the uninterrupted run's
+    parameters (the Adam moments and step were restored and resharded, not started fresh)."""
+    import torch
+
+    root = str(tmp_path)
+    (ref,) = run_distributed(W.resume_step, 4, "qwen3", 2, 2, root, "run", timeout_s=300)[:1]
+    expect = torch.load(tmp_path / "run_tp2pp2.pt")
+    for world, tp, pp in ((4, 2, 2), (2, 1, 1)):
+        got = run_distributed(W.resume_step, world, "qwen3", tp, pp, root, "resume", timeout_s=300)[0]
+        params = torch.load(tmp_path / f"resume_tp{tp}pp{pp}.pt")
+        assert set(params) == set(expect)
+        diff = max(float((params[n] - expect[n]).abs().max()) for n in expect)
+        assert diff < 1e-6, (world, tp, pp, diff)
+        assert abs(got["loss"] - ref["loss"]) < 1e-6 and got["step"] == 2.0, (got, ref)

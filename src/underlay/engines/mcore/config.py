@@ -172,7 +172,8 @@ def check_layout(
     Raises ``ConfigError`` naming the numbers and the fix when the world size is not a multiple of
     ``tp * pp * cp``, heads or k/v heads or the vocabulary are not divisible by ``tp``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
-    without sequence parallelism, or VPP is used without PP."""
+    without sequence parallelism, VPP is used without PP, or ``etp != tp`` (``etp`` is expert tensor
+    parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``)."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"mcore: {name}={value!r} must be an int >= 1")
@@ -199,6 +200,14 @@ def check_layout(
         raise ConfigError(
             f"mcore: the model's {arch.num_layers} layers are not divisible by pp*vpp = {pp}*{vpp} = "
             f"{pp * vpp}; pick pp and vpp whose product divides the layer count"
+        )
+    if etp != tp:
+        # megatron-core's default is etp = tp (ParallelConfig.etp=None); with etp < tp under sequence
+        # parallelism the expert gradients missed the other TP ranks' tokens in this engine's tests
+        # (forward equal to HF, gradients off by up to 100%), so only the default layout is accepted
+        raise ConfigError(
+            f"mcore: etp={etp} with tp={tp}: the mcore engine runs experts with expert tensor parallel "
+            f"size equal to tp (megatron's default); leave ParallelConfig.etp unset or set etp={tp}"
         )
     if arch.is_moe:
         if arch.num_experts % ep:

@@ -17,6 +17,7 @@ Options (``EngineConfig.options``, see ``MCoreOptions``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -89,7 +90,7 @@ class MCoreEngine:
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, value models, context parallelism, virtual pipelines or expert parallelism (not enabled: the
+    LoRA, value models, ``etp != tp``, context parallelism, virtual pipelines or expert parallelism (not enabled: the
     last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
@@ -118,13 +119,22 @@ class MCoreEngine:
             )
         if par.vpp > 1:
             raise ConfigError(
-                f"mcore: vpp={par.vpp}: the interleaved schedule did not complete with packed "
-                "variable-length micro-batches in this engine's tests (gloo); it is not enabled. Use vpp=1"
+                f"mcore: vpp={par.vpp}: the interleaved schedule deadlocks with packed variable-length "
+                "micro-batches on gloo (forward_backward; infer completes): with variable_seq_lengths one "
+                "pipeline rank waits in the per-micro-batch shape exchange (send_forward_backward_recv_"
+                "forward_backward) while its peer waits in the tensor send_forward_recv_forward; not "
+                "enabled until it is verified on NCCL. Use vpp=1"
             )
         if par.ep > 1:
             raise ConfigError(
                 f"mcore: ep={par.ep}: expert parallelism did not complete in this engine's tests (gloo, "
                 "alltoall dispatcher); it is not enabled. Use ep=1 (experts replicated over data parallel)"
+            )
+        if par.etp is not None and par.etp != par.tp:
+            raise ConfigError(
+                f"mcore: etp={par.etp} with tp={par.tp}: the mcore engine runs experts with expert tensor "
+                f"parallel size equal to tp (megatron's default); leave ParallelConfig.etp unset or set "
+                f"etp={par.tp}"
             )
         if par.dp_replicate != 1:
             raise ConfigError(
@@ -144,7 +154,8 @@ class MCoreEngine:
                 "test fixture tests/mcore/_cpu_fixture.py",
             )
         recompute = "none" if config.recompute == "auto" else config.recompute  # no memory policy here
-        etp = par.etp if par.etp is not None else 1
+        # megatron-core's default (TransformerConfig and initialize_model_parallel): expert TP = TP
+        etp = par.etp if par.etp is not None else par.tp
         if not dist.is_initialized():
             from underlay.parallel.distributed import init_distributed
 
@@ -988,9 +999,11 @@ class MCoreEngine:
         return state
 
     def save_checkpoint(self, directory: Path) -> None:
-        """Model parameters through ``megatron.core.dist_checkpointing`` (torch_dist; loadable at another
-        TP/PP/DP layout), plus the optimizer's per-rank state, LR schedule, ``global_step`` and the
-        model signature. Collective."""
+        """Model parameters and optimizer state through ``megatron.core.dist_checkpointing`` (torch_dist,
+        one ``model/`` directory): the optimizer's sharded state dict in megatron's ``fully_reshardable``
+        format (distributed optimizer) or per-parameter sharded tensors (plain optimizer), so both load
+        at another TP/PP/DP layout; plus the LR schedule, ``global_step``, the layout and the model
+        signature. Collective."""
         from megatron.core import dist_checkpointing
 
         self._ensure_onloaded("save_checkpoint")
@@ -1005,29 +1018,46 @@ class MCoreEngine:
         # CPU (gloo) runs, so the host-device case writes from the rank's own process
         threads = 2 if self._device.is_accelerator else 1
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
-        dist_checkpointing.save(
-            self._model_state_for_ckpt(), str(directory / "model"), sharded_strategy=strategy
-        )
-        if self._opts.distributed_optimizer:
-            # gathered to data-parallel rank 0 of each model-parallel position (same-layout resume)
-            self._optimizer.save_parameter_state(str(directory / self._optim_file()))
+        self._init_optimizer_state()
+        state = self._model_state_for_ckpt()
+        state["optimizer"] = self._optimizer_sharded_state(state, is_loading=False)
+        dist_checkpointing.save(state, str(directory / "model"), sharded_strategy=strategy)
         extra = {
             "global_step": self._global_step,
             "schedulers": [s.state_dict() for s in self._schedulers],
             "layout": self._layout_key(),
-            "optimizer": self._optimizer.state_dict(),
         }
         torch.save(extra, directory / f"rank{current_rank()}_{_STATE_FILE}")
         if current_rank() == 0:
             (directory / _SIGNATURE_FILE).write_text(json.dumps(self.model_signature(), sort_keys=True))
         dist.barrier()
 
-    def _optim_file(self) -> str:
-        from megatron.core import parallel_state as ps
+    def _init_optimizer_state(self) -> None:
+        """Give every parameter of the inner torch Adam optimizers its state (``step`` 0, zero moments)
+        when it has none yet, as torch's lazy first step would: megatron's sharded optimizer state dict
+        reads the state of every parameter (it asserts on an optimizer that never stepped). Changes no
+        parameter and no result: a zero-step Adam state is what the first step creates."""
+        for opt in _torch_optimizers(self._optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if opt.state.get(p):
+                        continue
+                    opt.state[p] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
 
-        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        ep = ps.get_expert_model_parallel_rank() if self._arch.is_moe else 0
-        return f"optim_pp{pp}_tp{tp}_ep{ep}.pt"
+    def _optimizer_sharded_state(self, model_state: dict[str, Any], *, is_loading: bool) -> Any:
+        """Megatron's sharded optimizer state over ``model_state`` (the model's sharded state dict that
+        is saved or loaded with it): ``fully_reshardable`` for the distributed optimizer (its other
+        formats cannot change TP or failed to load in-place without TE/apex)."""
+        model_sd: dict[str, Any] = {}
+        for key, value in model_state.items():
+            if key.startswith("model"):
+                model_sd.update(value)
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        return self._optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
 
     def _model_state_for_ckpt(self) -> dict[str, Any]:
         return self._sharded_state()
@@ -1054,9 +1084,9 @@ class MCoreEngine:
             )
 
     def load_checkpoint(self, directory: Path) -> None:
-        """Restore the model at any TP/PP/DP layout; optimizer state and the LR schedule are restored
-        when the layout equals the saved one (otherwise the optimizer starts fresh and the step count
-        and schedule are restored). ``CheckpointError`` before any state changes for another model."""
+        """Restore the model, the optimizer state (Adam moments and step), the LR schedule and
+        ``global_step`` at any TP/PP/DP layout: the next step equals the one the saving run would have
+        taken. ``CheckpointError`` before any state changes for another model. Collective."""
         from megatron.core import dist_checkpointing
 
         directory = Path(directory)
@@ -1066,39 +1096,24 @@ class MCoreEngine:
         extra = torch.load(extra_path, weights_only=False) if extra_path.is_file() else None
         if extra is None:
             extra = torch.load(directory / f"rank0_{_STATE_FILE}", weights_only=False)
-        loaded = dist_checkpointing.load(self._model_state_for_ckpt(), str(directory / "model"))
+        self._init_optimizer_state()
+        state = self._model_state_for_ckpt()
+        state["optimizer"] = self._optimizer_sharded_state(state, is_loading=True)
+        loaded = dist_checkpointing.load(state, str(directory / "model"))
         for i, c in enumerate(self._chunks):
             key = f"model{i}" if len(self._chunks) > 1 else "model"
             _unwrap(c).load_state_dict(loaded[key], strict=False)
-        same = extra.get("layout") == self._layout_key()
-        if same:
-            self._optimizer.load_state_dict(extra["optimizer"])
-            # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE tensor
-            # shared by every parameter's state; torch's foreach Adam increments each in place, so a
-            # shared tensor would advance once per parameter per step: give each state its own copy
-            for o in _torch_optimizers(self._optimizer):
-                for st in o.state.values():
-                    if "step" in st:
-                        st["step"] = st["step"].clone()
-            if self._opts.distributed_optimizer:
-                # with fp32 parameters megatron's "main" params are the model params themselves (leaves
-                # that require grad): its in-place copies must not be recorded by autograd
-                # torch's Adam keeps a per-parameter "step" that megatron's parameter-state file does not
-                # hold (its loader copies every state key): set it aside; load_state_dict restored it
-                steps = [
-                    (st, st.pop("step"))
-                    for o in _torch_optimizers(self._optimizer)
-                    for st in o.state.values()
-                    if "step" in st
-                ]
-                try:
-                    with torch.no_grad():
-                        self._optimizer.load_parameter_state(str(directory / self._optim_file()))
-                finally:
-                    for st, step in steps:
-                        st["step"] = step
-        else:
-            self._optimizer.reload_model_params()
+        # with fp32 parameters megatron's "main" params are the model params themselves (leaves that
+        # require grad): its in-place copies of the loaded state must not be recorded by autograd
+        with torch.no_grad(), _step_kept_aside(self._optimizer):
+            self._optimizer.load_state_dict(loaded["optimizer"])
+        # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE tensor
+        # shared by every parameter's state; torch's foreach Adam increments each in place, so a shared
+        # tensor would advance once per parameter per step: give each state its own copy
+        for o in _torch_optimizers(self._optimizer):
+            for st in o.state.values():
+                if "step" in st:
+                    st["step"] = st["step"].clone()
         for s, st in zip(self._schedulers, extra["schedulers"]):
             s.load_state_dict(st)
         self._global_step = int(extra["global_step"])
@@ -1159,6 +1174,39 @@ def _process_groups(ps: Any, *, tp: int, pp: int, cp: int, ep: int, etp: int, dp
         ulysses=None,
         mp=pick(tp * pp * cp, ps.get_model_parallel_group),
     )
+
+
+@contextlib.contextmanager
+def _step_kept_aside(opt: Any) -> Iterator[None]:
+    """While loading a ``fully_reshardable`` state into megatron's distributed optimizer without
+    TE/apex: its per-parameter setter copies every key of torch Adam's state from the loaded tensors,
+    but the loaded per-parameter tensors have no ``step`` (it travels in the param groups and was
+    already restored), so it raises ``KeyError: 'step'``. Each call sets the parameter's ``step``
+    aside and puts it back afterwards; the setter is restored on exit."""
+    patched = []
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        setter = getattr(o, "_set_main_param_and_optimizer_states", None)
+        index = getattr(o, "model_param_group_index_map", None)
+        if setter is None or index is None:
+            continue
+
+        def kept(model_param: Any, tensors: Any, o: Any = o, setter: Any = setter) -> None:
+            group, order = o.model_param_group_index_map[model_param]
+            state = o.optimizer.state[o.optimizer.param_groups[group]["params"][order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                setter(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        o._set_main_param_and_optimizer_states = kept
+        patched.append(o)
+    try:
+        yield
+    finally:
+        for o in patched:
+            del o._set_main_param_and_optimizer_states
 
 
 def _unwrap(module: Any) -> Any:
