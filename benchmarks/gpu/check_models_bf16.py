@@ -470,13 +470,24 @@ def main() -> int:
         attn_name = f"unavailable: {exc}"
     t0 = time.time()
     rows: list[dict[str, Any]] = []
+
+    def guarded(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
+        """One check's row; an exception fails that row only (one architecture that this transformers
+        cannot run must not hide the others)."""
+        try:
+            row: dict[str, Any] = fn(*fn_args)
+            return row
+        except Exception as exc:
+            print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            return {"check": name, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
     for arch in ARCHS:
-        rows.append(check_causal(arch, args.quick, device, args.attention))
+        rows.append(guarded(arch, check_causal, arch, args.quick, device, args.attention))
     for arch in VALUE_ARCHS:
-        rows.append(check_value(arch, args.quick, device, args.attention))
+        rows.append(guarded(f"{arch} value", check_value, arch, args.quick, device, args.attention))
     for arch in VL_ARCHS:
-        rows.append(check_vl(arch, args.quick, device, args.attention))
-    rows.append(check_tiled(args.quick, device))
+        rows.append(guarded(arch, check_vl, arch, args.quick, device, args.attention))
+    rows.append(guarded("tiled_mlp", check_tiled, args.quick, device))
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -503,6 +514,9 @@ def main() -> int:
                 else (f"{x:.2e}" if x is not None else "-")
             )
 
+        if "error" in r:
+            print(f"{r['check']:<34}{r['error'][:90]}  FAIL")
+            continue
         cos = r.get("grad_cos_ours")
         cos_s = f"{cos:.5f}" + (f"/{r['grad_cos_hf']:.5f}" if "grad_cos_hf" in r else "")
         print(

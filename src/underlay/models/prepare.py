@@ -129,5 +129,23 @@ def prepare_model(
     for name in caps.attention_modules:  # the vision tower sees whole images on every rank: no sp
         group = None if name.startswith(vision) else sp_group
         setattr(named[name], ROUTE_ATTR, AttentionRoute(attention, group))
+    tower = named.get(vision.rstrip("."))
+    if tower is not None and not getattr(tower, _TEXT_PACKING_FILTER, False):
+        tower.register_forward_pre_hook(_drop_text_packing, with_kwargs=True)
+        setattr(tower, _TEXT_PACKING_FILTER, True)
     apply_tiled_mlp(inner, tiled_mlp_tiles)
     return model
+
+
+TEXT_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The packed-forward keywords that describe the text sequence (:func:`underlay.models.packed_forward`)."""
+_TEXT_PACKING_FILTER = "_underlay_drops_text_packing"
+
+
+def _drop_text_packing(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of a vision tower: some transformers versions pass the language model's keyword
+    arguments on to it (``get_image_features(..., **kwargs)``), and with them the text sequence's
+    packing metadata, which its attention would take for the image patches' own."""
+    return args, {k: v for k, v in kwargs.items() if k not in TEXT_PACKING_KEYS}

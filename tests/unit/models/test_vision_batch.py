@@ -19,6 +19,7 @@ from tests.unit.models._tiny import (
     logprob_kernel,
     tiny_config,
     tiny_vl_model,
+    vl_batch,
 )
 from underlay.interfaces import InvalidInput, TokenBatch, VisionInputs
 from underlay.models import (
@@ -233,3 +234,32 @@ def test_fsdp2_builds_vlms_as_causal_lms_only() -> None:
     value = ModelConfig(hf_config=cfg, kind="value")
     with pytest.raises(ConfigError, match="no token-classification head"):
         _build.build_model(value, _build.hf_config_of(value), meta=True)
+
+
+@pytest.mark.parametrize("arch", VL_ARCHS)
+def test_vision_tower_ignores_the_text_packing_keywords(arch: str) -> None:
+    """Some transformers versions forward the language model's keywords to the vision tower
+    (``get_image_features(..., **kwargs)``); the text sequence's packing metadata must not reach the
+    tower's attention, which would take it for the image patches' own."""
+    from underlay.models.prepare import TEXT_PACKING_KEYS
+
+    model = prepare_model(tiny_vl_model(arch).double(), attention="eager")
+    tower = model.model.visual
+    _, _, mm = vl_batch()
+    pixels, grid = mm["pixel_values"].double(), mm["image_grid_thw"]
+    bogus = torch.tensor([0, 7, 40], dtype=torch.int32)  # a text packing of 40 tokens, not 32 patches
+    packing = dict(zip(TEXT_PACKING_KEYS, (bogus, bogus, 33, 33), strict=True))
+    seen: dict[str, object] = {}
+    block = tower.blocks[0]
+    handle = block.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            ref = tower(pixels, grid_thw=grid)
+            seen.clear()
+            out = tower(pixels, grid_thw=grid, **packing)
+    finally:
+        handle.remove()
+    assert not set(TEXT_PACKING_KEYS) & set(seen), sorted(seen)
+    ref_t = ref.pooler_output if hasattr(ref, "pooler_output") else ref[0]
+    out_t = out.pooler_output if hasattr(out, "pooler_output") else out[0]
+    torch.testing.assert_close(out_t, ref_t, rtol=0, atol=0)
