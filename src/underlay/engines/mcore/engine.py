@@ -266,7 +266,7 @@ class MCoreEngine:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
-        from underlay.engines.mcore.layers import block_spec
+        from underlay.engines.mcore.layers import block_spec, mark_tensor_parallel
 
         arch = self._arch
         vpp = self._layout.vpp
@@ -288,6 +288,8 @@ class MCoreEngine:
             )
             if model.post_process:
                 _return_hidden(model.output_layer, self._tf_config.sequence_parallel)
+            # before DDP and the optimizer: both read these attributes (grad norm, optimizer shards)
+            mark_tensor_parallel(model)
             model.to(self._torch_device)
             chunks.append(model)
         return chunks

@@ -7,6 +7,7 @@
   input (``PackedSeqParams``) and for ``[s, b, h, d]`` input; GQA is left to the kernel.
 - ``layer_spec``: the GPT layer spec with these plugged in, or the Transformer Engine spec when
   ``transformer_engine`` is importable.
+- ``mark_tensor_parallel``: the TP attributes megatron sets only when it initialises weights itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CoreAttention", "RMSNorm", "block_spec", "have_te"]
+__all__ = ["CoreAttention", "RMSNorm", "block_spec", "have_te", "mark_tensor_parallel"]
 
 
 def have_te() -> bool:
@@ -152,3 +153,47 @@ def block_spec(arch: Any, config: Any, *, attention: str | None, vp_stage: int |
         att.k_layernorm = RMSNorm
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+
+
+def mark_tensor_parallel(model: torch.nn.Module) -> int:
+    """Give the TP-sharded weights of megatron's own parallel layers in ``model`` the attributes
+    ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride``; returns how many
+    weights were marked.
+
+    Why: megatron-core sets these attributes on the weights of ``ColumnParallelLinear``,
+    ``RowParallelLinear`` and ``VocabParallelEmbedding`` only inside its weight initialisation, which
+    the engine turns off (``perform_initialization=False``: the weights come from the HF checkpoint).
+    Without them megatron's optimizer treats every TP shard as a replica
+    (``param_is_not_tensor_parallel_duplicate``) and counts only TP rank 0's shard in the global
+    gradient norm, so the reported norm, and the clipping that uses it, depend on the TP size.
+    Weights that already carry the attributes (Transformer Engine layers, a megatron that
+    initialised them) are left as they are. Partition dims follow megatron: dim 0 for column-parallel
+    and vocab-parallel weights, dim 1 for row-parallel ones; stride 2 for a gated MLP's ``linear_fc1``
+    (its per-rank [gate; up] interleave), 1 otherwise."""
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+    from megatron.core.transformer.mlp import MLP
+
+    gated_fc1: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, MLP) and module.config.gated_linear_unit:
+            gated_fc1.add(id(module.linear_fc1))
+    marked = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        stride = 2 if id(module) in gated_fc1 else 1
+        set_tensor_model_parallel_attributes(weight, True, dim, stride)
+        marked += 1
+    return marked
