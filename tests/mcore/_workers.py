@@ -223,3 +223,35 @@ def resume_step(
     if rank == 0:
         torch.save(params, Path(root) / f"{phase}_tp{tp}pp{pp}.pt")
     return {"loss": loss, "norm": norm, "step": float(eng.global_step)}
+
+
+def grad_norm_layouts(
+    rank: int, world: int, layouts: list[tuple[str, int, int, dict[str, Any]]], out_dir: str
+) -> list[dict[str, float]]:
+    """For each ``(family, tp, pp, options)`` in turn (megatron's parallel state is torn down between
+    layouts): an engine from seed 0 takes one forward_backward on its data-parallel share of one fixed
+    batch and one clipped ``optimizer_step`` (``grad_clip=1.0`` from ``engine_config``). Returns per
+    layout the reported grad norm, the float64 HF model's grad norm of the same loss (fp32 for MoE)
+    and whether the step was skipped; rank 0 writes the full parameters after the step by HF name to
+    ``out_dir/<i>.pt`` (the i-th layout)."""
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    results = []
+    for i, (family, tp, pp, opts) in enumerate(layouts):
+        cfg = H.tiny_config(family)
+        eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp, **opts))
+        dp = eng.layout.dp_shard
+        full = H.make_batch(21, b=4)
+        eng.forward_backward(full.select(list(range(eng_dp_rank(eng), full.batch_size, dp))), H.pg_loss)
+        step = eng.optimizer_step()
+        params = {n: t.detach().double().clone() for n, t in eng.named_full_tensors()}
+        if rank == 0:
+            torch.save(params, Path(out_dir) / f"{i}.pt")
+        _, _, ref = H.hf_reference(cfg, full)
+        hf_norm = sum(float(g.pow(2).sum()) for g in ref.values()) ** 0.5
+        results.append({"norm": step.grad_norm, "hf": hf_norm, "skipped": float(step.skipped)})
+        del eng
+        ps.destroy_model_parallel()
+    return results

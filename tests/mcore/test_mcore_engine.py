@@ -97,3 +97,44 @@ def test_checkpoint_tp2pp2_resumes_with_identical_next_step(tmp_path: Path) -> N
         diff = max(float((params[n] - expect[n]).abs().max()) for n in expect)
         assert diff < 1e-6, (world, tp, pp, diff)
         assert abs(got["loss"] - ref["loss"]) < 1e-6 and got["step"] == 2.0, (got, ref)
+
+
+# (family, tp, pp, options); ranks left over by tp * pp are data parallel
+_NORM_LAYOUTS_4 = [
+    ("qwen3", 2, 2, {}),
+    ("qwen3", 2, 1, {}),
+    ("qwen3", 1, 2, {}),
+    ("qwen2", 2, 1, {"sequence_parallel": True}),
+    ("qwen2_tied", 2, 2, {}),
+    ("qwen3_moe", 2, 1, {"sequence_parallel": True}),
+]
+_NORM_LAYOUTS_1 = [("qwen3", 1, 1, {}), ("qwen2", 1, 1, {}), ("qwen2_tied", 1, 1, {}), ("qwen3_moe", 1, 1, {})]
+
+
+def test_grad_norm_and_clipped_step_independent_of_layout(tmp_path: Path) -> None:
+    """The grad norm ``optimizer_step`` reports (and clips with) is the float64 HF model's for one
+    batch at TP1 (1 rank) and, on 4 ranks, at TP2xPP2, TP2, PP2, TP2 with sequence parallelism
+    (qkv biases, norms replicated over TP), tied embeddings across TP2xPP2 and MoE (router, experts)
+    with TP2+SP; and the clipped step (grad_clip=1.0 below every norm) gives every layout the
+    parameters of the 1-rank step. Megatron counts a TP-sharded weight in the norm only when it
+    carries ``tensor_model_parallel``; without it TP2xPP2's norm came out ~0.7 low."""
+    import torch
+
+    runs = {}
+    for world, layouts in ((1, _NORM_LAYOUTS_1), (4, _NORM_LAYOUTS_4)):
+        out = tmp_path / f"w{world}"
+        out.mkdir()
+        results = run_distributed(W.grad_norm_layouts, world, layouts, str(out), timeout_s=600)
+        for i, layout in enumerate(layouts):
+            per_rank = [r[i] for r in results]
+            assert len({r["norm"] for r in per_rank}) == 1, (layout, per_rank)  # one global value
+            r = per_rank[0]
+            assert abs(r["norm"] - r["hf"]) <= 1e-5 * r["hf"], (world, layout, r)
+            assert r["norm"] > 1.5 and r["skipped"] == 0.0, (world, layout, r)  # clipping is active
+            runs[(world, i)] = (layout, torch.load(out / f"{i}.pt"))
+    reference = {layout[0]: params for (world, _), (layout, params) in runs.items() if world == 1}
+    for (world, _), (layout, params) in runs.items():
+        expect = reference[layout[0]]
+        assert set(params) == set(expect), layout
+        diff = max(float((params[n] - expect[n]).abs().max()) for n in expect)
+        assert diff < 1e-6, (world, layout, diff)
