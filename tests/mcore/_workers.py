@@ -196,9 +196,6 @@ def resume_step(
 
     cfg = H.tiny_config(family)
     ecfg = H.engine_config(cfg, tp=tp, pp=pp)
-    # no clipping: the step then depends on the gradients, parameters and Adam state only (the grad
-    # norm of TP2xPP2 and TP1 differed by ~0.7 on equal parameters, a separate open issue)
-    ecfg = dataclasses.replace(ecfg, optim=dataclasses.replace(ecfg.optim, grad_clip=None))
     if phase == "resume":  # other initial weights: everything after the load must come from the file
         ecfg = dataclasses.replace(ecfg, model=dataclasses.replace(ecfg.model, seed=5))
     eng = H.make_engine(ecfg)

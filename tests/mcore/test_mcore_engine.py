@@ -83,8 +83,9 @@ def test_export_reload_and_load_hf(tmp_path: Path) -> None:
 def test_checkpoint_tp2pp2_resumes_with_identical_next_step(tmp_path: Path) -> None:
     """A checkpoint (model + distributed-optimizer state in megatron's fully_reshardable format,
     through CheckpointManager) saved at TP2xPP2 on 4 ranks, loaded into engines with other initial
-    weights at the same layout and at TP1 x DP2: the next AdamW step gives the uninterrupted run's
-    parameters (the Adam moments and step were restored and resharded, not started fresh)."""
+    weights at the same layout and at TP1 x DP2: the next clipped AdamW step gives the uninterrupted
+    run's grad norm and parameters (the Adam moments and step were restored and resharded, not started
+    fresh)."""
     import torch
 
     root = str(tmp_path)
@@ -97,6 +98,8 @@ def test_checkpoint_tp2pp2_resumes_with_identical_next_step(tmp_path: Path) -> N
         diff = max(float((params[n] - expect[n]).abs().max()) for n in expect)
         assert diff < 1e-6, (world, tp, pp, diff)
         assert abs(got["loss"] - ref["loss"]) < 1e-6 and got["step"] == 2.0, (got, ref)
+        # the clipped step (grad_clip=1.0) used the same global norm at both layouts
+        assert abs(got["norm"] - ref["norm"]) <= 1e-5 * ref["norm"], (world, tp, pp, got, ref)
 
 
 # (family, tp, pp, options); ranks left over by tp * pp are data parallel
