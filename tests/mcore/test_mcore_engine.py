@@ -111,7 +111,12 @@ _NORM_LAYOUTS_4 = [
     ("qwen2_tied", 2, 2, {}),
     ("qwen3_moe", 2, 1, {"sequence_parallel": True}),
 ]
-_NORM_LAYOUTS_1 = [("qwen3", 1, 1, {}), ("qwen2", 1, 1, {}), ("qwen2_tied", 1, 1, {}), ("qwen3_moe", 1, 1, {})]
+_NORM_LAYOUTS_1 = [
+    ("qwen3", 1, 1, {}),
+    ("qwen2", 1, 1, {}),
+    ("qwen2_tied", 1, 1, {}),
+    ("qwen3_moe", 1, 1, {}),
+]
 
 
 def test_grad_norm_and_clipped_step_independent_of_layout(tmp_path: Path) -> None:
