@@ -155,6 +155,9 @@ def block_spec(arch: Any, config: Any, *, attention: str | None, vp_stage: int |
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
 
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
 def mark_tensor_parallel(model: torch.nn.Module) -> int:
     """Give the TP-sharded weights of megatron's own parallel layers in ``model`` the attributes
     ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride``; returns how many
@@ -191,7 +194,7 @@ def mark_tensor_parallel(model: torch.nn.Module) -> int:
         else:
             continue
         weight = getattr(module, "weight", None)
-        if weight is None or hasattr(weight, "tensor_model_parallel"):
+        if weight is None or any(hasattr(weight, a) for a in _TP_ATTRIBUTES):
             continue
         stride = 2 if id(module) in gated_fc1 else 1
         set_tensor_model_parallel_attributes(weight, True, dim, stride)
