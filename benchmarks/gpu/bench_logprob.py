@@ -4,7 +4,8 @@ Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as a
 - ``triton``: underlay's TritonLogprobKernel in its default mode (``_logprob_triton.DEFAULT_MODE``),
   log-prob + entropy, both with upstream gradients; ``triton_fwd_only``: its forward alone;
 - ``triton_no_ent``: the same kernel with ``with_entropy=False``;
-- ``triton_pointer``: the default mode with ``UNDERLAY_TRITON_LOGPROB_TMA=0`` (pointer tile loads);
+- ``triton_pointer`` / ``triton_tma_store``: the default mode with ``UNDERLAY_TRITON_LOGPROB_TMA=off`` (pointer
+  tile loads and stores) / ``=store`` (dlogits tiles stored through TMA too);
 - ``triton_fused`` / ``triton_hybrid`` (whichever is not the default): logits by ``tl.dot`` inside Triton,
   or cuBLAS logits blocks with fp32 output read by the same Triton statistics / dlogits kernels;
 - ``chunked_torch``: ``underlay.ops.linear_logprobs`` (log-prob + entropy);
@@ -96,13 +97,18 @@ def main() -> None:
 
         return fn
 
-    def pointer_loads() -> None:
-        """The default mode with TMA tile loads switched off (the kernel before TMA): same-run baseline."""
-        os.environ["UNDERLAY_TRITON_LOGPROB_TMA"] = "0"
-        try:
-            ours()()
-        finally:
-            os.environ.pop("UNDERLAY_TRITON_LOGPROB_TMA", None)
+    def with_tma(setting: str) -> Callable[[], None]:
+        """The default mode with ``UNDERLAY_TRITON_LOGPROB_TMA=setting`` (``off``: the kernel before TMA,
+        the same-run baseline; ``store``: dlogits stored through TMA too)."""
+
+        def fn() -> None:
+            os.environ["UNDERLAY_TRITON_LOGPROB_TMA"] = setting
+            try:
+                ours()()
+            finally:
+                os.environ.pop("UNDERLAY_TRITON_LOGPROB_TMA", None)
+
+        return fn
 
     def ours_fwd(mode: str) -> Callable[[], None]:
         def fn() -> None:
@@ -136,7 +142,8 @@ def main() -> None:
         ("triton", ours(), 4),
         ("triton_fwd_only", ours_fwd(impl.DEFAULT_MODE), 1),
         ("triton_no_ent", ours(False), 4),
-        ("triton_pointer", pointer_loads, 4),
+        ("triton_pointer", with_tma("off"), 4),
+        ("triton_tma_store", with_tma("store"), 4),
         (f"triton_{other}", ours(mode=other), 4),
         (f"triton_{other}_fwd", ours_fwd(other), 1),
     ]
@@ -185,7 +192,12 @@ def main() -> None:
         # Per-token outputs get their upstream gradients only in backward, so any kernel with this contract
         # makes 4 matmuls of this size (forward logits, recomputed logits, grad_hidden, grad_weight).
         info["backward_floor_4_matmuls_ms"] = floor = 4 * rows["matmul_bf16"]["ms"]
-        for name in ("triton", "triton_pointer", f"triton_{other}"):  # goal (issue 23): <= 1.10
+        for name in (
+            "triton",
+            "triton_tma_store",
+            "triton_pointer",
+            f"triton_{other}",
+        ):  # goal (issue 23): <= 1.10
             if "ms" in rows.get(name, {}):
                 info[f"backward_ratio_to_floor_{name}"] = rows[name]["ms"] / floor
     print(f"shape N={n} H={h} V={v} bf16 | torch {torch.__version__} triton {impl.triton.__version__} | "

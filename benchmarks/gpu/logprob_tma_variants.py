@@ -322,22 +322,26 @@ def main() -> int:
     glp, gent = torch.randn(rows_b, device=dev), torch.randn(rows_b, device=dev)
     d_ref = torch.empty((rows_b, chunk), device=dev, dtype=torch.bfloat16)
 
-    def lib_bwd(use_tma: bool) -> Callable[[], None]:
+    def lib_bwd(use_tma: bool, store: bool) -> Callable[[], None]:
         progs = impl._num_programs(hb)
 
         def go() -> None:
             h_op, w_op = impl._operands(hb, wb, use_tma)
-            d_op = TensorDescriptor.from_tensor(d_ref, [16, 16]) if use_tma else d_ref
+            d_op = TensorDescriptor.from_tensor(d_ref, [16, 16]) if store else d_ref
             impl._bwd_dlogits_kernel[impl._grid(rows_b, chunk, progs if use_tma else None)](
                 h_op, w_op, lb, lse, ez, glp, gent, d_op, rows_b, chunk, h, 0, 1.0,
                 hb.stride(0), hb.stride(1), wb.stride(0), wb.stride(1), d_ref.stride(0),
-                WITH_ENTROPY=True, PRECISION="tf32", FROM_LOGITS=False, USE_TMA=use_tma, NUM_PROGRAMS=progs,
+                WITH_ENTROPY=True, PRECISION="tf32", FROM_LOGITS=False, USE_TMA=use_tma, TMA_STORE=store,
+                NUM_PROGRAMS=progs,
             )  # fmt: skip
 
         return go
 
-    record("lib _bwd_dlogits_kernel pointer (autotuned)", event_ms(lib_bwd(False), reps=20), flop_b)
-    record("lib _bwd_dlogits_kernel TMA (autotuned)", event_ms(lib_bwd(True), reps=20), flop_b)
+    record("lib _bwd_dlogits_kernel pointer (autotuned)", event_ms(lib_bwd(False, False), reps=20), flop_b)
+    record("lib _bwd_dlogits_kernel TMA loads (autotuned)", event_ms(lib_bwd(True, False), reps=20), flop_b)
+    record(
+        "lib _bwd_dlogits_kernel TMA loads+store (autotuned)", event_ms(lib_bwd(True, True), reps=20), flop_b
+    )
     d = torch.empty_like(d_ref)
     bufs = {"lse": lse, "ez": ez, "glp": glp, "gent": gent, "d": d}
     for loop in LOOPS:

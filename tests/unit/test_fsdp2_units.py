@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from underlay.engines._hf_export import StreamingShardWriter
 from underlay.engines.fsdp2 import _build
 from underlay.engines.fsdp2.engine import signature_diff
 from underlay.engines.fsdp2.parallelize import build_layout, decoder_layers, validate_ulysses
-from underlay.engines.fsdp2.weights import _ShardWriter
 from underlay.interfaces import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 
 
@@ -113,14 +113,19 @@ def test_signature_diff_names_what_differs() -> None:
     assert "does not have: ['v']" in text and "w [4, 4] != [4, 8]" in text
 
 
-def test_shard_writer_flushes_at_the_limit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("buffer_bytes", [0, 1 << 20])  # written inline / by the writer thread
+def test_shard_writer_flushes_at_the_limit(tmp_path: Path, buffer_bytes: int) -> None:
     from safetensors.torch import load_file
 
     tensors = {f"t{i}": torch.randn(16, 16) for i in range(5)}  # 1 KiB each
-    writer = _ShardWriter(tmp_path, max_bytes=2100)
-    for n, t in tensors.items():
-        writer.add(n, t)
-    writer.finish()
+    entries = [(n, tuple(t.shape)) for n, t in tensors.items()]
+    writer = StreamingShardWriter(tmp_path, entries, torch.float32, 2100, buffer_bytes)
+    try:
+        for n, t in tensors.items():
+            writer.add(n, t)
+        writer.finish()
+    finally:
+        writer.close()
     files = sorted(tmp_path.glob("*.safetensors"))
     assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

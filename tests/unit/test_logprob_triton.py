@@ -48,7 +48,7 @@ def _case(
     **plan: Any,
 ) -> dict[str, Any]:
     """Run the fused kernel and the float64 reference on fresh inputs; return error figures."""
-    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs, tma_usable
+    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs, tma_setting, tma_usable
 
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     if strided:  # hidden as a transposed view, weight as every other row of a larger tensor
@@ -80,6 +80,7 @@ def _case(
     ignored = labels == IGNORE_INDEX
     return {
         "tma": plan.get("mode", "fused") == "fused" and tma_usable(hidden, weight, plan.get("tma")),
+        "tma_store": tma_setting() == "store",
         "lp_err": (lp.double() - rlp).abs().max().item(),
         "ent_err": None if ent is None else (ent.double() - rent).abs().max().item(),
         "ent_none": ent is None,
@@ -92,6 +93,19 @@ def _case(
     }
 
 
+def _with_env(name: str, value: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` with the environment variable ``name`` set to ``value`` (restored after)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn(*args, **kw)
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def _cases() -> dict[str, dict[str, Any]]:
     return {
         "fp32": _case("fp32", 37, 48, 130, torch.float32),
@@ -101,6 +115,29 @@ def _cases() -> dict[str, dict[str, Any]]:
         ),
         "bf16": _case("bf16", 37, 48, 130, torch.bfloat16, v_chunk=64),
         "bf16_pointer": _case("bf16_pointer", 37, 48, 130, torch.bfloat16, v_chunk=64, tma=False),
+        "bf16_tma_store": _with_env(
+            "UNDERLAY_TRITON_LOGPROB_TMA",
+            "store",
+            _case,
+            "bf16_store",
+            37,
+            48,
+            130,
+            torch.bfloat16,
+            v_chunk=64,
+        ),
+        "fp32_tma_store_chunks": _with_env(
+            "UNDERLAY_TRITON_LOGPROB_TMA",
+            "store",
+            _case,
+            "fp32_store",
+            37,
+            48,
+            130,
+            torch.float32,
+            row_split=16,
+            v_chunk=40,
+        ),
         "fp32_pointer": _case(
             "fp32_pointer", 37, 48, 130, torch.float32, row_split=16, v_chunk=64, tma=False
         ),
@@ -190,7 +227,16 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    "case", ["fp32", "fp32_chunks", "fp32_odd_h_strided", "fp32_pointer", "no_entropy", "hybrid_fp32_chunks"]
+    "case",
+    [
+        "fp32",
+        "fp32_chunks",
+        "fp32_odd_h_strided",
+        "fp32_pointer",
+        "fp32_tma_store_chunks",
+        "no_entropy",
+        "hybrid_fp32_chunks",
+    ],
 )
 def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case: str) -> None:
     r = report[0][case]
@@ -206,7 +252,13 @@ def test_fp32_matches_float64_reference(report: dict[int, dict[str, Any]], case:
 
 @pytest.mark.parametrize(
     ("case", "ulp"),
-    [("bf16", 2.0**-8), ("bf16_pointer", 2.0**-8), ("fp16", 2.0**-11), ("hybrid_bf16", 2.0**-8)],
+    [
+        ("bf16", 2.0**-8),
+        ("bf16_pointer", 2.0**-8),
+        ("bf16_tma_store", 2.0**-8),
+        ("fp16", 2.0**-11),
+        ("hybrid_bf16", 2.0**-8),
+    ],
 )
 def test_half_precision_within_rounding(report: dict[int, dict[str, Any]], case: str, ulp: float) -> None:
     r = report[0][case]
@@ -226,6 +278,12 @@ def test_both_tile_load_paths_are_exercised(report: dict[int, dict[str, Any]]) -
         not r["fp32_odd_h_strided"]["tma"] and not r["bf16_pointer"]["tma"] and not r["fp32_pointer"]["tma"]
     )
     assert not r["hybrid_bf16"]["tma"]
+    assert (
+        r["bf16_tma_store"]["tma"]
+        and r["bf16_tma_store"]["tma_store"]
+        and r["fp32_tma_store_chunks"]["tma_store"]
+    )
+    assert not r["bf16"]["tma_store"]
 
 
 def test_ignore_index_gives_zero_and_no_gradient(report: dict[int, dict[str, Any]]) -> None:

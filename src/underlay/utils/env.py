@@ -84,10 +84,11 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "UNDERLAY_TRITON_LOGPROB_TMA",
-            "1, 0",
-            "1",
-            "triton log-prob kernel: load GEMM tiles through TMA descriptors where the GPU (sm90+) and "
-            "operands allow (0: pointer loads); read at each call",
+            "load, store, off",
+            "load",
+            "triton log-prob kernel on sm90+: GEMM tiles loaded through TMA descriptors (load), the dlogits "
+            "tiles stored through one too (store: faster, GPU-unverified), or pointer loads (off); read "
+            "at each call",
         ),
         EnvVar(
             "UNDERLAY_FP8_AUTOTUNE",

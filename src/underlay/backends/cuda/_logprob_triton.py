@@ -17,7 +17,11 @@ Operand tiles of the ``tl.dot`` GEMMs are loaded through Hopper's tensor-memory 
 ``TensorDescriptor``s, a persistent grid of one program per multiprocessor walking the tiles) where the
 device and the operands allow it (:func:`tma_usable`), and through pointer loads otherwise; the TMA loads
 brought both kernels from about 540 / 430 TFLOP/s to about 650 (``benchmarks/gpu/logprob_tma_variants.py``,
-figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA=0`` forces the pointer loads.
+figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA`` (read per call): ``load`` (the default)
+loads the GEMM tiles through TMA and stores dlogits with masked pointer stores; ``store`` also stores the
+dlogits tiles through a TMA descriptor (the masked store cannot vectorise with unspecialised N and V:
+faster, but so far checked against float64 only in the interpreter, not on a GPU); ``off`` uses pointer
+loads and stores.
 
 ``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``fused`` (the default) computes them
 with ``tl.dot`` inside the kernels; ``hybrid`` computes cuBLAS ``[rows, v_chunk]`` logits blocks with fp32
@@ -48,11 +52,13 @@ __all__ = [
     "DEFAULT_MODE",
     "INTERPRET",
     "MODES",
+    "TMA_SETTINGS",
     "check_mode",
     "fused_linear_logprobs",
     "mm_fp32",
     "mm_path",
     "plan_backward",
+    "tma_setting",
     "tma_usable",
 ]
 
@@ -382,7 +388,7 @@ def _bwd_tile(  # type: ignore[no-untyped-def]
     tile, h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H, label_offset, inv_t,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_dn,
     WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, FROM_LOGITS: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    TMA_STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """One tile of ``dlogits = (onehot - p) * g_lp - p * (z - E[z]) * g_ent`` (times ``inv_t``)."""
@@ -403,7 +409,7 @@ def _bwd_tile(  # type: ignore[no-untyped-def]
         ez = tl.load(ez_ptr + offs_n, mask=n_mask, other=0.0)
         g_ent = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         dz -= p * (z - ez[:, None]) * g_ent[:, None]
-    if USE_TMA:  # the descriptor clips the tile at the edges: full-width stores without masks
+    if TMA_STORE:  # the descriptor clips the tile at the edges: full-width stores without masks
         d_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], (dz * inv_t).to(d_ptr.dtype))
     else:
         d_ptrs = d_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_v[None, :]
@@ -440,6 +446,7 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
     PRECISION: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -453,13 +460,13 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
             _bwd_tile(
                 tile, h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H, label_offset,
                 inv_t, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
-                FROM_LOGITS, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+                FROM_LOGITS, USE_TMA, TMA_STORE, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
             )  # fmt: skip
     else:
         _bwd_tile(
             tl.program_id(0), h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H,
             label_offset, inv_t, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
-            FROM_LOGITS, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+            FROM_LOGITS, USE_TMA, TMA_STORE, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
         )  # fmt: skip
 
 
@@ -497,16 +504,30 @@ def _tma_operand(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+TMA_SETTINGS = ("load", "store", "off")
+"""Values of ``UNDERLAY_TRITON_LOGPROB_TMA`` (see the module docstring)."""
+
+
+def tma_setting() -> str:
+    """``UNDERLAY_TRITON_LOGPROB_TMA`` read now; ``ConfigError`` naming the choices for another value."""
+    value = env.get("UNDERLAY_TRITON_LOGPROB_TMA")
+    if value not in TMA_SETTINGS:
+        raise ConfigError(
+            f"UNDERLAY_TRITON_LOGPROB_TMA={value!r}: use one of {', '.join(TMA_SETTINGS)} (unset: load)"
+        )
+    return value
+
+
 def tma_usable(hidden: torch.Tensor, weight: torch.Tensor, tma: bool | None = None) -> bool:
     """Whether the ``tl.dot`` kernels load ``hidden``/``weight`` tiles through TMA descriptors.
 
-    ``tma=False`` (or ``UNDERLAY_TRITON_LOGPROB_TMA=0`` when ``tma`` is None) forces pointer loads. Else
+    ``tma=False`` (or ``UNDERLAY_TRITON_LOGPROB_TMA=off`` when ``tma`` is None) forces pointer loads. Else
     TMA needs Triton's ``TensorDescriptor``, a compute-capability >= 9.0 GPU and 16-bit operands (fp32
     operands keep the measured pointer path; the interpreter takes every dtype, so CPU tests run this
     code), and row-major operands with 16-byte aligned rows and base. Anything else: pointer loads."""
     if tma is False or TensorDescriptor is None:
         return False
-    if tma is None and env.get("UNDERLAY_TRITON_LOGPROB_TMA") == "0":
+    if tma is None and tma_setting() == "off":
         return False
     if not INTERPRET:
         if not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device) < (9, 0):
@@ -685,9 +706,10 @@ def _backward(
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
     grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else None
     d_buf = torch.empty((min(rows, n), chunk), device=hidden.device, dtype=hidden.dtype)
-    # TMA loads of row/vocabulary slices keep the operands' alignment; the dlogits chunk is stored through
-    # a descriptor too, so its row pitch must be 16-byte aligned
-    use_tma = not hybrid and tma_usable(hidden, weight, tma) and _tma_operand(d_buf)
+    # TMA loads of row/vocabulary slices keep the operands' alignment; a dlogits chunk stored through a
+    # descriptor needs a 16-byte aligned row pitch too
+    use_tma = not hybrid and tma_usable(hidden, weight, tma)
+    tma_store = use_tma and tma_setting() == "store" and _tma_operand(d_buf)
     fp32_acc = hidden.dtype != torch.float32
     acc = (
         torch.empty((min(rows, n), h), device=hidden.device, dtype=torch.float32)
@@ -714,14 +736,14 @@ def _backward(
                 src = z_buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
                 mm_fp32(hid, w.T, src)
             src_op, w_op = _operands(src, w, use_tma)
-            d_op = TensorDescriptor.from_tensor(d, [16, 16]) if use_tma else d
+            d_op = TensorDescriptor.from_tensor(d, [16, 16]) if tma_store else d
             _bwd_dlogits_kernel[_grid(r1 - r0, v1 - v0, progs if use_tma else None)](
                 src_op, w_op, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
                 (g_ent if g_ent is not None else g_lp)[r0:r1], d_op,
                 r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
                 src.stride(0), src.stride(1), w.stride(0), w.stride(1), d.stride(0),
                 WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=hybrid,
-                USE_TMA=use_tma, NUM_PROGRAMS=progs,
+                USE_TMA=use_tma, TMA_STORE=tma_store, NUM_PROGRAMS=progs,
             )  # fmt: skip
             if grad_w is not None:
                 if r0 == 0:
@@ -832,7 +854,7 @@ def fused_linear_logprobs(
     block with cuBLAS (fp32 output) and runs the Triton statistics / dlogits kernels on it. Both keep
     workspace bounded independently of ``V`` and agree up to fp32 rounding; which one is faster depends
     on ``H`` (see :data:`DEFAULT_MODE`). ``tma`` (default: :func:`tma_usable` decides, honouring
-    ``UNDERLAY_TRITON_LOGPROB_TMA``): ``False`` forces pointer tile loads in the fused mode.
+    ``UNDERLAY_TRITON_LOGPROB_TMA``): ``False`` forces pointer tile loads and stores in the fused mode.
     """
     mode = check_mode(mode) if mode is not None else check_mode(env.get("UNDERLAY_TRITON_LOGPROB_MODE"))
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
