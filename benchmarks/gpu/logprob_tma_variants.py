@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +32,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from underlay.backends.cuda import _logprob_triton as impl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_logprob
 
 LOG2E = 1.4426950408889634
 
@@ -204,18 +206,10 @@ def configs_of(loop: str) -> tuple[tuple[int, ...], ...]:
 
 
 def event_ms(fn: Callable[[], Any], reps: int = 5, warm: int = 2) -> float:
-    """Median CUDA-event ms of ``reps`` calls after ``warm`` untimed ones."""
+    """Median CUDA-event ms of ``reps`` calls after ``warm`` untimed ones (``bench_logprob.event_ms``)."""
     for _ in range(warm):
         fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return bench_logprob.event_ms(fn, reps)
 
 
 LOOPS = {
