@@ -199,9 +199,19 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         print(
             f"fsdp2/{variant}: {gib:.1f} GiB reserved by the caching allocator before the build", flush=True
         )
+    trace = bool(args.memory_trace and dev.is_accelerator)
+    if trace:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
     t0 = time.perf_counter()
-    engine = get_engine(ec)
+    try:
+        engine = get_engine(ec)
+    except torch.OutOfMemoryError:
+        if trace:
+            print_live_allocations(f"fsdp2/{variant} build")
+        raise
     build_s = time.perf_counter() - t0
+    if trace:
+        print(f"fsdp2/{variant}: after the build {gib_now()}", flush=True)
     print(f"fsdp2/{variant}: built in {build_s:.1f} s: {engine!r}", flush=True)
     policy = getattr(engine, "memory_estimate", None)
     estimate = policy.estimate.total if policy is not None else None
@@ -219,9 +229,20 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         before = host_costs()
         dev.synchronize()
         t = time.perf_counter()
-        res = engine.forward_backward(step.batch, pg_loss)
-        engine.optimizer_step()
+        phase = "forward_backward"
+        try:
+            res = engine.forward_backward(step.batch, pg_loss)
+            if trace:
+                print(f"fsdp2/{variant}: step {i} after forward_backward {gib_now()}", flush=True)
+            phase = "optimizer_step"
+            engine.optimizer_step()
+        except torch.OutOfMemoryError:
+            if trace:
+                print_live_allocations(f"fsdp2/{variant} step {i} {phase}")
+            raise
         dev.synchronize()
+        if trace:
+            print(f"fsdp2/{variant}: step {i} after optimizer_step {gib_now()}", flush=True)
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
             compiled.append(compile_events() > graphs)
@@ -249,6 +270,38 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         "warmup": warm,
         "engine": repr_,
     }
+
+
+def gib_now() -> str:
+    """Allocated / peak-allocated / reserved device memory now, in GiB."""
+    a, p, r = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
+    return f"allocated {a / 2**30:.1f} GiB, peak {p / 2**30:.1f} GiB, reserved {r / 2**30:.1f} GiB"
+
+
+_PLUMBING = ("nn/modules/module.py", "/_dynamo/", "/_compile.py", "/autograd/__init__.py", "/_tensor.py")
+
+
+def print_live_allocations(where: str, top: int = 15) -> None:
+    """Group the live device allocations of the memory history by their innermost Python frames
+    (outside torch's module-call and dynamo plumbing) and print the largest groups: where the bytes are."""
+    snap = torch.cuda.memory._snapshot()
+    groups: dict[str, list[int]] = {}
+    for seg in snap["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = [
+                f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+                for f in block.get("frames", [])
+                if f["filename"].endswith(".py") and not any(k in f["filename"] for k in _PLUMBING)
+            ][:5]
+            entry = groups.setdefault(" < ".join(frames) or "(no python frame)", [0, 0])
+            entry[0] += block["size"]
+            entry[1] += 1
+    total = sum(v[0] for v in groups.values())
+    print(f"== live allocations at OOM ({where}): {total / 2**30:.1f} GiB; {gib_now()}", flush=True)
+    for key, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {size / 2**30:7.2f} GiB in {n:5d} blocks  {key}", flush=True)
 
 
 _TRITON_COMPILES = [0]
@@ -463,6 +516,12 @@ def main() -> int:
     ap.add_argument("--baseline-act-ckpt", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one more step of every fsdp2 variant")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="record the allocator history: memory after the build and each phase, the largest live "
+        "allocations by Python frame on an out-of-memory error",
+    )
     ap.add_argument(
         "--same-batch",
         action="store_true",

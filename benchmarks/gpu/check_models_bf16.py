@@ -88,7 +88,9 @@ def _overrides(arch: str, heads: int) -> dict[str, Any]:
     if arch == "glm4":
         return dict(partial_rotary_factor=0.5, pad_token_id=0)
     if arch == "deepseek_v3":
+        # head_dim is the rotary part of the query/key head (transformers < 5.20 does not derive it)
         return dict(
+            head_dim=16,
             num_key_value_heads=heads,
             q_lora_rank=48,
             kv_lora_rank=32,

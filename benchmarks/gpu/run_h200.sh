@@ -9,6 +9,7 @@
 # VLM_ARGS / VLM_SECS: extra arguments and time limit of the vlm step (bench_vlm.py, Qwen2.5-VL 3B-shaped, synthetic images)
 # LONGSEQ_ARGS / LONGSEQ_SECS: arguments and time limit of the longseq step (65,536-token recompute vs activation offload)
 # DEFAULTS_MODELS: which models the defaults step runs (default "qwen2 llama qwen3_4b")
+# OFFLOAD8B_ARGS: extra arguments of the offload8b step's bench_fsdp2.py (e.g. --memory-trace)
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # WEIGHTSIO_ARGS / WEIGHTSIO_SECS: extra arguments (e.g. "--cache cold") and time limit of the weightsio step
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
@@ -70,7 +71,7 @@ for s in "${steps[@]}"; do
       done ;;
     offload8b)  # issue 23: the offloaded AdamW alone (bit-equality, GB/s), then a Qwen3-8B shape on one GPU with the defaults (they choose optimizer offload)
       step optimoffload 90 python3 benchmarks/gpu/check_optim_offload.py --out "$OUT/optim_offload"
-      step offload8b 300 python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --model qwen3-8b --sequences 32 --steps 2 --warmup 1 --act-ckpt defaults ;;
+      step offload8b 300 python3 benchmarks/gpu/bench_fsdp2.py --no-baseline --model qwen3-8b --sequences 32 --steps 2 --warmup 1 --act-ckpt defaults ${OFFLOAD8B_ARGS:-} ;;
     vlm) step vlm "${VLM_SECS:-180}" python3 benchmarks/gpu/bench_vlm.py --out "$OUT" ${VLM_ARGS:-} ;;
     fsdp2bench) step fsdp2bench "${FSDP2_SECS:-330}" python3 benchmarks/gpu/bench_fsdp2.py ${FSDP2_ARGS:-} ;;
     demo) step demo 240 python3 benchmarks/gpu/demo_cuda.py ;;
