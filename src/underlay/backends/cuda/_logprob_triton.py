@@ -17,11 +17,11 @@ Operand tiles of the ``tl.dot`` GEMMs are loaded through Hopper's tensor-memory 
 ``TensorDescriptor``s, a persistent grid of one program per multiprocessor walking the tiles) where the
 device and the operands allow it (:func:`tma_usable`), and through pointer loads otherwise; the TMA loads
 brought both kernels from about 540 / 430 TFLOP/s to about 650 (``benchmarks/gpu/logprob_tma_variants.py``,
-figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA`` (read per call): ``load`` (the default)
-loads the GEMM tiles through TMA and stores dlogits with masked pointer stores; ``store`` also stores the
-dlogits tiles through a TMA descriptor (the masked store cannot vectorise with unspecialised N and V:
-faster, but so far checked against float64 only in the interpreter, not on a GPU); ``off`` uses pointer
-loads and stores.
+figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA`` (read per call): ``store`` (the
+default) also stores the dlogits tiles through a TMA descriptor (a masked pointer store cannot vectorise
+with unspecialised N and V); ``load`` loads the GEMM tiles through TMA and stores dlogits with masked
+pointer stores; ``off`` uses pointer loads and stores. All three pass the same float64 bounds
+(``benchmarks/gpu/check_logprob.py``).
 
 ``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``fused`` (the default) computes them
 with ``tl.dot`` inside the kernels; ``hybrid`` computes cuBLAS ``[rows, v_chunk]`` logits blocks with fp32
@@ -504,7 +504,7 @@ def _tma_operand(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-TMA_SETTINGS = ("load", "store", "off")
+TMA_SETTINGS = ("store", "load", "off")
 """Values of ``UNDERLAY_TRITON_LOGPROB_TMA`` (see the module docstring)."""
 
 
@@ -513,7 +513,7 @@ def tma_setting() -> str:
     value = env.get("UNDERLAY_TRITON_LOGPROB_TMA")
     if value not in TMA_SETTINGS:
         raise ConfigError(
-            f"UNDERLAY_TRITON_LOGPROB_TMA={value!r}: use one of {', '.join(TMA_SETTINGS)} (unset: load)"
+            f"UNDERLAY_TRITON_LOGPROB_TMA={value!r}: use one of {', '.join(TMA_SETTINGS)} (unset: store)"
         )
     return value
 
