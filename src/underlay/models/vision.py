@@ -1,6 +1,6 @@
-"""Vision-language batches (Qwen-VL style): placeholder checks, the inputs ``packed_forward`` takes, the
-micro-batch token cost of images, and the zero-weight vision pass that keeps FSDP-sharded vision towers
-in step across ranks."""
+"""Vision-language models (Qwen-VL style): placeholder checks, the inputs ``packed_forward`` takes, the
+micro-batch token cost of images, the zero-weight vision pass that keeps FSDP-sharded vision towers in
+step across ranks, and the value-model (critic) variant transformers does not provide."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ __all__ = [
     "patch_cost",
     "sequence_costs",
     "vision_calls",
+    "vision_value_model",
     "zero_vision_pass",
 ]
 
@@ -206,3 +207,92 @@ def zero_vision_pass(backbone: nn.Module) -> torch.Tensor:
     if total is None:
         raise ConfigError(f"{type(visual).__name__} returned no floating tensor")
     return total * 0.0
+
+
+_VALUE_CLASSES: dict[type, type] = {}
+
+
+def _value_class(backbone_cls: type) -> type:
+    """The value-model class over ``backbone_cls`` (e.g. ``Qwen2_5_VLModel``), made once per backbone:
+    a subclass of the backbone's ``PreTrainedModel`` base (so ``_no_split_modules``, weight init,
+    gradient checkpointing and attention-implementation switching behave as in transformers' own
+    classes) holding ``model`` (the backbone) and ``score`` (``nn.Linear(text hidden, 1)`` with bias,
+    as transformers' ``*ForTokenClassification`` heads)."""
+    cls = _VALUE_CLASSES.get(backbone_cls)
+    if cls is not None:
+        return cls
+    from transformers.modeling_outputs import TokenClassifierOutput
+
+    base = backbone_cls.__bases__[0]
+
+    def __init__(self: Any, config: Any) -> None:
+        base.__init__(self, config)
+        text = config.get_text_config()
+        self.model = backbone_cls(config)
+        self.score = nn.Linear(int(text.hidden_size), 1)
+        self.post_init()
+
+    def forward(
+        self: Any,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Per-token values ``logits [B, S, 1]`` (the score head on the backbone's last hidden states;
+        no shift). Keyword arguments (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ...)
+        go to the backbone."""
+        kwargs.setdefault("use_cache", False)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+        return TokenClassifierOutput(logits=self.score(out.last_hidden_state))
+
+    stem = backbone_cls.__name__.removesuffix("Model")
+    cls = type(
+        f"{stem}ValueModel",
+        (base,),
+        {
+            "__init__": __init__,
+            "forward": forward,
+            "__module__": __name__,
+            "base_model_prefix": "model",
+            # transformers decides whether the attention / experts implementation may be switched by
+            # reading the class's module source; the backbone's module is the one that defines them
+            "_can_set_attn_implementation_cached_value": backbone_cls._can_set_attn_implementation(),
+            "_can_set_experts_implementation_cached_value": backbone_cls._can_set_experts_implementation(),
+        },
+    )
+    _VALUE_CLASSES[backbone_cls] = cls
+    return cls
+
+
+def vision_value_model(hf_config: Any, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A value model (RL critic) of a Qwen-VL style vision-language config, which transformers has no
+    token-classification head for: the model type's backbone (``AutoModel``: vision tower + language
+    model, at ``.model``) plus ``score = nn.Linear(text_config.hidden_size, 1)`` (weight and bias), in
+    ``dtype`` with transformers' initialisation (seed it with ``torch.manual_seed`` first).
+
+    The module's class is ``<Backbone>ValueModel`` (``Qwen2_5_VLValueModel``, ``Qwen3VLValueModel``,
+    ...), a subclass of the backbone's ``PreTrainedModel`` base; :func:`underlay.models.prepare_model`
+    and :func:`underlay.models.packed_forward` treat it as any value model (``values`` fp32 ``[T]``,
+    the head at token ``t``, no shift), with images and videos in ``multimodal``. Its parameter names
+    are the backbone's under ``model.`` (as in the causal LM) plus ``score.weight`` / ``score.bias``.
+    Sets ``hf_config.num_labels = 1``. Raises ``ConfigError`` for a config that is not a
+    vision-language config or whose model type has no transformers backbone class."""
+    if not is_vision_config(hf_config):
+        raise ConfigError(
+            f"vision_value_model: {getattr(hf_config, 'model_type', hf_config)!r} is not a vision-language "
+            "config (no vision_config); build text value models with AutoModelForTokenClassification"
+        )
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        backbone_cls = MODEL_MAPPING[type(hf_config)]
+    except KeyError:
+        raise ConfigError(
+            f"vision_value_model: transformers has no backbone (AutoModel) class for {type(hf_config).__name__}"
+        ) from None
+    hf_config.num_labels = 1
+    cls: Any = _value_class(backbone_cls)
+    return cls._from_config(hf_config, dtype=dtype)  # type: ignore[no-any-return]

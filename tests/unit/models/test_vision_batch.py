@@ -218,22 +218,22 @@ def test_load_processor_of_a_vlm_directory(tmp_path: Path) -> None:
         assert proc.image_processor.merge_size == 2
 
 
-def test_fsdp2_builds_vlms_as_causal_lms_only() -> None:
+def test_fsdp2_builds_vlm_policies_and_value_models() -> None:
     """A vision-language config builds with AutoModelForImageTextToText (vision blocks and decoder layers
-    are the FSDP units); ``kind="value"`` is refused (transformers has no scorer head for it)."""
+    are the FSDP units); ``kind="value"`` builds ``models.vision_value_model`` (the same backbone and
+    units, a ``score`` head instead of ``lm_head``)."""
     from underlay.engines.fsdp2 import _build
     from underlay.engines.fsdp2.parallelize import decoder_layers
-    from underlay.interfaces import ConfigError, ModelConfig
+    from underlay.interfaces import ModelConfig
 
     cfg = tiny_vl_model("qwen2_5_vl").config
-    model = _build.build_model(
-        ModelConfig(hf_config=cfg), _build.hf_config_of(ModelConfig(hf_config=cfg)), meta=True
-    )
-    kinds = sorted({type(m).__name__ for m in decoder_layers(model)})
-    assert kinds == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
-    value = ModelConfig(hf_config=cfg, kind="value")
-    with pytest.raises(ConfigError, match="no token-classification head"):
-        _build.build_model(value, _build.hf_config_of(value), meta=True)
+    for kind, head in (("causal_lm", "lm_head.weight"), ("value", "score.weight")):
+        mc = ModelConfig(hf_config=cfg, kind=kind)
+        model = _build.build_model(mc, _build.hf_config_of(mc), meta=True)
+        kinds = sorted({type(m).__name__ for m in decoder_layers(model)})
+        assert kinds == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
+        names = [n for n, _ in model.named_parameters()]
+        assert head in names and names[0].startswith("model.visual.")
 
 
 @pytest.mark.parametrize("arch", VL_ARCHS)
