@@ -209,10 +209,10 @@ def zero_vision_pass(backbone: nn.Module) -> torch.Tensor:
     return total * 0.0
 
 
-_VALUE_CLASSES: dict[type, type] = {}
+_VALUE_CLASSES: dict[Any, Any] = {}
 
 
-def _value_class(backbone_cls: type) -> type:
+def _value_class(backbone_cls: Any) -> Any:
     """The value-model class over ``backbone_cls`` (e.g. ``Qwen2_5_VLModel``), made once per backbone:
     a subclass of the backbone's ``PreTrainedModel`` base (so ``_no_split_modules``, weight init,
     gradient checkpointing and attention-implementation switching behave as in transformers' own
@@ -223,7 +223,7 @@ def _value_class(backbone_cls: type) -> type:
         return cls
     from transformers.modeling_outputs import TokenClassifierOutput
 
-    base = backbone_cls.__bases__[0]
+    base: Any = backbone_cls.__bases__[0]
 
     def __init__(self: Any, config: Any) -> None:
         base.__init__(self, config)
@@ -288,7 +288,7 @@ def vision_value_model(hf_config: Any, *, dtype: torch.dtype = torch.float32) ->
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     try:
-        backbone_cls = MODEL_MAPPING[type(hf_config)]
+        backbone_cls: Any = MODEL_MAPPING[type(hf_config)]
     except KeyError:
         raise ConfigError(
             f"vision_value_model: transformers has no backbone (AutoModel) class for {type(hf_config).__name__}"
