@@ -211,11 +211,34 @@ def test_load_processor_of_a_vlm_directory(tmp_path: Path) -> None:
     assert image.merge_size == 2 and image.patch_size == 2
     assert load_tokenizer(src).convert_tokens_to_ids("<|image_pad|>") == IMAGE_TOKEN
     if importlib.util.find_spec("torchvision") is None:
-        with pytest.raises(ConfigError, match="(?i)torchvision"):
+        minor = int(torch.__version__.split(".")[1])
+        with pytest.raises(ConfigError, match=rf"(?i)torchvision.*install torchvision==0\.{minor + 15}\.\*"):
             load_processor(src)
     else:
         proc = load_processor(src)
         assert proc.image_processor.merge_size == 2
+
+
+def test_load_processor_names_a_torchvision_that_does_not_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torchvision built for another torch (PyPI's CUDA wheel on a CPU torch) fails inside its import
+    with a RuntimeError (measured with torchvision 0.28.0 on torch 2.13.0+cpu: ``operator
+    torchvision::nms does not exist``); load_processor turns it into a ConfigError with the fix."""
+    import transformers
+
+    from tests.unit.models._tiny import save_vl_source
+    from underlay.data.tokenizer import load_processor
+    from underlay.interfaces import ConfigError
+
+    src = save_vl_source(tmp_path / "vl")
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", broken)
+    with pytest.raises(ConfigError, match="torchvision is installed but does not load.*torchvision::nms"):
+        load_processor(src)
 
 
 def test_fsdp2_builds_vlm_policies_and_value_models() -> None:
