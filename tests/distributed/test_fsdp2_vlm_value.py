@@ -8,7 +8,10 @@ group in one spawn:
   and into transformers' ``AutoModel`` (the backbone; the head read from the file) with equal values;
 - Qwen3-VL-MoE checkpoints in the hub layout (fused experts transposed against transformers' modules)
   and in ``save_pretrained``'s layout both load exactly, and the export (hub layout) reloads in
-  transformers exactly.
+  transformers exactly;
+- under Ulysses sp=2 each rank runs the vision tower on its share of the images and videos only
+  (``models.shard_vision_tower``), and the causal LM's log-probs and entropy and the value model's
+  values, and the summed gradients of both, equal one process.
 """
 
 from __future__ import annotations
@@ -195,6 +198,61 @@ def _moe_part(rank: int, world: int, root: Path) -> dict[str, Any]:
     return out
 
 
+def _sp_part(rank: int, world: int) -> dict[str, Any]:
+    """Qwen2.5-VL (causal LM and value model) on four images and a video, packed, sp=2 against one
+    process: outputs, gradients summed over the group, and the vision patches each rank encoded."""
+    from tests.unit.models._tiny import clone, logprob_kernel, tiny_vl_model
+    from underlay.models import multimodal_inputs, packed_forward, prepare_model, vision_value_model
+    from underlay.ops.packing import unpad
+
+    batch = vl_global_batch(31)
+    packed = unpad(batch.input_ids, batch.attention_mask)
+    mm = multimodal_inputs(batch)
+    assert mm is not None
+    g = torch.Generator().manual_seed(12)
+    w1, w2 = torch.randn(packed.total_tokens, generator=g), torch.randn(packed.total_tokens, generator=g)
+    policy = tiny_vl_model("qwen2_5_vl")
+    torch.manual_seed(6)
+    critic = vision_value_model(copy.deepcopy(policy.config))
+    out: dict[str, Any] = {}
+    for label, ref in (("policy", policy), ("value", critic)):
+        runs: list[tuple[list[torch.Tensor], dict[str, torch.Tensor], int]] = []
+        for group in (None, dist.group.WORLD):
+            model = prepare_model(clone(ref), attention="eager", sp_group=group)
+            seen: list[int] = []
+            hook = model.model.visual.patch_embed.register_forward_pre_hook(
+                lambda _m, args, seen=seen: seen.append(int(args[0].shape[0]))
+            )
+            res = packed_forward(model, packed, logprob_kernel=logprob_kernel(), multimodal=mm)
+            hook.remove()
+            if label == "policy":
+                assert res.log_probs is not None and res.entropy is not None
+                outs = [res.log_probs, res.entropy]
+                ((res.log_probs * w1).sum() + (res.entropy * w2).sum()).backward()
+            else:
+                assert res.values is not None
+                outs = [res.values]
+                (res.values * w1).sum().backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            runs.append(([o.detach() for o in outs], grads, sum(seen)))
+        (single, single_grads, single_patches), (split, split_grads, split_patches) = runs
+        diff = max(float((a - b).abs().max()) for a, b in zip(split, single))
+        grad_diff = 0.0
+        assert split_grads.keys() == single_grads.keys()
+        for name, grad in split_grads.items():
+            dist.all_reduce(grad)
+            want = single_grads[name]  # |a - b| - rtol * |b| (rtol 1e-4), against atol = TOL
+            grad_diff = max(grad_diff, float(((grad - want).abs() - 1e-4 * want.abs()).max()))
+        out[label] = {
+            "outputs": diff,
+            "grads": grad_diff,
+            "visual_grads": any(".visual." in n for n in split_grads),
+            "patches_one_process": single_patches,
+            "patches_this_rank": split_patches,
+        }
+    return out
+
+
 def _worker(rank: int, world: int, root_s: str) -> dict[str, Any]:
     from tests.unit.models._tiny import tiny_vl_model
 
@@ -204,7 +262,11 @@ def _worker(rank: int, world: int, root_s: str) -> dict[str, Any]:
         tiny_vl_model("qwen3_vl_moe", moe_intermediate=MOE_I).save_pretrained(str(root / "moe_memory_layout"))
         _write_hub_layout(root / "moe_memory_layout", root / "moe_hub_layout")
     dist.barrier()
-    return {"value": _value_part(rank, world, root), "moe": _moe_part(rank, world, root)}
+    return {
+        "value": _value_part(rank, world, root),
+        "moe": _moe_part(rank, world, root),
+        "sp": _sp_part(rank, world),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +308,16 @@ def test_qwen3_vl_moe_hub_and_memory_layouts_load_and_export_reloads(runs: list[
     # hub layout: gate_up [E, H, 2I], down [E, I, H] (transformers' modules: [E, 2I, H], [E, H, I])
     assert m0["export_shapes"] == {"gate_up_proj": (4, 64, 2 * MOE_I), "down_proj": (4, MOE_I, 64)}, m0
     assert m0["hf_hub_source"] == 0.0 and m0["hf_export"] == 0.0, m0
+
+
+def test_vlm_ulysses_ranks_share_the_vision_tower_and_equal_one_process(runs: list[dict[str, Any]]) -> None:
+    for label in ("policy", "value"):
+        total = runs[0]["sp"][label]["patches_one_process"]
+        # 4 images of 16 patches and a 2-frame video of 32; images and videos are separate tower
+        # calls, each split by items: rank 0 encodes images 0-1 and the video, rank 1 images 2-3 and,
+        # having no video, a one-merged-token dummy (2 x 2 patches) with weight 0
+        assert total == 4 * 16 + 32, runs[0]["sp"]
+        assert [r["sp"][label]["patches_this_rank"] for r in runs] == [32 + 32, 32 + 4], runs[0]["sp"]
+        for r in runs:
+            s = r["sp"][label]
+            assert s["visual_grads"] and s["outputs"] < TOL and s["grads"] < TOL, (label, s)

@@ -4,13 +4,17 @@ step across ranks, and the value-model (critic) variant transformers does not pr
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, VisionInputs
+from underlay.parallel.ulysses import sp_rank, sp_world_size
 
 __all__ = [
     "PROCESSOR_FILES",
@@ -19,6 +23,8 @@ __all__ = [
     "multimodal_inputs",
     "patch_cost",
     "sequence_costs",
+    "shard_vision_tower",
+    "split_media",
     "vision_calls",
     "vision_value_model",
     "zero_vision_pass",
@@ -296,3 +302,100 @@ def vision_value_model(hf_config: Any, *, dtype: torch.dtype = torch.float32) ->
     hf_config.num_labels = 1
     cls: Any = _value_class(backbone_cls)
     return cls._from_config(hf_config, dtype=dtype)  # type: ignore[no-any-return]
+
+
+def split_media(patches: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous ranges ``[start, stop)`` of the items (images or videos) with ``patches[i]`` patches
+    each, one range per part, balancing the patches: part ``r`` starts at the first item whose
+    preceding patches reach ``r / parts`` of the total (ranges may be empty when there are fewer items
+    than parts). ``InvalidInput`` for ``parts < 1`` or a negative count."""
+    if parts < 1 or any(p < 0 for p in patches):
+        raise InvalidInput(f"split_media: parts={parts} must be >= 1 and patch counts {patches[:8]} >= 0")
+    before = [0]
+    for p in patches:
+        before.append(before[-1] + p)
+    total = before[-1]
+    starts = [0] + [bisect.bisect_left(before, total * r / parts, 0, len(patches)) for r in range(1, parts)]
+    starts = [max(starts[: i + 1]) for i in range(parts)]  # non-decreasing
+    return [(starts[r], starts[r + 1] if r + 1 < parts else len(patches)) for r in range(parts)]
+
+
+class _TowerShard:
+    """State of one sharded vision-tower call (see :func:`shard_vision_tower`)."""
+
+    def __init__(self, group: Any, merge: int) -> None:
+        self.group = group
+        self.sp = sp_world_size(group)
+        self.rank = sp_rank(group)
+        self.merge = merge
+        self.counts: list[int] = []
+        self.dummy = False
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kwargs = dict(kwargs)
+        pixels = args[0] if args else kwargs.pop("hidden_states")
+        grid: torch.Tensor = kwargs["grid_thw"]
+        patches = [int(t * h * w) for t, h, w in grid.tolist()]  # one host read of the grid
+        ranges = split_media(patches, self.sp)
+        merged = [p // (self.merge * self.merge) for p in patches]
+        self.counts = [sum(merged[a:b]) for a, b in ranges]
+        a, b = ranges[self.rank]
+        self.dummy = a == b
+        if self.dummy:  # no item here: one merged token of zeros keeps the FSDP-sharded blocks in step
+            m = self.merge
+            pixels = pixels.new_zeros(m * m, pixels.shape[-1])
+            local_grid = grid.new_tensor([[1, m, m]])
+        else:
+            first, last = sum(patches[:a]), sum(patches[:b])
+            pixels, local_grid = pixels[first:last], grid[a:b]
+        kwargs["grid_thw"] = local_grid
+        return (pixels, *args[1:]), kwargs
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        from torch.distributed.nn.functional import all_gather
+
+        local: torch.Tensor = output.pooler_output
+        if self.dummy:  # zero rows, still attached to the tower's graph (its backward runs with zeros)
+            local = local[:0] + 0.0 * local.sum()
+        most = max(self.counts)
+        padded = torch.nn.functional.pad(local, (0, 0, 0, most - int(local.shape[0])))
+        pieces = all_gather(padded, group=self.group)  # type: ignore[no-untyped-call]
+        # (its backward gives each rank the sum over the group of its share's gradients)
+        output.pooler_output = torch.cat([piece[:n] for piece, n in zip(pieces, self.counts)])
+        return output
+
+
+@contextlib.contextmanager
+def shard_vision_tower(backbone: nn.Module, group: Any | None) -> Iterator[None]:
+    """Inside the block, each call of ``backbone.visual`` (a Qwen2.5-VL style tower: ``visual(pixels,
+    grid_thw=...)`` returning ``pooler_output [merged tokens, D]``) on the ranks of the Ulysses
+    ``group`` runs the tower on this rank's contiguous share of the images (or videos) only, balanced
+    by patches (:func:`split_media`), and all-gathers the merged features, so every rank gets the
+    features of all items in order while the tower's work is split ``sp`` ways instead of repeated.
+    Every rank of the group must make the same calls with the same grids (Ulysses ranks pass the same
+    batch). A rank without an item runs the tower on one zero merged token whose output enters with
+    weight 0, so FSDP-sharded vision blocks run as often on every rank.
+
+    Gradients follow :mod:`underlay.parallel.ulysses`: the all-gather's backward sums, over the group,
+    the gradients of this rank's features (each rank's tokens may use any item's features), so each
+    rank's tower gradients are those of its items and their sum over the group equals the
+    single-process gradient. ``last_hidden_state`` of the tower's output, unused by the language model,
+    is this rank's share only. A no-op for ``sp == 1``. Raises ``ConfigError`` when the backbone has no
+    ``visual`` tower."""
+    if sp_world_size(group) == 1:
+        yield
+        return
+    visual = getattr(backbone, "visual", None)
+    config = getattr(backbone, "config", None)
+    if not isinstance(visual, nn.Module) or config is None:
+        raise ConfigError(f"{type(backbone).__name__} has no vision tower (.visual) to shard")
+    state = _TowerShard(group, _merge_size(config))
+    handles = [
+        visual.register_forward_pre_hook(state.pre, with_kwargs=True),
+        visual.register_forward_hook(state.post, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
