@@ -320,6 +320,30 @@ def split_media(patches: list[int], parts: int) -> list[tuple[int, int]]:
     return [(starts[r], starts[r + 1] if r + 1 < parts else len(patches)) for r in range(parts)]
 
 
+class _GatherShares(torch.autograd.Function):
+    """All-gather of equal-shaped ``[n, D]`` shares along dim 0 (rank order); backward: the sum over
+    the group of the gradients of this rank's share (each rank's loss may use every share)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        ctx.rank = sp_rank(group)
+        ctx.rows = int(share.shape[0])
+        pieces = [torch.empty_like(share) for _ in range(sp_world_size(group))]
+        dist.all_gather(pieces, share.contiguous(), group=group)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)  # gloo has no reduce-scatter; the shares are small
+        return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None
+
+
 class _TowerShard:
     """State of one sharded vision-tower call (see :func:`shard_vision_tower`)."""
 
@@ -352,15 +376,13 @@ class _TowerShard:
         return (pixels, *args[1:]), kwargs
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        from torch.distributed.nn.functional import all_gather
-
         local: torch.Tensor = output.pooler_output
         if self.dummy:  # zero rows, still attached to the tower's graph (its backward runs with zeros)
             local = local[:0] + 0.0 * local.sum()
         most = max(self.counts)
         padded = torch.nn.functional.pad(local, (0, 0, 0, most - int(local.shape[0])))
-        pieces = all_gather(padded, group=self.group)  # type: ignore[no-untyped-call]
-        # (its backward gives each rank the sum over the group of its share's gradients)
+        gathered: torch.Tensor = _GatherShares.apply(padded, self.group)  # type: ignore[no-untyped-call]
+        pieces = gathered.chunk(self.sp)
         output.pooler_output = torch.cat([piece[:n] for piece, n in zip(pieces, self.counts)])
         return output
 

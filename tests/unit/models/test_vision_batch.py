@@ -286,3 +286,18 @@ def test_vision_tower_ignores_the_text_packing_keywords(arch: str) -> None:
     ref_t = ref.pooler_output if hasattr(ref, "pooler_output") else ref[0]
     out_t = out.pooler_output if hasattr(out, "pooler_output") else out[0]
     torch.testing.assert_close(out_t, ref_t, rtol=0, atol=0)
+
+
+def test_split_media_gives_contiguous_patch_balanced_shares() -> None:
+    """Ulysses ranks encode contiguous runs of items balanced by patches; with fewer items than ranks
+    the last ranks get none (they run a zero-weight dummy)."""
+    from underlay.models.vision import split_media
+
+    assert split_media([16, 16], 2) == [(0, 1), (1, 2)]
+    assert split_media([16, 32, 16, 16], 2) == [(0, 2), (2, 4)]
+    assert split_media([64, 16, 16, 16, 16], 2) == [(0, 1), (1, 5)]
+    assert split_media([16], 2) == [(0, 1), (1, 1)]
+    assert split_media([16, 16, 16], 4) == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    assert split_media([5, 7], 1) == [(0, 2)]
+    with pytest.raises(InvalidInput, match="parts=0"):
+        split_media([4], 0)

@@ -60,3 +60,34 @@ def test_vision_value_model_refuses_a_text_config() -> None:
 
     with pytest.raises(ConfigError, match="not a vision-language config"):
         vision_value_model(tiny_config("qwen3"))
+
+
+def test_qwen3_vl_moe_weight_map_reads_hub_and_module_layouts() -> None:
+    """fsdp2's map of Qwen3-VL-MoE: fused experts in the hub layout (dims 1 and 2 swapped, exact round
+    trip); ``match_file_layout`` reads files in the module layout as they are; square experts (2I == H)
+    are taken as in memory, as transformers does."""
+    from underlay.engines.fsdp2.weightmap import TRANSPOSE_EXPERTS, fsdp2_weight_map, match_file_layout
+
+    model = tiny_vl_model("qwen3_vl_moe", moe_intermediate=24)
+    params = dict(model.named_parameters())
+    wmap = fsdp2_weight_map(model.named_parameters(remove_duplicate=False), model.config, "causal_lm")
+    experts = [r for r in wmap.rules if ".experts." in r.engine_name]
+    assert len(experts) == 4 and all(r.kind == TRANSPOSE_EXPERTS for r in experts)
+    gate_up = next(r for r in experts if r.engine_name.endswith("gate_up_proj"))
+    assert gate_up.engine_shape == (4, 48, 64) and gate_up.hf_shapes() == {gate_up.hf_names[0]: (4, 64, 48)}
+    full = params[gate_up.engine_name].detach()
+    hub = gate_up.to_hf(full)[gate_up.hf_names[0]]
+    assert torch.equal(hub, full.transpose(1, 2)) and torch.equal(
+        gate_up.from_hf({gate_up.hf_names[0]: hub}), full
+    )
+    hub_shapes = {n: s for r in wmap.rules for n, s in r.hf_shapes().items()}
+    assert match_file_layout(wmap, hub_shapes) is wmap
+    module_shapes = {r.hf_names[0]: r.engine_shape for r in experts}
+    as_saved = match_file_layout(wmap, {**hub_shapes, **module_shapes})
+    switched = [as_saved.rule(r.engine_name) for r in experts]
+    assert all(r.kind == "rename" and r.hf_shapes() == {r.hf_names[0]: r.engine_shape} for r in switched)
+    assert torch.equal(switched[0].from_hf({switched[0].hf_names[0]: full}), full)
+    square = tiny_vl_model("qwen3_vl_moe", moe_intermediate=32)  # gate_up [4, 64, 64]
+    smap = fsdp2_weight_map(square.named_parameters(remove_duplicate=False), square.config, "causal_lm")
+    kinds = {r.engine_name.rsplit(".", 1)[-1]: r.kind for r in smap.rules if ".experts." in r.engine_name}
+    assert kinds == {"gate_up_proj": "rename", "down_proj": TRANSPOSE_EXPERTS}
