@@ -301,3 +301,63 @@ def test_split_media_gives_contiguous_patch_balanced_shares() -> None:
     assert split_media([5, 7], 1) == [(0, 2)]
     with pytest.raises(InvalidInput, match="parts=0"):
         split_media([4], 0)
+
+
+def test_image_processor_outputs_feed_vision_inputs_and_the_packed_forward(tmp_path: Path) -> None:
+    """Without torchvision the Qwen-VL processor cannot be built (its video processor imports it), but
+    its image processor (PIL) can: its ``pixel_values`` / ``image_grid_thw`` for real images of
+    different sizes, with the placeholders expanded per grid as the processor does, make a
+    ``TokenBatch`` whose packed forward equals transformers' padded forward on the same inputs."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from tests.unit.models._tiny import save_vl_source
+
+    src = save_vl_source(tmp_path / "vl")
+    processor = AutoImageProcessor.from_pretrained(str(src), local_files_only=True)
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for h, w in ((8, 8), (8, 12), (16, 8))
+    ]
+    feats = processor(images=images, return_tensors="pt")
+    grid = feats["image_grid_thw"]
+    assert grid.tolist() == [[1, 4, 4], [1, 4, 6], [1, 8, 4]]
+    assert feats["pixel_values"].shape == (int(grid.prod(-1).sum()), W)
+    tokens = (grid.prod(-1) // 4).tolist()  # merged 2 x 2: the processor's placeholder count per image
+
+    def image(n: int) -> list[int]:
+        return [VISION_START] + [IMAGE_TOKEN] * n + [VISION_END]
+
+    seqs = [[5, 6, *image(tokens[0]), 7, 8, 9], [10, 11, 12], [*image(tokens[1]), 13, *image(tokens[2]), 14]]
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(3, s, dtype=torch.long)
+    mask = torch.zeros(3, s, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), 1
+    batch = TokenBatch(
+        ids, mask, mask.clone(), images=VisionInputs(feats["pixel_values"], grid, torch.tensor([0, 2, 2]))
+    )
+    ref = AutoModelForImageTextToText.from_pretrained(str(src), attn_implementation="eager").float()
+    check_vision_batch(ref.config, batch)
+    mm = multimodal_inputs(batch)
+    assert mm is not None
+    model = prepare_model(clone(ref), attention="eager")
+    packed = unpad(ids, mask)
+    out = packed_forward(model, packed, logprob_kernel=logprob_kernel(), multimodal=mm)
+    assert out.log_probs is not None
+    with torch.no_grad():
+        kinds = (ids == IMAGE_TOKEN).long()
+        lsm = (
+            ref(input_ids=ids, attention_mask=mask, mm_token_type_ids=kinds, **mm)
+            .logits.double()
+            .log_softmax(-1)
+        )
+    want = torch.zeros(ids.shape, dtype=torch.float64)
+    want[:, 1:] = lsm[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    keep = mask.bool()
+    keep[:, 0] = False
+    got = torch.zeros(ids.shape, dtype=torch.float64)
+    got[mask.bool()] = out.log_probs.double()
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=0)
