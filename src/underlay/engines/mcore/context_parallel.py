@@ -106,16 +106,18 @@ def split_packed(
     *,
     group: Any,
     multiple: int = 1,
+    cp_rank: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, CPSplit]:
     """Split a packed micro-batch for CP rank ``rank`` of ``group`` (size ``cp >= 1``).
 
     ``ids``, ``pos``, ``labels``: ``[T]`` token ids, positions within their sequence, next-token labels
     (``IGNORE_INDEX`` where none); ``cu``: int ``[n + 1]`` cumulative real lengths (0 ... T).
     ``multiple``: the local token count is made a multiple of it (``tp`` under sequence parallelism)
-    by appending one all-padding sequence. Returns this rank's ``(ids, pos, labels)`` ``[T_local]``
-    (padding: id 0, label ``IGNORE_INDEX``, positions continuing the sequence) and the ``CPSplit``.
-    ``InvalidInput`` for a malformed ``cu``."""
-    cp, rank = _group_size_rank(group)
+    by appending one all-padding sequence. ``cp_rank = (cp, rank)`` overrides the group's size and
+    rank (the split is pure; only ``CPSplit.gather`` communicates). Returns this rank's ``(ids, pos,
+    labels)`` ``[T_local]`` (padding: id 0, label ``IGNORE_INDEX``, positions continuing the sequence)
+    and the ``CPSplit``. ``InvalidInput`` for a malformed ``cu``."""
+    cp, rank = _group_size_rank(group) if cp_rank is None else cp_rank
     if multiple < 1:
         raise InvalidInput(f"split_packed: multiple={multiple} must be >= 1")
     device = ids.device
