@@ -71,7 +71,9 @@ def _negative(kind: str | None) -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def cp_cases(rank: int, world: int, cases: list[tuple[str, int, int, int, dict[str, Any], str | None]]) -> list[dict[str, float]]:
+def cp_cases(
+    rank: int, world: int, cases: list[tuple[str, int, int, int, dict[str, Any], str | None]]
+) -> list[dict[str, float]]:
     """For each ``(family, tp, pp, cp, options, negative)`` in turn (megatron's parallel state is torn
     down between cases): an engine from seed 0 at that layout (ranks left over are data parallel)
     runs ``infer`` and one ``forward_backward`` on its dp share of ``cp_batch``; returns the largest

@@ -48,7 +48,9 @@ def test_split_matches_megatron_rope_and_reassembles(cp: int, multiple: int) -> 
     ids, pos, labels, cu = _packed(lengths)
     pieces = []
     for rank in range(cp):
-        lid, lpos, llab, split = split_packed(ids, pos, labels, cu, group=None, multiple=multiple, cp_rank=(cp, rank))
+        lid, lpos, llab, split = split_packed(
+            ids, pos, labels, cu, group=None, multiple=multiple, cp_rank=(cp, rank)
+        )
         assert lid.numel() % multiple == 0 and lid.numel() * cp == int(split.cu_padded[-1])
         padded = (split.cu_padded[1:] - split.cu_padded[:-1]).tolist()
         assert all(p % (2 * cp) == 0 for p in padded)

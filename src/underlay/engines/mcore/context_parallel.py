@@ -34,6 +34,7 @@ the CP ranks' partial gradients.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,9 @@ def _group_size_rank(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _chunk_index(offsets: list[int], lengths: list[int], cp: int, rank: int, device: torch.device) -> torch.Tensor:
+def _chunk_index(
+    offsets: list[int], lengths: list[int], cp: int, rank: int, device: torch.device
+) -> torch.Tensor:
     """Indices into the padded packed layout of the tokens CP ``rank`` holds (its chunks ``rank`` and
     ``2 * cp - 1 - rank`` of every sequence, sequence after sequence); ``int64 [sum(lengths) / cp]``."""
     parts: list[torch.Tensor] = []
@@ -123,11 +126,16 @@ def split_packed(
     device = ids.device
     total = int(ids.numel())
     bounds = [int(x) for x in cu.tolist()]
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or any(b <= a for a, b in zip(bounds, bounds[1:])):
+    if (
+        len(bounds) < 2
+        or bounds[0] != 0
+        or bounds[-1] != total
+        or any(b <= a for a, b in itertools.pairwise(bounds))
+    ):
         raise InvalidInput(
             f"split_packed: cu_seqlens {bounds} must rise strictly from 0 to the token count {total}"
         )
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
     unit = 2 * cp
     padded = [-(-n // unit) * unit for n in lengths]
     local = sum(padded) // cp
@@ -144,7 +152,9 @@ def split_packed(
     p_total = offsets[-1]
     # destination of every real token in the padded layout
     starts = torch.tensor(offsets[: len(lengths)], dtype=torch.int64, device=device)
-    seq_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    seq_of = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
     within = torch.arange(total, device=device) - torch.tensor(bounds[:-1], device=device)[seq_of]
     dest = starts[seq_of] + within
     full_ids = torch.zeros(p_total, dtype=ids.dtype, device=device)
@@ -218,7 +228,7 @@ class _AttentionPlan:
 
 def _attention_plan(cu_padded: torch.Tensor, cp: int, rank: int, device: torch.device) -> _AttentionPlan:
     bounds = [int(x) for x in cu_padded.tolist()]
-    offsets, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
+    offsets, lengths = bounds[:-1], [b - a for a, b in itertools.pairwise(bounds)]
     if any(n % (2 * cp) for n in lengths):
         raise InvalidInput(
             f"cp attention: padded sequence lengths {lengths} must be multiples of 2*cp = {2 * cp} "
