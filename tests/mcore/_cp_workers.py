@@ -78,8 +78,8 @@ def cp_cases(
     down between cases): an engine from seed 0 at that layout (ranks left over are data parallel)
     runs ``infer`` and one ``forward_backward`` on its dp share of ``cp_batch``; returns the largest
     log-prob error, the loss error and the largest relative gradient error against the float64
-    HF model (plain DDP all-reduce, so every rank holds whole gradients), with the CP size reported
-    by the layout."""
+    HF model (plain DDP all-reduce, so every rank holds whole gradients), the global grad norm
+    ``optimizer_step`` reports and the HF model's, with the CP size reported by the layout."""
     from megatron.core import parallel_state as ps
 
     results = []
@@ -97,6 +97,7 @@ def cp_cases(
             out = eng.infer(mine, with_entropy=True)
             res = eng.forward_backward(mine, H.pg_loss)
             grads = grad_by_hf_name(eng)
+            norm = eng.optimizer_step().grad_norm
         gerr = 0.0
         for name, g in grads.items():
             r = ref_grads[name]
@@ -108,6 +109,8 @@ def cp_cases(
                 "entropy_finite": float(bool(torch.isfinite(out.entropy).all())),
                 "loss": abs(res.metrics["loss"] - float(ref_loss)),
                 "grad_rel": gerr,
+                "norm": norm,
+                "hf_norm": sum(float(g.pow(2).sum()) for g in ref_grads.values()) ** 0.5,
                 "n_tokens": float(res.loss_tokens),
                 "cp": float(eng.layout.cp),
                 "dp": float(dp),

@@ -85,7 +85,8 @@ _CASES: list[tuple[str, int, int, int, dict[str, Any], str | None]] = [
 def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls() -> None:
     """Packed variable-length micro-batches (24 tokens max; sequences of 1..12 tokens, some shorter
     than 2*cp and of odd length) on 4 ranks at CP2xDP2, CP2xTP2 (SP) and CP2xPP2: per-token log-probs
-    on every rank, the token-mean loss over dp x cp and every gradient equal the float64 HF model's.
+    on every rank, the token-mean loss over dp x cp, every gradient and the grad norm
+    ``optimizer_step`` reports equal the float64 HF model's.
     Negative controls: a contiguous (not load-balanced) split breaks the log-probs, and a K/V gather
     whose backward does not sum the CP ranks' gradients breaks the gradients while the forward stays
     right, each by over 100x the tolerance."""
@@ -103,6 +104,9 @@ def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls() -> None:
         grad = max(r["grad_rel"] for r in per_rank)
         if negative is None:
             assert lp < LP_TOL and loss < LOSS_TOL and grad < GRAD_TOL, (case, per_rank)
+            # the reported global norm counts every gradient once (not once per CP rank)
+            for r in per_rank:
+                assert abs(r["norm"] - r["hf_norm"]) <= 1e-5 * r["hf_norm"], (case, r)
         elif negative == "contiguous":
             assert lp > 100 * LP_TOL, (case, per_rank)
         else:

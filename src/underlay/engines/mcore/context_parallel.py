@@ -202,7 +202,9 @@ class _GatherKV(torch.autograd.Function):
             dist.all_reduce(grad, group=ctx.group)
             return grad.narrow(0, ctx.rank * ctx.n, ctx.n).contiguous(), None, None, None
         out = grad.new_empty((ctx.n, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor is deprecated there)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out, grad, group=ctx.group)
         return out, None, None, None
 
 
@@ -263,6 +265,7 @@ def cp_attention(
     group: Any,
     *,
     scale: float | None,
+    cache: Any = None,
 ) -> torch.Tensor:
     """Causal attention of this CP rank's local tokens against the whole sequences.
 
@@ -270,7 +273,9 @@ def cp_attention(
     token order of ``split_packed``; ``cu_padded`` int ``[n + 1]`` the global padded cumulative lengths
     (each a multiple of ``2 * cp``). Returns ``[T_local, Hq, Dv]`` through ``kernel.varlen`` (GQA left
     to the kernel). Collective over ``group`` (forward all-gather of K/V; backward sums K/V gradients).
-    ``InvalidInput`` when the lengths do not fit the layout."""
+    ``cache``: any object that lives as long as ``cu_padded`` (the micro-batch's ``PackedSeqParams``);
+    the index plan, which reads ``cu_padded`` on the host, is kept on it so the layers of one
+    micro-batch build it once. ``InvalidInput`` when the lengths do not fit the layout."""
     cp, rank = _group_size_rank(group)
     total = int(cu_padded[-1])
     if total != cp * int(query.shape[0]):
@@ -278,7 +283,11 @@ def cp_attention(
             f"cp attention: {int(query.shape[0])} local tokens x cp={cp} != padded total {total}; the "
             "micro-batch must be split with split_packed over the same CP group"
         )
-    plan = _attention_plan(cu_padded, cp, rank, query.device)
+    plan = getattr(cache, "underlay_cp_plan", None) if cache is not None else None
+    if plan is None:
+        plan = _attention_plan(cu_padded, cp, rank, query.device)
+        if cache is not None:
+            cache.underlay_cp_plan = plan
     d = int(key.shape[-1])
     kv = gather_kv(torch.cat([key, value], dim=-1), group)
     kv = kv.index_select(0, plan.key_index)

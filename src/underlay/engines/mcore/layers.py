@@ -142,7 +142,9 @@ def _core_attention_class() -> type:
                         "cu_seqlens_q_padded (the global padded lengths); build the micro-batch with "
                         "underlay.engines.mcore.context_parallel.split_packed"
                     )
-                out = cp_attention(kernel, query, key, value, cu, self.cp_group, scale=self.softmax_scale)
+                out = cp_attention(
+                    kernel, query, key, value, cu, self.cp_group, scale=self.softmax_scale, cache=packed
+                )
                 result: torch.Tensor = out.reshape(out.shape[0], -1)
                 return result
             s, b = query.shape[:2]
