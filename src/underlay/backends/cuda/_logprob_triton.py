@@ -726,7 +726,6 @@ def _backward(
         if need_hidden:
             assert grad_h is not None
             target = acc[: r1 - r0] if acc is not None else grad_h[r0:r1]
-            target.zero_()
         for v0 in range(0, v, chunk):
             v1 = min(v, v0 + chunk)
             w = weight[v0:v1]
@@ -751,7 +750,10 @@ def _backward(
                 else:
                     grad_w[v0:v1].addmm_(d.t(), hid)
             if target is not None:
-                _addmm_fp32(target, d, w)
+                if v0 == 0:  # the first chunk writes the accumulator: no zero fill, no read of it
+                    mm_fp32(d, w, target)
+                else:
+                    _addmm_fp32(target, d, w)
         if acc is not None and grad_h is not None:
             grad_h[r0:r1].copy_(acc[: r1 - r0])
     return grad_h, grad_w
