@@ -119,3 +119,64 @@ def cp_cases(
         del eng
         ps.destroy_model_parallel()
     return results
+
+
+def attention_vs_full(
+    rank: int, world: int, kernel_name: str, multiples: list[int]
+) -> list[dict[str, float]]:
+    """``split_packed`` + ``cp_attention`` + ``CPSplit.gather`` over the world as the CP group (no
+    megatron) against causal GQA attention over the whole packed sequences in float64: the largest
+    output error and, for a random linear loss, the largest q/k/v gradient error after summing the
+    ranks' gradients (each rank's backward covers its own tokens, as megatron's DDP sums them); one
+    result per ``multiple`` of the local token count (``split_packed``'s sequence-parallel padding)."""
+    import torch.distributed as dist
+
+    from underlay.engines.mcore.context_parallel import cp_attention, split_packed
+    from underlay.registry import get_attention
+
+    torch.manual_seed(0)  # the same tensors on every rank
+    lengths = [1, 3, 8, 5, 2, 13]
+    total, hq, hk, d = sum(lengths), 4, 2, 8
+    q, k, v = (torch.randn(total, h, d, dtype=torch.float64) for h in (hq, hk, hk))
+    weight = torch.randn(total, hq, d, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qs = q[a:b].transpose(0, 1)
+            ks = k[a:b].repeat_interleave(hq // hk, 1).transpose(0, 1)
+            vs = v[a:b].repeat_interleave(hq // hk, 1).transpose(0, 1)
+            s = qs @ ks.transpose(1, 2) * d**-0.5
+            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+            outs.append((s.softmax(-1) @ vs).transpose(0, 1))
+        return torch.cat(outs)
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = reference(*leaves)
+    (want * weight).sum().backward()
+    ref_grads = [t.grad for t in leaves]
+
+    results = []
+    for multiple in multiples:
+        ids = torch.arange(1, total + 1)  # 0 marks padding after the split
+        local_ids, _, _, split = split_packed(
+            ids, torch.zeros_like(ids), torch.zeros_like(ids), cu, group=dist.group.WORLD, multiple=multiple
+        )
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        local = [torch.cat([t.new_zeros(1, *t.shape[1:]), t])[local_ids] for t in leaves]
+        out_local = cp_attention(
+            get_attention(kernel_name), *local, split.cu_padded, dist.group.WORLD, scale=None
+        )
+        got = split.gather(out_local)
+        (got * weight).sum().backward()
+        gerr = 0.0
+        for t, r in zip(leaves, ref_grads):
+            assert t.grad is not None and r is not None
+            g = t.grad.clone()
+            dist.all_reduce(g)
+            gerr = max(gerr, float((g - r).abs().max()))
+        results.append(
+            {"out": float((got - want).abs().max()), "grad": gerr, "local": float(local_ids.numel())}
+        )
+    return results

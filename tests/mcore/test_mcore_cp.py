@@ -130,3 +130,17 @@ def test_bad_cp_layouts_refused(world: int, tp: int, pp: int, cp: int, sp: bool,
     arch = arch_of(tiny_config("qwen3"))
     with pytest.raises(ConfigError, match=needle):
         check_layout(arch, world=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=1, etp=tp, sequence_parallel=sp)
+
+
+@pytest.mark.distributed
+def test_cp_attention_equals_full_attention() -> None:
+    """Without megatron, 2 gloo ranks: the load-balanced split, the K/V all-gather attention (GQA,
+    sequences of 1..13 tokens; ``multiple=3`` appends a padding sequence as sequence parallelism with
+    tp=3 would) and the output gather give float64 causal attention over the whole sequences, and the
+    ranks' gradients sum to the reference q/k/v gradients."""
+    multiples = [1, 3]
+    results = run_distributed(W.attention_vs_full, 2, "eager", multiples, timeout_s=120)
+    for per_rank in results:
+        for multiple, r in zip(multiples, per_rank):
+            assert r["out"] < 1e-12 and r["grad"] < 1e-12, (multiple, r)
+            assert r["local"] % multiple == 0, (multiple, r)

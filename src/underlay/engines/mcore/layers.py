@@ -130,34 +130,20 @@ def _core_attention_class() -> type:
             self, kernel: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any
         ) -> torch.Tensor:
             """Under context parallelism: THD input split by ``context_parallel.split_packed`` (its
-            ``cu_seqlens_q_padded`` are the global padded lengths), or ``[s, b, h, d]`` input whose rows
-            are each one sequence of ``s * cp`` tokens split the same way (megatron's sbhd CP split)."""
+            ``cu_seqlens_q_padded`` are the global padded lengths); ``[t, hq * dv]`` out."""
             from underlay.engines.mcore.context_parallel import cp_attention
 
-            if packed is not None:
-                cu = packed.cu_seqlens_q_padded
-                if cu is None:
-                    raise InvalidInput(
-                        "mcore attention under context parallelism needs PackedSeqParams."
-                        "cu_seqlens_q_padded (the global padded lengths); build the micro-batch with "
-                        "underlay.engines.mcore.context_parallel.split_packed"
-                    )
-                out = cp_attention(
-                    kernel, query, key, value, cu, self.cp_group, scale=self.softmax_scale, cache=packed
+            cu = getattr(packed, "cu_seqlens_q_padded", None)
+            if packed is None or packed.qkv_format != "thd" or cu is None:
+                raise InvalidInput(
+                    "mcore attention under context parallelism takes packed THD input with "
+                    "PackedSeqParams.cu_seqlens_q_padded (the global padded lengths); build the "
+                    "micro-batch with underlay.engines.mcore.context_parallel.split_packed"
                 )
-                result: torch.Tensor = out.reshape(out.shape[0], -1)
-                return result
-            s, b = query.shape[:2]
-
-            def rows(x: torch.Tensor) -> torch.Tensor:
-                return x.transpose(0, 1).reshape(b * s, *x.shape[2:])
-
-            step = s * self.cp_size
-            cu = torch.arange(0, (b + 1) * step, step, dtype=torch.int32, device=query.device)
             out = cp_attention(
-                kernel, rows(query), rows(key), rows(value), cu, self.cp_group, scale=self.softmax_scale
+                kernel, query, key, value, cu, self.cp_group, scale=self.softmax_scale, cache=packed
             )
-            result = out.reshape(b, s, -1).transpose(0, 1).contiguous()
+            result: torch.Tensor = out.reshape(out.shape[0], -1)
             return result
 
     return CoreAttentionImpl
