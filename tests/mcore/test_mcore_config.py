@@ -149,7 +149,6 @@ def test_registry_refuses_mcore_on_cpu() -> None:
 @pytest.mark.parametrize(
     ("over", "options", "needle"),
     [
-        ({"parallel": {"cp": 2}}, {}, "cp=2"),
         ({"parallel": {"ep": 2}}, {}, "ep=2"),
         ({"parallel": {"pp": 2, "vpp": 2}}, {}, "vpp=2"),
         ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),
