@@ -252,3 +252,111 @@ def grad_norm_layouts(
         del eng
         ps.destroy_model_parallel()
     return results
+
+
+def _value_engine(family: str, *, seed: int = 0, path: str | None = None, **sizes: Any) -> Any:
+    import dataclasses
+
+    cfg = H.tiny_config(family, classifier_dropout=sizes.pop("dropout", 0.0))
+    ecfg = H.engine_config(cfg, kind="value", **sizes)
+    model = dataclasses.replace(ecfg.model, seed=seed, path=path, hf_config=None if path else cfg)
+    return cfg, H.make_engine(dataclasses.replace(ecfg, model=model))
+
+
+def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str, float]:
+    """A value model (``kind="value"``, no dropout) at TP2, TP2 + sequence parallelism and PP2 on two
+    ranks, one after the other: ``infer`` values, the token-mean value loss of ``forward_backward``
+    over packed variable-length micro-batches and every gradient (score head included) against the
+    float64 HF token-classification model; ``shifted`` is the error a causal-LM style one-token shift
+    of the values would have (the negative control). At PP2: ``export_hf`` -> transformers reload
+    (rank 0) and ``load_hf`` of that export into a TP2 engine of another seed. A value model built
+    from a causal-LM directory takes its backbone from the files and the head from the seed. With
+    ``classifier_dropout=0.5`` at TP2 the training values differ from ``infer``'s and agree on both
+    TP ranks."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from underlay.engines.mcore.weights import MCoreWeightLoader
+
+    out: dict[str, float] = {}
+    batch = H.value_batch(31)
+    cfg = H.tiny_config(family, classifier_dropout=0.0)
+    ref_v, ref_loss, ref_grads = H.hf_value_reference(cfg, batch)
+    m = batch.attention_mask.double()
+    for tag, sizes in (("tp2", {"tp": 2}), ("tp2sp", {"tp": 2, "sequence_parallel": True}), ("pp2", {"pp": 2})):
+        _, eng = _value_engine(family, **sizes)
+        values = eng.infer(batch).values.double()
+        res = eng.forward_backward(batch, H.value_loss)
+        grads = grad_by_hf_name(eng)
+        out[f"{tag}_values"] = float((values - ref_v).abs().max())
+        shifted = torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], 1) * m
+        out[f"{tag}_shifted"] = float((shifted - ref_v).abs().max())
+        out[f"{tag}_loss"] = abs(res.metrics["loss"] - float(ref_loss))
+        out[f"{tag}_tokens"] = float(res.loss_tokens - int(batch.loss_mask.sum()))
+        out[f"{tag}_names"] = float(set(grads) == set(ref_grads))
+        out[f"{tag}_grad_rel"] = max(
+            float((grads[n].double() - r).abs().max() / (r.abs().max() + 1e-6)) for n, r in ref_grads.items()
+        )
+        if tag == "pp2":
+            path = MCoreWeightLoader().export_hf(eng, str(Path(out_dir) / "value"))
+            if path is not None:
+                from transformers import AutoModelForTokenClassification
+
+                hf = AutoModelForTokenClassification.from_pretrained(str(path)).double().eval()
+                again = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., 0]
+                out["export_values"] = float((again * m - ref_v).abs().max())
+                out["export_class"] = float(type(hf).__name__.endswith("ForTokenClassification"))
+        del eng
+        ps.destroy_model_parallel()
+    dist.barrier()
+    # load_hf of the exported value model into a TP2 engine seeded differently
+    _, eng = _value_engine(family, seed=3, tp=2)
+    report = MCoreWeightLoader().load_hf(eng, str(Path(out_dir) / "value"))
+    out["load_report_clean"] = float(not report.missing and not report.unexpected)
+    out["load_values"] = float((eng.infer(batch).values.double() - ref_v).abs().max())
+    del eng
+    ps.destroy_model_parallel()
+    # a value model from a causal-LM directory: backbone from the files, head from the seed
+    causal = Path(out_dir) / "causal"
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(str(causal))
+    dist.barrier()
+    _, eng = _value_engine(family, path=str(causal), pp=2)
+    from safetensors.torch import load_file
+
+    files = load_file(str(causal / "model.safetensors"))
+    full = dict(eng.named_full_tensors())
+    out["causal_backbone"] = max(float((full[n] - t).abs().max()) for n, t in files.items() if n in full)
+    out["causal_lm_head_dropped"] = float("lm_head.weight" not in full)
+    from underlay.engines.mcore._hf import seeded_hf_state, value_hf_config
+    from underlay.interfaces import ModelConfig
+
+    vcfg = value_hf_config(cfg)
+    head = seeded_hf_state(ModelConfig(hf_config=vcfg, seed=0, kind="value"), vcfg)
+    out["causal_head_seeded"] = max(float((full[n] - head[n]).abs().max()) for n in ("score.weight", "score.bias"))
+    del eng
+    ps.destroy_model_parallel()
+    # dropout in training: the same mask on both TP ranks, none in infer
+    _, eng = _value_engine(family, tp=2, dropout=0.5)
+    seen: list[torch.Tensor] = []
+
+    def capture(outputs: Any, b: Any) -> Any:
+        seen.append(outputs.values.detach().clone())
+        return H.value_loss(outputs, b)
+
+    res = eng.forward_backward(batch, capture)
+    train = torch.cat([v.reshape(-1) for v in seen])
+    other = [torch.zeros_like(train) for _ in range(world)]
+    dist.all_gather(other, train)
+    out["dropout_tp_agree"] = float(torch.equal(other[0], other[1]))
+    clean = eng.infer(batch).values
+    lm = batch.loss_mask.to(clean.dtype)
+    eval_loss = float((0.5 * (clean - batch.extras["ret"]).pow(2) * lm).sum() / lm.sum())
+    out["dropout_loss_change"] = abs(res.metrics["loss"] - eval_loss)
+    return out
