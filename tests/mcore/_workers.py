@@ -285,7 +285,11 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
     cfg = H.tiny_config(family, classifier_dropout=0.0)
     ref_v, ref_loss, ref_grads = H.hf_value_reference(cfg, batch)
     m = batch.attention_mask.double()
-    for tag, sizes in (("tp2", {"tp": 2}), ("tp2sp", {"tp": 2, "sequence_parallel": True}), ("pp2", {"pp": 2})):
+    for tag, sizes in (
+        ("tp2", {"tp": 2}),
+        ("tp2sp", {"tp": 2, "sequence_parallel": True}),
+        ("pp2", {"pp": 2}),
+    ):
         _, eng = _value_engine(family, **sizes)
         values = eng.infer(batch).values.double()
         res = eng.forward_backward(batch, H.value_loss)
@@ -339,7 +343,9 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
 
     vcfg = value_hf_config(cfg)
     head = seeded_hf_state(ModelConfig(hf_config=vcfg, seed=0, kind="value"), vcfg)
-    out["causal_head_seeded"] = max(float((full[n] - head[n]).abs().max()) for n in ("score.weight", "score.bias"))
+    out["causal_head_seeded"] = max(
+        float((full[n] - head[n]).abs().max()) for n in ("score.weight", "score.bias")
+    )
     del eng
     ps.destroy_model_parallel()
     # dropout in training: the same mask on both TP ranks, none in infer
@@ -359,4 +365,101 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
     lm = batch.loss_mask.to(clean.dtype)
     eval_loss = float((0.5 * (clean - batch.extras["ret"]).pow(2) * lm).sum() / lm.sum())
     out["dropout_loss_change"] = abs(res.metrics["loss"] - eval_loss)
+    return out
+
+
+_SYNC_METHODS = frozenset(
+    {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "unique"}
+)
+
+
+def host_syncs(rank: int, world: int) -> dict[str, Any]:
+    """Where the data path of ``forward_backward`` and ``infer`` reads device values on the host.
+
+    The CPU has no device, so the engine's one host->device entry point (``_to_device``) is wrapped
+    to return a marked tensor subclass: every tensor computed from the batch after it went to the
+    "device" stays marked (``__torch_function__``), and each call on a marked tensor that needs its
+    values on the host (``item``, ``tolist``, ``bool``/``int``/``float``, ``nonzero``, ``cpu``, ...:
+    a synchronisation on an accelerator) is recorded with its innermost non-torch caller. Returns
+    those callers (``file:line function``) per phase, and whether the step's numbers match an
+    unwrapped engine's (the marking changes nothing). Also: malformed batches raise ``InvalidInput``
+    with their messages before any gradient is accumulated or the step counter moves."""
+    import os
+    import traceback
+
+    from megatron.core import parallel_state as ps
+
+    from underlay.interfaces import InvalidInput, TokenBatch
+
+    sites: list[str] = []
+
+    class Marked(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if getattr(func, "__name__", "") in _SYNC_METHODS:
+                for frame in reversed(traceback.extract_stack()[:-1]):
+                    inner = f"{os.sep}torch{os.sep}" in frame.filename or frame.filename.endswith(
+                        "_cpu_fixture.py"
+                    )
+                    if not inner:
+                        parts = Path(frame.filename).parts
+                        short = "/".join(parts[-3:])
+                        sites.append(f"{short}:{frame.lineno} {frame.name} [{func.__name__}]")
+                        break
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    from pathlib import Path
+
+    cfg = H.tiny_config("qwen3")
+    batch = H.make_batch(41)
+    out: dict[str, Any] = {}
+    plain = H.make_engine(H.engine_config(cfg))
+    ref = plain.forward_backward(batch, H.pg_loss)
+    ref_norm = plain.optimizer_step().grad_norm
+    del plain
+    ps.destroy_model_parallel()
+    eng = H.make_engine(H.engine_config(cfg))
+    original = eng._to_device
+    eng._to_device = lambda t: original(t).as_subclass(Marked)
+    phases: dict[str, list[str]] = {}
+    res = eng.forward_backward(batch, H.pg_loss)
+    phases["forward_backward"], sites[:] = list(sites), []
+    step = eng.optimizer_step()
+    phases["optimizer_step"], sites[:] = list(sites), []
+    eng.infer(batch, with_entropy=True)
+    phases["infer"], sites[:] = list(sites), []
+    out["phases"] = phases
+    out["same_step"] = float(
+        abs(res.metrics["loss"] - ref.metrics["loss"]) < 1e-7
+        and res.loss_tokens == ref.loss_tokens
+        and abs(step.grad_norm - ref_norm) < 1e-6
+    )
+    # malformed input: the error and its message, before any state changes
+    step_before = eng.global_step
+    good = H.make_batch(42)
+    bad = {
+        "empty_row": TokenBatch(
+            good.input_ids, good.attention_mask * torch.tensor([[1], [0], [1], [1]]), good.loss_mask
+        ),
+        "id_range": TokenBatch(good.input_ids + H.VOCAB, good.attention_mask, good.loss_mask),
+        "negative_id": TokenBatch(good.input_ids - H.VOCAB, good.attention_mask, good.loss_mask),
+        "dtype": TokenBatch(good.input_ids.float(), good.attention_mask, good.loss_mask),
+        "empty": TokenBatch(good.input_ids[:0], good.attention_mask[:0], good.loss_mask[:0]),
+    }
+    messages: dict[str, str] = {}
+    for name, b in bad.items():
+        for call in ("forward_backward", "infer"):
+            try:
+                if call == "forward_backward":
+                    eng.forward_backward(b, H.pg_loss)
+                else:
+                    eng.infer(b)
+                messages[f"{name}/{call}"] = "no error"
+            except InvalidInput as exc:
+                messages[f"{name}/{call}"] = str(exc)
+    out["messages"] = messages
+    out["grads_untouched"] = float(
+        all(float(p.main_grad.abs().max()) == 0.0 for c in eng.chunks for p in c.parameters())
+    )
+    out["step_unchanged"] = float(eng.global_step == step_before)
     return out

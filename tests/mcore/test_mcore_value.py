@@ -39,3 +39,28 @@ def test_value_model_equals_hf_at_tp2_sp_pp2_and_round_trips(tmp_path: Path) -> 
         assert r["causal_head_seeded"] == 0.0, r
         assert r["dropout_tp_agree"] == 1.0 and r["dropout_loss_change"] > 1e-3, r
     assert results[0]["export_values"] < 1e-9 and results[0]["export_class"] == 1.0, results[0]
+
+
+def test_training_data_path_reads_no_device_values_and_bad_input_still_raises() -> None:
+    """Host synchronisations of the engine's data path: batches are validated, planned and packed on
+    the host, so no tensor that reached the device through the engine is read back by the engine's
+    own code during ``forward_backward``, ``optimizer_step`` or ``infer`` (the callers are recorded on
+    marked tensors; megatron's own reads are listed separately). The marking does not change the
+    step. Malformed batches still raise ``InvalidInput`` naming the problem before any gradient or
+    step state changes."""
+    (r,) = run_distributed(W.host_syncs, 1, timeout_s=300)
+    assert r["same_step"] == 1.0, r
+    mine = {phase: [s for s in sites if "engines/mcore/" in s] for phase, sites in r["phases"].items()}
+    # the one read: the metrics and token count of the step, after its only all-reduce
+    assert [s.split(" ")[1:] for s in mine["forward_backward"]] == [["_share_metrics", "[tolist]"]], mine
+    assert not mine["infer"] and not mine["optimizer_step"], mine
+    # the attention kernel takes the host lengths the engine attached (it read cu_seqlens before)
+    assert not [s for sites in r["phases"].values() for s in sites if "_read_lengths" in s], r["phases"]
+    m = r["messages"]
+    for call in ("forward_backward", "infer"):
+        assert "rows [1] have no tokens" in m[f"empty_row/{call}"], m
+        assert "out of range [0, 128): min 128" in m[f"id_range/{call}"], m
+        assert "min -128" in m[f"negative_id/{call}"], m
+        assert "dtype torch.float32" in m[f"dtype/{call}"], m
+        assert "empty (B=0)" in m[f"empty/{call}"], m
+    assert r["grads_untouched"] == 1.0 and r["step_unchanged"] == 1.0, r

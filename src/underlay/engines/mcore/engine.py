@@ -588,6 +588,7 @@ class MCoreEngine:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         from underlay.ops import unpad
+        from underlay.ops.attention import attach_seqlens
 
         if idx:
             sub: TokenBatch | None = host.select(idx)
@@ -615,7 +616,8 @@ class MCoreEngine:
             lens = [*lens, pad]
         max_len = max(lens)
         dev = self._to_device
-        cu_dev = dev(cu)
+        # the attention kernel's length checks take these host lengths instead of reading cu_seqlens
+        cu_dev = attach_seqlens(dev(cu), lens)
         params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu_dev,
