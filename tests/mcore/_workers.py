@@ -462,4 +462,40 @@ def host_syncs(rank: int, world: int) -> dict[str, Any]:
         all(float(p.main_grad.abs().max()) == 0.0 for c in eng.chunks for p in c.parameters())
     )
     out["step_unchanged"] = float(eng.global_step == step_before)
+    del eng
+    ps.destroy_model_parallel()
+    out["value_step"] = value_step_vs_fsdp2(rank, world)  # shares this process (one spawn fewer)
     return out
+
+
+def value_step_vs_fsdp2(rank: int, world: int) -> dict[str, float]:
+    """One forward_backward + clipped AdamW step of a value model (qwen3, no dropout) on mcore and on
+    fsdp2 from the same seed and batch: the largest parameter difference after the step (every
+    parameter, score head included, by HF name), how far the step moved them, the loss and
+    grad-norm differences, and whether both engines hold the same HF names."""
+    import copy
+
+    from underlay.engines.fsdp2.engine import FSDP2Engine
+    from underlay.registry import get_device
+
+    cfg = H.tiny_config("qwen3", classifier_dropout=0.0)
+    mc = H.make_engine(H.engine_config(copy.deepcopy(cfg), kind="value"))
+    fs = FSDP2Engine(H.engine_config(copy.deepcopy(cfg), kind="value"), get_device("cpu"))
+    batch = H.value_batch(51)
+    before = {n: t.clone() for n, t in mc.named_full_tensors()}
+    r1 = mc.forward_backward(batch, H.value_loss)
+    s1 = mc.optimizer_step()
+    r2 = fs.forward_backward(batch, H.value_loss)
+    s2 = fs.optimizer_step()
+    after_m = {n: t.clone() for n, t in mc.named_full_tensors()}
+    after_f = {n: t.clone() for n, t in fs.named_full_tensors()}
+    return {
+        "names": float(set(after_m) == set(after_f) and "score.weight" in after_m),
+        "param": max(float((after_m[n] - after_f[n]).abs().max()) for n in after_m),
+        "moved": max(float((after_m[n] - before[n]).abs().max()) for n in after_m),
+        "head_moved": float((after_m["score.weight"] - before["score.weight"]).abs().max()),
+        "loss": abs(r1.metrics["loss"] - r2.metrics["loss"]),
+        "value_metric": abs(r1.metrics["value"] - r2.metrics["value"]),
+        "norm": abs(s1.grad_norm - s2.grad_norm),
+        "skipped": float(s1.skipped or s2.skipped),
+    }

@@ -41,14 +41,21 @@ def test_value_model_equals_hf_at_tp2_sp_pp2_and_round_trips(tmp_path: Path) -> 
     assert results[0]["export_values"] < 1e-9 and results[0]["export_class"] == 1.0, results[0]
 
 
-def test_training_data_path_reads_no_device_values_and_bad_input_still_raises() -> None:
-    """Host synchronisations of the engine's data path: batches are validated, planned and packed on
+def test_value_step_equals_fsdp2_and_data_path_reads_no_device_values() -> None:
+    """A value model's forward_backward + clipped AdamW step equals the fsdp2 engine's on the same
+    batch and seed (every parameter by HF name, the head included; loss, metric, grad norm).
+
+    Host synchronisations of the engine's data path: batches are validated, planned and packed on
     the host, so no tensor that reached the device through the engine is read back by the engine's
     own code during ``forward_backward``, ``optimizer_step`` or ``infer`` (the callers are recorded on
     marked tensors; megatron's own reads are listed separately). The marking does not change the
     step. Malformed batches still raise ``InvalidInput`` naming the problem before any gradient or
     step state changes."""
     (r,) = run_distributed(W.host_syncs, 1, timeout_s=300)
+    v = r["value_step"]
+    assert v["names"] == 1.0 and v["skipped"] == 0.0, v
+    assert v["moved"] > 1e-4 and v["head_moved"] > 1e-4, v
+    assert v["param"] < 1e-6 and v["loss"] < 1e-6 and v["value_metric"] < 1e-5 and v["norm"] < 1e-5, v
     assert r["same_step"] == 1.0, r
     mine = {phase: [s for s in sites if "engines/mcore/" in s] for phase, sites in r["phases"].items()}
     # the one read: the metrics and token count of the step, after its only all-reduce
