@@ -10,7 +10,13 @@ Training runs megatron's pipeline schedules (``get_forward_backward_func``) over
 (``PackedSeqParams``); the output layer returns the final hidden states and the log-probs come from the
 vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are never built. The loss is
 ``sum(loss) / N`` with ``N`` the loss tokens over dp x cp: megatron's per-token-loss mode
-(``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces.
+(``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces. A value
+model's last stage runs ``layers.ValueHead`` instead (per-token values, no vocabulary projection).
+
+Host synchronisation: batches are validated, planned and packed on the host (micro-batch tensors are
+queued to the device without waiting; the attention kernel gets the host lengths), so the data path
+reads no device values; per step what is read back is the metrics and token count at the end of
+``forward_backward`` (one all-reduce) and the grad norm in ``optimizer_step`` (it decides a skip).
 
 Options (``EngineConfig.options``, see ``MCoreOptions``).
 """
@@ -86,13 +92,15 @@ class _MicroBatch:
 
 
 class MCoreEngine:
-    """A Hugging Face causal LM as megatron-core ``GPTModel`` chunks with DDP and megatron's optimizer.
+    """A Hugging Face causal LM (or, with ``ModelConfig.kind="value"``, its token-classification value
+    model: ``layers.ValueHead`` in place of the output layer) as megatron-core ``GPTModel`` chunks with
+    DDP and megatron's optimizer.
 
     Collective over the default process group. Needs an accelerator device; on a CPU device it raises
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, value models, ``etp != tp``, context parallelism, virtual pipelines or expert parallelism (not enabled: the
+    LoRA, ``etp != tp``, context parallelism, virtual pipelines or expert parallelism (not enabled: the
     last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
