@@ -232,6 +232,9 @@ class MCoreEngine:
             "tp": ps.get_tensor_model_parallel_group(),
             "pp": ps.get_pipeline_model_parallel_group(),
         }
+        from underlay.engines.mcore.layers import have_te
+
+        self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
         chunks = self._build_chunks()
         self._fill(chunks)
         self._chunks = self._wrap_ddp(chunks)
@@ -595,6 +598,7 @@ class MCoreEngine:
         longest sequence are host values), then queue the packed tensors to the device."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        from underlay.engines.mcore.layers import DEVICE_CU_ATTR
         from underlay.ops import unpad
         from underlay.ops.attention import attach_seqlens
 
@@ -626,10 +630,16 @@ class MCoreEngine:
         dev = self._to_device
         # the attention kernel's length checks take these host lengths instead of reading cu_seqlens
         cu_dev = attach_seqlens(dev(cu), lens)
+        cu_given = cu_dev
+        if self._host_cu_seqlens:
+            # megatron's unfused THD RoPE reads cu_seqlens on the host in every layer: give it the
+            # host tensor, and underlay's CoreAttention the device copy (TE's spec takes device ones)
+            cu_given = cu.clone()
+            setattr(cu_given, DEVICE_CU_ATTR, cu_dev)
         params = PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=cu_dev,
-            cu_seqlens_kv=cu_dev,
+            cu_seqlens_q=cu_given,
+            cu_seqlens_kv=cu_given,
             max_seqlen_q=max_len,
             max_seqlen_kv=max_len,
         )

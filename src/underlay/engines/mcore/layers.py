@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["CoreAttention", "RMSNorm", "ValueHead", "block_spec", "have_te", "mark_tensor_parallel"]
+__all__ = [
+    "DEVICE_CU_ATTR",
+    "CoreAttention",
+    "RMSNorm",
+    "ValueHead",
+    "block_spec",
+    "have_te",
+    "kernel_cu_seqlens",
+    "mark_tensor_parallel",
+]
 
 
 def have_te() -> bool:
@@ -103,6 +112,22 @@ class ValueHead(torch.nn.Module):
         return values, None
 
 
+DEVICE_CU_ATTR = "underlay_device_copy"
+"""Attribute of a host ``cu_seqlens`` in ``PackedSeqParams`` holding its device copy (int32). The
+engine gives megatron host ``cu_seqlens`` with the local spec: megatron's unfused THD RoPE reads the
+lengths with ``tolist()`` in every layer (a device synchronisation each time were they on the device);
+``CoreAttention`` takes the device copy for the kernel."""
+
+
+def kernel_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The int32 ``cu_seqlens`` on ``device`` for the attention kernel: the device copy the engine
+    attached to a host tensor (``DEVICE_CU_ATTR``), else the tensor itself (moved when elsewhere)."""
+    attached = getattr(cu_seqlens, DEVICE_CU_ATTR, None)
+    if isinstance(attached, torch.Tensor) and attached.device == device:
+        return attached
+    return cu_seqlens.to(device=device, dtype=torch.int32)
+
+
 def _core_attention_class() -> type:
     from megatron.core.transformer.module import MegatronModule
 
@@ -146,8 +171,8 @@ def _core_attention_class() -> type:
         ) -> torch.Tensor:
             kernel = self._get_kernel()
             if packed_seq_params is not None:
-                cu_q = packed_seq_params.cu_seqlens_q.to(torch.int32)
-                cu_k = packed_seq_params.cu_seqlens_kv.to(torch.int32)
+                cu_q = kernel_cu_seqlens(packed_seq_params.cu_seqlens_q, query.device)
+                cu_k = kernel_cu_seqlens(packed_seq_params.cu_seqlens_kv, query.device)
                 out = kernel.varlen(
                     query,
                     key,
