@@ -269,7 +269,8 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
     over packed variable-length micro-batches and every gradient (score head included) against the
     float64 HF token-classification model; ``shifted`` is the error a causal-LM style one-token shift
     of the values would have (the negative control). At PP2: ``export_hf`` -> transformers reload
-    (rank 0) and ``load_hf`` of that export into a TP2 engine of another seed. A value model built
+    (rank 0), and ``load_hf`` of that export and ``load_checkpoint`` of a PP2 checkpoint each into a
+    TP2 engine of another seed. A value model built
     from a causal-LM directory takes its backbone from the files and the head from the seed. With
     ``classifier_dropout=0.5`` at TP2 the training values differ from ``infer``'s and agree on both
     TP ranks."""
@@ -304,6 +305,8 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
             float((grads[n].double() - r).abs().max() / (r.abs().max() + 1e-6)) for n, r in ref_grads.items()
         )
         if tag == "pp2":
+            (Path(out_dir) / "ckpt").mkdir(exist_ok=True)
+            eng.save_checkpoint(Path(out_dir) / "ckpt")
             path = MCoreWeightLoader().export_hf(eng, str(Path(out_dir) / "value"))
             if path is not None:
                 from transformers import AutoModelForTokenClassification
@@ -315,6 +318,13 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
         del eng
         ps.destroy_model_parallel()
     dist.barrier()
+    # the PP2 checkpoint (dist_checkpointing, head included) resharded into a TP2 engine of another seed
+    _, eng = _value_engine(family, seed=3, tp=2)
+    out["ckpt_before"] = float((eng.infer(batch).values.double() - ref_v).abs().max())
+    eng.load_checkpoint(Path(out_dir) / "ckpt")
+    out["ckpt_values"] = float((eng.infer(batch).values.double() - ref_v).abs().max())
+    del eng
+    ps.destroy_model_parallel()
     # load_hf of the exported value model into a TP2 engine seeded differently
     _, eng = _value_engine(family, seed=3, tp=2)
     report = MCoreWeightLoader().load_hf(eng, str(Path(out_dir) / "value"))

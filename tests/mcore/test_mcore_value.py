@@ -23,8 +23,8 @@ def test_value_model_equals_hf_at_tp2_sp_pp2_and_round_trips(tmp_path: Path) -> 
     micro-batches and every gradient (score head included) equal the float64 HF token-classification
     model's at TP2, TP2 with sequence parallelism and PP2; a one-token shift of the values (the
     causal-LM alignment) is over 100x the tolerance (negative control). The PP2 export reloads in
-    transformers as ``*ForTokenClassification`` with equal values; ``load_hf`` of it into a TP2 engine
-    of another seed gives HF's values; a value model built from a causal-LM directory takes the
+    transformers as ``*ForTokenClassification`` with equal values; ``load_hf`` of it, and
+    ``load_checkpoint`` of a PP2 checkpoint, into a TP2 engine of another seed give HF's values; a value model built from a causal-LM directory takes the
     backbone from the files (``lm_head`` dropped) and the seed model's head; dropout (0.5) in training
     draws the same mask on both TP ranks and changes the loss."""
     results = run_distributed(W.value_layouts, 2, "qwen3", str(tmp_path), timeout_s=600)
@@ -35,6 +35,7 @@ def test_value_model_equals_hf_at_tp2_sp_pp2_and_round_trips(tmp_path: Path) -> 
             assert r[f"{tag}_loss"] < TOL and r[f"{tag}_tokens"] == 0.0, (tag, r)
             assert r[f"{tag}_names"] == 1.0 and r[f"{tag}_grad_rel"] < GRAD_TOL, (tag, r)
         assert r["load_report_clean"] == 1.0 and r["load_values"] < TOL, r
+        assert r["ckpt_before"] > 100 * TOL and r["ckpt_values"] < TOL, r
         assert r["causal_backbone"] == 0.0 and r["causal_lm_head_dropped"] == 1.0, r
         assert r["causal_head_seeded"] == 0.0, r
         assert r["dropout_tp_agree"] == 1.0 and r["dropout_loss_change"] > 1e-3, r
