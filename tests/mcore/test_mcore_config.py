@@ -149,7 +149,6 @@ def test_registry_refuses_mcore_on_cpu() -> None:
 @pytest.mark.parametrize(
     ("over", "options", "needle"),
     [
-        ({"parallel": {"cp": 2}}, {}, "cp=2"),
         ({"parallel": {"ep": 2}}, {}, "ep=2"),
         ({"parallel": {"pp": 2, "vpp": 2}}, {}, "vpp=2"),
         ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),
@@ -159,6 +158,7 @@ def test_registry_refuses_mcore_on_cpu() -> None:
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),
         # a value model whose head dropout transformers' rule reads as 1.0 (everything dropped)
         ({"model": {"kind": "value"}, "hf": {"classifier_dropout": 1.0}}, {}, r"value-head dropout 1.0"),
+        ({"model": {"kind": "value"}, "parallel": {"cp": 2}}, {}, "value model with cp=2"),
         ({"model": {"lora": {"rank": 4}}}, {}, "LoRA"),
     ],
 )

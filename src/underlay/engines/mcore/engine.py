@@ -1,4 +1,4 @@
-"""``MCoreEngine``: the ``ParallelEngine`` protocol on megatron-core (TP, PP, VPP, SP, EP).
+"""``MCoreEngine``: the ``ParallelEngine`` protocol on megatron-core (TP, PP, VPP, SP, CP, EP).
 
 Build order: validate options and sizes (``ConfigError`` before any process group exists), initialise
 megatron's ``parallel_state``, build one ``GPTModel`` per virtual pipeline chunk (local spec with
@@ -12,11 +12,14 @@ vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are nev
 ``sum(loss) / N`` with ``N`` the loss tokens over dp x cp: megatron's per-token-loss mode
 (``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces. A value
 model's last stage runs ``layers.ValueHead`` instead (per-token values, no vocabulary projection).
+Context parallelism splits each micro-batch's sequences into megatron's load-balanced chunks
+(``context_parallel``); per-token outputs are gathered back so every CP rank sees the whole micro-batch.
 
 Host synchronisation: batches are validated, planned and packed on the host (micro-batch tensors are
 queued to the device without waiting; the attention kernel gets the host lengths), so the data path
-reads no device values; per step what is read back is the metrics and token count at the end of
-``forward_backward`` (one all-reduce) and the grad norm in ``optimizer_step`` (it decides a skip).
+reads no device values (without context parallelism); per step what is read back is the metrics and
+token count at the end of ``forward_backward`` (one all-reduce) and the grad norm in
+``optimizer_step`` (it decides a skip).
 
 Options (``EngineConfig.options``, see ``MCoreOptions``).
 """
@@ -45,6 +48,7 @@ from underlay.engines.mcore.config import (
     transformer_config_kwargs,
     value_arch,
 )
+from underlay.engines.mcore.context_parallel import CPSplit
 from underlay.engines.mcore.options import MCoreOptions
 from underlay.engines.mcore.weightmap import VALUE_HEAD_NAMES, Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
@@ -89,6 +93,7 @@ class _MicroBatch:
     params: Any  # PackedSeqParams
     real: int  # T
     rows: torch.Tensor  # [b] int64 rows of the whole batch (device), empty for the stand-in
+    cp: CPSplit | None = None  # context parallelism: how this rank's tokens map to the micro-batch
 
 
 class MCoreEngine:
@@ -100,7 +105,7 @@ class MCoreEngine:
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, ``etp != tp``, context parallelism, virtual pipelines or expert parallelism (not enabled: the
+    LoRA, ``etp != tp``, virtual pipelines or expert parallelism (not enabled: the
     last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
@@ -117,10 +122,10 @@ class MCoreEngine:
         if mc.kind not in ("causal_lm", "value"):
             raise ConfigError(f"mcore: ModelConfig.kind={mc.kind!r}; use 'causal_lm' or 'value'")
         par = config.parallel
-        if par.cp > 1:
+        if mc.kind == "value" and par.cp > 1:
             raise ConfigError(
-                f"mcore: cp={par.cp}: context parallelism is not provided by the mcore engine's local "
-                "attention; use cp=1"
+                f"mcore: a value model with cp={par.cp}: the value head under context parallelism is not "
+                "verified in this engine's tests; use cp=1 for value models (tp/pp/sequence_parallel work)"
             )
         if par.ulysses > 1:
             raise ConfigError(
@@ -621,6 +626,18 @@ class MCoreEngine:
         ends = (cu[1:] - 1).long()
         labels[ends] = IGNORE_INDEX
         lens = packed.seqlens
+        if self._layout.cp > 1:
+            dev = self._to_device
+            return self._cp_micro_batch(
+                None if sub is None else self._batch_to_device(sub),
+                self._packed_to_device(packed),
+                dev(ids),
+                dev(pos),
+                dev(labels[:real]),
+                dev(cu),
+                real,
+                dev(torch.as_tensor(idx, dtype=torch.long)),
+            )
         if pad:
             ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
             pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
@@ -643,16 +660,9 @@ class MCoreEngine:
             max_seqlen_q=max_len,
             max_seqlen_kv=max_len,
         )
-        packed_dev = dataclasses.replace(
-            packed,
-            input_ids=dev(packed.input_ids),
-            cu_seqlens=dev(packed.cu_seqlens),
-            indices=dev(packed.indices),
-            position_ids=dev(packed.position_ids),
-        )
         return _MicroBatch(
             None if sub is None else self._batch_to_device(sub),
-            packed_dev,
+            self._packed_to_device(packed),
             dev(ids)[None],
             dev(pos)[None],
             dev(labels),
@@ -660,6 +670,50 @@ class MCoreEngine:
             real,
             dev(torch.as_tensor(idx, dtype=torch.long)),
         )
+
+    def _packed_to_device(self, packed: Any) -> Any:
+        """The host ``PackedBatch`` with its tensors queued to the device (``ops.pad`` scatters there)."""
+        dev = self._to_device
+        return dataclasses.replace(
+            packed,
+            input_ids=dev(packed.input_ids),
+            cu_seqlens=dev(packed.cu_seqlens),
+            indices=dev(packed.indices),
+            position_ids=dev(packed.position_ids),
+        )
+
+    def _cp_micro_batch(
+        self,
+        sub: TokenBatch | None,
+        packed: Any,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        labels: torch.Tensor,
+        cu: torch.Tensor,
+        real: int,
+        rows: torch.Tensor,
+    ) -> _MicroBatch:
+        """This CP rank's share of a packed micro-batch (``context_parallel.split_packed``): the
+        load-balanced chunks of every sequence, global real and padded ``cu_seqlens`` for megatron's
+        RoPE and the attention core; the local count a multiple of tp under sequence parallelism."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from underlay.engines.mcore.context_parallel import split_packed
+
+        multiple = self._layout.tp if self._tf_config.sequence_parallel else 1
+        group = ps.get_context_parallel_group()
+        ids, pos, labels, split = split_packed(ids, pos, labels, cu, group=group, multiple=multiple)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=split.cu_real,
+            cu_seqlens_kv=split.cu_real,
+            cu_seqlens_q_padded=split.cu_padded,
+            cu_seqlens_kv_padded=split.cu_padded,
+            max_seqlen_q=split.max_seqlen,
+            max_seqlen_kv=split.max_seqlen,
+        )
+        return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real, rows, split)
 
     def _head_outputs(
         self, model: Any, output: torch.Tensor, mb: _MicroBatch, temperature: float, with_entropy: bool
@@ -686,10 +740,13 @@ class MCoreEngine:
         out = self._logprob_kernel(
             h, weight, mb.labels, temperature=temperature, with_entropy=with_entropy, vocab_group=group
         )
+        split = mb.cp
 
         def align(x: torch.Tensor | None) -> torch.Tensor | None:
             if x is None:
                 return None
+            if split is not None:  # every CP rank gets the whole micro-batch, in packed order
+                x = split.gather(x)
             shifted = torch.cat([x.new_zeros(1), x[: real - 1]])
             return pad(shifted.to(torch.float32), mb.packed) if mb.sub is not None else shifted
 
@@ -715,7 +772,8 @@ class MCoreEngine:
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self._chunks if len(self._chunks) > 1 else self._chunks[0],
             num_microbatches=len(mbs),
-            seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
+            # megatron divides this by cp (the local length); only a hint with variable_seq_lengths
+            seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs) * self._layout.cp,
             micro_batch_size=1,
             forward_only=forward_only,
         )
@@ -741,6 +799,7 @@ class MCoreEngine:
         plan = self._plan(host)
         mbs = [self._micro_batch(host, idx) for idx in plan]
         sums: dict[str, torch.Tensor] = {}
+        cp_rank = ps.get_context_parallel_rank()
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
 
@@ -758,6 +817,8 @@ class MCoreEngine:
             for key, value in metrics.items():
                 _accumulate(sums, key, _as_device_scalar(value, output.device))
             tokens = mb.sub.loss_mask.sum().to(torch.int)
+            if cp_rank:  # each CP rank holds the whole loss: count its tokens once over dp x cp
+                tokens = torch.zeros_like(tokens)
             return loss_sum, tokens, {}
 
         for c in self._chunks:
