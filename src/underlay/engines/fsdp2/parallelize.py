@@ -164,7 +164,11 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
 
 
 def compile_layer_parts(
-    model: torch.nn.Module, backend: str = "inductor", scope: str = "layer_parts", *, dynamic: bool | None = None
+    model: torch.nn.Module,
+    backend: str = "inductor",
+    scope: str = "layer_parts",
+    *,
+    dynamic: bool | None = None,
 ) -> int:
     """``torch.compile`` (in place) parts of every decoder layer so that their elementwise chains (fp32
     norm arithmetic, rotary, SiLU x up) fuse into few kernels. ``scope`` is one of ``COMPILE_SCOPES``:
