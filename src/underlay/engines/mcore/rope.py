@@ -40,7 +40,7 @@ def rope_inv_freq(config: Any, rotary_base: float) -> torch.Tensor:
         kv_channels=head_dim,
         rotary_percent=1.0,
         rotary_interleaved=False,
-        rotary_base=rotary_base,  # type: ignore[arg-type]
+        rotary_base=rotary_base,
         use_cpu_initialization=bool(config.use_cpu_initialization),
         cp_group=None,
     )
