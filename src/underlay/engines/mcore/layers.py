@@ -157,7 +157,7 @@ def _core_attention_class() -> type:
             assert self._inv_freq is not None
             if packed is None:
                 pos = torch.arange(query.shape[0], device=query.device)
-                cos, sin = rope_cos_sin(pos, self._inv_freq, query.dtype)
+                cos, sin = rope_cos_sin(pos, self._device_inv_freq(query.device), query.dtype)
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [s, 1, 1, d]
                 return apply_rope(query, cos, sin), apply_rope(key, cos, sin)
             cu_q = (
@@ -171,6 +171,14 @@ def _core_attention_class() -> type:
             cos_q, sin_q = self._packed_cos_sin(packed, cu_q, query)
             cos_k, sin_k = (cos_q, sin_q) if cu_k is cu_q else self._packed_cos_sin(packed, cu_k, key)
             return apply_rope(query, cos_q, sin_q), apply_rope(key, cos_k, sin_k)
+
+        def _device_inv_freq(self, device: torch.device) -> torch.Tensor:
+            """The inverse frequencies on ``device``, moved there once (a host-to-device copy per
+            micro-batch would stall the host behind the queued kernels)."""
+            assert self._inv_freq is not None
+            if self._inv_freq.device != device:
+                self._inv_freq = self._inv_freq.to(device)
+            return self._inv_freq
 
         def _packed_cos_sin(
             self, packed: Any, cu: torch.Tensor, x: torch.Tensor
@@ -190,7 +198,7 @@ def _core_attention_class() -> type:
             hit = cache.get(key)
             if hit is None:
                 pos = packed_positions(cu.to(x.device), x.shape[0], self.cp_size, self.cp_rank)
-                hit = rope_cos_sin(pos, self._inv_freq, x.dtype)
+                hit = rope_cos_sin(pos, self._device_inv_freq(x.device), x.dtype)
                 cache[key] = hit
             return hit
 
