@@ -288,7 +288,7 @@ class MCoreEngine:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
-        from underlay.engines.mcore.layers import block_spec, mark_tensor_parallel
+        from underlay.engines.mcore.layers import block_spec, mark_tensor_parallel, position_embedding_type
 
         arch = self._arch
         vpp = self._layout.vpp
@@ -304,7 +304,7 @@ class MCoreEngine:
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 share_embeddings_and_output_weights=arch.tied,
-                position_embedding_type="rope",
+                position_embedding_type=position_embedding_type(),
                 rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
                 vp_stage=vp,
             )

@@ -5,7 +5,8 @@
   (the local spec's torch norm refuses sequence parallelism).
 - ``CoreAttention``: causal attention through the selected ``AttentionKernel`` (varlen), for packed THD
   input (``PackedSeqParams``) and for ``[s, b, h, d]`` input; GQA is left to the kernel. Under context
-  parallelism it gathers K/V over the CP group (``context_parallel.cp_attention``).
+  parallelism it gathers K/V over the CP group (``context_parallel.cp_attention``). It applies RoPE to
+  q/k first (after megatron's q/k norm), vectorized over the packed micro-batch (``rope``).
 - ``layer_spec``: the GPT layer spec with these plugged in, or the Transformer Engine spec when
   ``transformer_engine`` is importable.
 - ``mark_tensor_parallel``: the TP attributes megatron sets only when it initialises weights itself.
@@ -30,6 +31,7 @@ __all__ = [
     "have_te",
     "kernel_cu_seqlens",
     "mark_tensor_parallel",
+    "position_embedding_type",
 ]
 
 
@@ -149,6 +151,7 @@ def _core_attention_class() -> type:
             cp_comm_type: str | None = None,
             pg_collection: Any = None,
             kernel: str | None = None,
+            rotary_base: float | None = None,
         ) -> None:
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
@@ -161,6 +164,14 @@ def _core_attention_class() -> type:
                 cp_group = parallel_state.get_context_parallel_group()
             self.cp_group = cp_group
             self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
+            self.cp_rank = torch.distributed.get_rank(cp_group) if cp_group is not None else 0
+            # RoPE is applied here (GPTModel is built with position_embedding_type="none", see
+            # ``position_embedding_type``): vectorized over the packed micro-batch, see ``rope``
+            self._inv_freq: torch.Tensor | None = None
+            if rotary_base is not None:
+                from underlay.engines.mcore.rope import rope_inv_freq
+
+                self._inv_freq = rope_inv_freq(config, rotary_base)
 
         def _get_kernel(self) -> Any:
             if self._kernel is None:
@@ -180,6 +191,8 @@ def _core_attention_class() -> type:
             packed_seq_params: Any = None,
         ) -> torch.Tensor:
             kernel = self._get_kernel()
+            if self._inv_freq is not None:
+                query, key = self._rotate(query, key, packed_seq_params)
             if self.cp_size > 1:
                 return self._context_parallel(kernel, query, key, value, packed_seq_params)
             if packed_seq_params is not None:
@@ -207,6 +220,65 @@ def _core_attention_class() -> type:
             result = out.reshape(b, s, -1).transpose(0, 1).contiguous()
             return result
 
+        def _rotate(
+            self, query: torch.Tensor, key: torch.Tensor, packed: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """RoPE on q ``[t, hq, d]`` / k ``[t, hk, d]`` (THD: positions restart at every sequence of
+            ``cu_seqlens_q(_padded)``, CP-local under context parallelism) or ``[s, b, h, d]``
+            (positions ``0 .. s - 1``). cos/sin are computed once per micro-batch and cached on its
+            ``PackedSeqParams`` (every layer of every chunk reuses them)."""
+            from underlay.engines.mcore.rope import apply_rope, rope_cos_sin
+
+            assert self._inv_freq is not None
+            if packed is None:
+                pos = torch.arange(query.shape[0], device=query.device)
+                cos, sin = rope_cos_sin(pos, self._device_inv_freq(query.device), query.dtype)
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [s, 1, 1, d]
+                return apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+            cu_q = (
+                packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+            )
+            cu_k = (
+                packed.cu_seqlens_kv_padded
+                if packed.cu_seqlens_kv_padded is not None
+                else packed.cu_seqlens_kv
+            )
+            cos_q, sin_q = self._packed_cos_sin(packed, cu_q, query)
+            cos_k, sin_k = (cos_q, sin_q) if cu_k is cu_q else self._packed_cos_sin(packed, cu_k, key)
+            return apply_rope(query, cos_q, sin_q), apply_rope(key, cos_k, sin_k)
+
+        def _device_inv_freq(self, device: torch.device) -> torch.Tensor:
+            """The inverse frequencies on ``device``, moved there once (a host-to-device copy per
+            micro-batch would stall the host behind the queued kernels)."""
+            assert self._inv_freq is not None
+            if self._inv_freq.device != device:
+                self._inv_freq = self._inv_freq.to(device)
+            return self._inv_freq
+
+        def _packed_cos_sin(
+            self, packed: Any, cu: torch.Tensor, x: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            from underlay.engines.mcore.rope import packed_positions, rope_cos_sin
+
+            assert self._inv_freq is not None
+            cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] | None = getattr(
+                packed, "underlay_rope", None
+            )
+            if cache is None:
+                cache = {}
+                packed.underlay_rope = cache
+            # ``cu`` lives as long as ``packed``, so its id is a stable key; the inverse frequencies
+            # are the model's (one rotary base per engine, and every micro-batch is engine-owned)
+            key = (id(cu), x.shape[0], x.dtype, x.device, self.cp_size, self.cp_rank)
+            hit = cache.get(key)
+            if hit is None:
+                pos = packed_positions(
+                    kernel_cu_seqlens(cu, x.device), x.shape[0], self.cp_size, self.cp_rank
+                )
+                hit = rope_cos_sin(pos, self._device_inv_freq(x.device), x.dtype)
+                cache[key] = hit
+            return hit
+
         def _context_parallel(
             self, kernel: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any
         ) -> torch.Tensor:
@@ -231,6 +303,13 @@ def _core_attention_class() -> type:
 
 
 CoreAttention: Any = None  # the class, built on first use (megatron is imported lazily)
+
+
+def position_embedding_type() -> str:
+    """``GPTModel``'s ``position_embedding_type``: ``"rope"`` with Transformer Engine (its layers apply
+    RoPE, fused), else ``"none"``: ``CoreAttention`` then applies RoPE itself, vectorized over the
+    packed micro-batch (megatron's unfused THD RoPE loops over the sequences)."""
+    return "rope" if have_te() else "none"
 
 
 def block_spec(arch: Any, config: Any, *, attention: str | None, vp_stage: int | None) -> Any:
@@ -260,7 +339,10 @@ def block_spec(arch: Any, config: Any, *, attention: str | None, vp_stage: int |
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     att = sub.self_attention.submodules
-    att.core_attention = ModuleSpec(module=CoreAttention, params={"kernel": attention})
+    rotary_base = int(arch.rope_theta) if float(arch.rope_theta).is_integer() else float(arch.rope_theta)
+    att.core_attention = ModuleSpec(
+        module=CoreAttention, params={"kernel": attention, "rotary_base": rotary_base}
+    )
     if arch.qk_norm:
         att.q_layernorm = RMSNorm
         att.k_layernorm = RMSNorm
