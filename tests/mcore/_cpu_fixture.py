@@ -142,5 +142,27 @@ def install() -> None:
         new_state
     )
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    _host_split_sizes()
     mode = _CudaToCpu()
     mode.__enter__()
+
+
+def _host_split_sizes() -> None:
+    """MoE's alltoall dispatcher moves its split sizes to the host as numpy arrays through
+    ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors: on the
+    CPU the sizes stay tensors and ``ProcessGroup.all_to_all_single`` rejects them ("incompatible
+    function arguments"), so expert parallelism failed in its first all-to-all. Here a host tensor asked
+    for as numpy becomes numpy too, which is what the GPU path hands to the collective."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            host = tensor.clone()  # a copy, as the device-to-host transfer makes
+            return host.numpy() if as_numpy else host
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    dispatcher.maybe_move_tensor_to_cpu = to_host  # imported by name there

@@ -125,11 +125,6 @@ class MCoreEngine:
                 "forward_backward) while its peer waits in the tensor send_forward_recv_forward; not "
                 "enabled until it is verified on NCCL. Use vpp=1"
             )
-        if par.ep > 1:
-            raise ConfigError(
-                f"mcore: ep={par.ep}: expert parallelism did not complete in this engine's tests (gloo, "
-                "alltoall dispatcher); it is not enabled. Use ep=1 (experts replicated over data parallel)"
-            )
         if par.etp is not None and par.etp != par.tp:
             raise ConfigError(
                 f"mcore: etp={par.etp} with tp={par.tp}: the mcore engine runs experts with expert tensor "
