@@ -228,6 +228,30 @@ def check_layout(
     return dp
 
 
+def check_interleaved_count(count: int, *, pp: int, vpp: int, group_size: int | None = None) -> None:
+    """Raise ``ConfigError`` for a micro-batch ``count`` that megatron's interleaved schedule
+    (``vpp > 1``) refuses, before it runs: it executes micro-batches in groups of ``group_size``
+    (``microbatch_group_size_per_vp_stage``, default ``pp``) per virtual stage, so it needs
+    ``pp <= group_size <= count`` and a last group of 0 or at least ``pp`` micro-batches. No check
+    for ``vpp == 1``."""
+    if vpp <= 1:
+        return
+    group = pp if group_size is None else group_size
+    if not pp <= group <= count:
+        raise ConfigError(
+            f"mcore: {count} micro-batches with pp={pp}, vpp={vpp}: the interleaved schedule runs "
+            f"groups of {group} micro-batches per virtual stage and needs at least {max(group, pp)}; give "
+            f"the step at least {max(group, pp)} micro-batches (a multiple of pp={pp}) or use vpp=1"
+        )
+    rest = count % group
+    if 0 < rest < pp:
+        raise ConfigError(
+            f"mcore: {count} micro-batches with pp={pp}, vpp={vpp}: the last group of the interleaved "
+            f"schedule would hold {rest} < pp micro-batches ({count} % {group}); use a multiple of "
+            f"pp={pp} micro-batches or use vpp=1"
+        )
+
+
 def transformer_config_kwargs(
     arch: MCoreArch,
     *,
@@ -280,7 +304,9 @@ def transformer_config_kwargs(
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        variable_seq_lengths=True,
+        # the interleaved schedule runs with one padded token count per step (see the engine's
+        # _micro_batches): megatron's shape exchange is wrong at pp=2 with virtual stages
+        variable_seq_lengths=vpp == 1,
         batch_p2p_comm=batch_p2p_comm,
         calculate_per_token_loss=True,
         moe_token_dispatcher_type="alltoall",

@@ -35,6 +35,7 @@ from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
+    check_interleaved_count,
     check_layout,
     transformer_config_kwargs,
 )
@@ -117,13 +118,13 @@ class MCoreEngine:
                 f"mcore: ulysses={par.ulysses}: Ulysses sequence parallelism is an fsdp2 feature; megatron "
                 "splits the sequence inside TP instead (options sequence_parallel=True with tp > 1)"
             )
-        if par.vpp > 1:
+        if par.vpp > 1 and par.pp == 2 and opts.batch_p2p_comm:
             raise ConfigError(
-                f"mcore: vpp={par.vpp}: the interleaved schedule deadlocks with packed variable-length "
-                "micro-batches on gloo (forward_backward; infer completes): with variable_seq_lengths one "
-                "pipeline rank waits in the per-micro-batch shape exchange (send_forward_backward_recv_"
-                "forward_backward) while its peer waits in the tensor send_forward_recv_forward; not "
-                "enabled until it is verified on NCCL. Use vpp=1"
+                f"mcore: batch_p2p_comm=True with pp=2, vpp={par.vpp}: the interleaved schedule then "
+                "receives from and sends to the one peer in both directions inside one batched call, "
+                "whose transfers pair up by posting order, so activations and gradients swap (wrong "
+                "results); leave batch_p2p_comm unset (megatron's unbatched path keeps the directions "
+                "apart) or use pp > 2"
             )
         if par.etp is not None and par.etp != par.tp:
             raise ConfigError(
@@ -173,7 +174,13 @@ class MCoreEngine:
         self._torch_device = device.torch_device() if device.is_accelerator else torch.device("cpu")
         self._param_dtype = _DTYPES[config.param_dtype]
         gloo = dist.get_backend() == "gloo"
-        batch_p2p = (not gloo) if opts.batch_p2p_comm is None else bool(opts.batch_p2p_comm)
+        # off on gloo (wrong interleaved results there) and for the interleaved schedule at pp=2 (see
+        # the refusal above); megatron's default otherwise
+        batch_p2p = (
+            not gloo and not (par.vpp > 1 and par.pp == 2)
+            if opts.batch_p2p_comm is None
+            else bool(opts.batch_p2p_comm)
+        )
         self._init_parallel_state(par.tp, par.pp, par.vpp, par.cp, par.ep, etp)
         _compat_shims()
         from megatron.core import parallel_state as ps
@@ -516,9 +523,35 @@ class MCoreEngine:
             group=self._pg["dp"],
             multiple_of=multiple,
         )
+        check_interleaved_count(
+            len(plan),
+            pp=pp,
+            vpp=self._layout.vpp,
+            group_size=self._tf_config.microbatch_group_size_per_vp_stage,
+        )
         return plan
 
-    def _micro_batch(self, batch: TokenBatch, idx: list[int]) -> _MicroBatch:
+    def _micro_batches(self, batch: TokenBatch, plan: list[list[int]]) -> list[_MicroBatch]:
+        """The packed micro-batches of ``plan``. With virtual pipelines every micro-batch of the step is
+        padded to one token count (the longest, agreed over the model-parallel group, a multiple of
+        tp under sequence parallelism) and megatron runs with fixed shapes: its per-micro-batch shape
+        exchange (``variable_seq_lengths``) posts both directions' receives from the one peer at pp=2
+        in a single batched call, where they pair with the peer's sends by posting order and the
+        shapes swap (gloo then hangs on a size mismatch)."""
+        if self._layout.vpp == 1:
+            return [self._micro_batch(batch, idx) for idx in plan]
+        from megatron.core import parallel_state as ps
+
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        longest = max(max(sum(int(lengths[i]) for i in idx) for idx in plan), 1)
+        agreed = torch.tensor([longest], dtype=torch.int64, device=self._torch_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+        length = int(agreed.item())
+        if self._tf_config.sequence_parallel:
+            length = -(-length // self._layout.tp) * self._layout.tp
+        return [self._micro_batch(batch, idx, length) for idx in plan]
+
+    def _micro_batch(self, batch: TokenBatch, idx: list[int], length: int | None = None) -> _MicroBatch:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         from underlay.ops import unpad
@@ -536,7 +569,10 @@ class MCoreEngine:
         cu = packed.cu_seqlens.to(torch.int32)
         real = int(ids.numel())
         tp = self._layout.tp
-        pad = (-real) % tp if self._tf_config.sequence_parallel else 0
+        if length is not None:  # a fixed token count (virtual pipelines): a masked padding sequence
+            pad = length - real
+        else:
+            pad = (-real) % tp if self._tf_config.sequence_parallel else 0
         labels = torch.full((real + pad,), IGNORE_INDEX, dtype=torch.long, device=ids.device)
         labels[: real - 1] = ids[1:]
         ends = (cu[1:] - 1).long()
@@ -624,7 +660,7 @@ class MCoreEngine:
         dist.all_reduce(count, group=self._pg["dp"])
         n_tokens = int(count.item())
         plan = self._plan(batch)
-        mbs = [self._micro_batch(batch, idx) for idx in plan]
+        mbs = self._micro_batches(batch, plan)
         sums: dict[str, torch.Tensor] = {}
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
@@ -691,7 +727,7 @@ class MCoreEngine:
         if not temp > 0:
             raise InvalidInput(f"infer: temperature={temp} must be > 0")
         plan = self._plan(batch)
-        mbs = [self._micro_batch(batch, idx) for idx in plan]
+        mbs = self._micro_batches(batch, plan)
         shape = tuple(batch.input_ids.shape)
         lp = torch.zeros(shape, dtype=torch.float32, device=self._torch_device)
         ent = torch.zeros(shape, dtype=torch.float32, device=self._torch_device) if with_entropy else None
