@@ -185,7 +185,9 @@ def _uneven_gloo_collectives() -> None:
     def uneven(tensors: list[torch.Tensor], group: Any) -> bool:
         return len({tuple(t.shape) for t in tensors}) > 1 and dist.get_backend(group) == "gloo"
 
-    def gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    def gather(
+        tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
         if async_op or not uneven(tensor_list, group):
             return all_gather(tensor_list, tensor, group=group, async_op=async_op)
         me = dist.get_rank(group)
