@@ -91,8 +91,9 @@ class MCoreEngine:
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, value models, ``etp != tp``, context parallelism, virtual pipelines or expert parallelism (not enabled: the
-    last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
+    LoRA, value models, ``etp != tp``, context parallelism, and ``batch_p2p_comm=True`` with virtual
+    pipelines at ``pp=2``. Virtual pipelines run megatron's interleaved schedule over micro-batches
+    padded to one token count per step; expert parallelism runs megatron's alltoall dispatcher."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
         opts: MCoreOptions = resolve_options(MCoreOptions, config.options, "mcore")
