@@ -775,7 +775,7 @@ class MCoreEngine:
         if not skipped:
             clip = self._config.optim.grad_clip
             if clip is not None and clip > 0:
-                opt.clip_grad_norm(clip)
+                _clip_to_norm(opt, clip, norm)
             opt.step_with_ready_grads()
         self.zero_grad()
         self._global_step += 1
@@ -1241,6 +1241,26 @@ def _step_kept_aside(opt: Any) -> Iterator[None]:
     finally:
         for o in patched:
             del o._set_main_param_and_optimizer_states
+
+
+def _clip_to_norm(opt: Any, clip: float, norm: float) -> None:
+    """Scale every gradient of ``opt`` by ``min(1, clip / norm)`` with the global ``norm`` already
+    computed: each optimizer of a chain (megatron keeps expert parameters in their own optimizer under
+    expert parallelism) is clipped with the one total norm, as ``ChainedOptimizer.step`` does; its
+    ``clip_grad_norm`` refuses a chain of more than one optimizer."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        if getattr(inner, "is_stub_optimizer", False):
+            continue
+        params = inner.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=clip,
+                total_norm=norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
 
 
 def _unwrap(module: Any) -> Any:
