@@ -75,6 +75,7 @@ def test_model_type_refused() -> None:
         ("llama", {"world": 3, "pp": 3}, "4 layers are not divisible by pp\\*vpp = 3\\*1"),
         ("llama", {"world": 2, "pp": 2, "vpp": 4}, "not divisible by pp\\*vpp = 2\\*4 = 8"),
         ("llama", {"world": 2, "vpp": 2}, "vpp=2 needs pp > 1"),
+        ("llama", {"world": 4, "pp": 2, "vpp": 2, "cp": 2}, "vpp=2 with cp=2"),
         ("qwen3_moe", {"world": 3, "ep": 3}, "ep=3 must divide the number of experts 4"),
         ("qwen3_moe", {"world": 2, "tp": 2}, "requires sequence parallelism"),
         ("llama", {"world": 2, "ep": 2}, "dense model"),
@@ -171,7 +172,6 @@ def test_registry_refuses_mcore_on_cpu() -> None:
 @pytest.mark.parametrize(
     ("over", "options", "needle"),
     [
-        ({"parallel": {"cp": 2}}, {}, "cp=2"),
         # batched p2p at pp=2 pairs the two directions' transfers by posting order: swapped tensors
         ({"parallel": {"pp": 2, "vpp": 2}}, {"batch_p2p_comm": True}, "batch_p2p_comm=True with pp=2"),
         ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),

@@ -279,3 +279,18 @@ def test_bad_compile_option_is_refused_before_any_work() -> None:
         )
         with pytest.raises(ConfigError, match=r"compile_memory_budget=.*\(0, 1\]"):
             FSDP2Engine(cfg, CpuDevice())
+
+
+def test_compile_leaves_the_vision_tower_eager() -> None:
+    """Only the text decoder layers of a vision-language model are compiled: a compiled vision block
+    recompiles per image count, and its recomputation could then differ from its forward."""
+    from tests.unit.models._tiny import tiny_vl_model
+    from underlay.engines.fsdp2.parallelize import compile_layer_parts, decoder_layers
+
+    model = tiny_vl_model("qwen2_5_vl")
+    text = model.model.language_model.layers
+    vision = model.model.visual.blocks
+    assert len(decoder_layers(model)) == len(text) + len(vision)
+    assert compile_layer_parts(model, backend="aot_eager", scope="layer") == len(text)
+    assert all("forward" in vars(layer) for layer in text)
+    assert not any("forward" in vars(block) for block in vision)

@@ -109,12 +109,36 @@ def load_tokenizer(
     return tok
 
 
+def _torchvision_hint() -> str:
+    """How to install the torchvision release that matches the installed torch (torchvision 0.N+15
+    pairs with torch 2.N; a CPU torch needs the CPU wheel, the PyPI wheels being CUDA builds)."""
+    import torch
+
+    version = str(torch.__version__)
+    parts = version.split("+")[0].split(".")
+    want = f"0.{int(parts[1]) + 15}.*" if len(parts) > 1 and parts[0] == "2" and parts[1].isdigit() else "?"
+    cpu = version.endswith("+cpu") or torch.version.cuda is None
+    index = " --index-url https://download.pytorch.org/whl/cpu" if cpu else ""
+    build = (
+        "the CPU build (PyPI's wheels are CUDA builds and do not load on a CPU torch)" if cpu else "its build"
+    )
+    return (
+        f"install torchvision=={want} for torch {version}, {build}: pip install 'torchvision=={want}'{index}; "
+        "without it the image processor (transformers.AutoImageProcessor, the PIL one) and load_tokenizer "
+        "still load"
+    )
+
+
 def load_processor(path_or_uri: str | Path, *, cache_dir: str | Path | None = None) -> Any:
     """A ``transformers`` processor (``AutoProcessor``) from a local directory or remote URL, for
     models with one (vision-language). A directory with only a tokenizer gives the tokenizer. The
-    processor's tokenizer gets the pad fix of :func:`load_tokenizer`. Raises ``ConfigError`` when
-    nothing loads, and when the processor needs a package that is not installed (Qwen-VL video
-    processors need ``torchvision``), naming it."""
+    processor's tokenizer gets the pad fix of :func:`load_tokenizer`.
+
+    Raises ``ConfigError`` when nothing loads, and when the processor needs a package that is not
+    installed, naming it: transformers' Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) need
+    ``torchvision`` for their video processor, even for image-only use, and the message names the
+    torchvision release that matches the installed torch; also when an installed torchvision does not
+    load with this torch (a CUDA build on a CPU torch, or another torch release)."""
     import transformers
 
     local = _local(path_or_uri, cache_dir)
@@ -127,9 +151,17 @@ def load_processor(path_or_uri: str | Path, *, cache_dir: str | Path | None = No
         ) from exc
     except ImportError as exc:  # transformers names the missing package in its message
         first = next((line for line in str(exc).splitlines() if line.strip()), repr(exc))
+        hint = _torchvision_hint() if "torchvision" in str(exc).lower() else "install it"
         raise ConfigError(
             f"load_processor({str(path_or_uri)!r}): the processor in {local} needs a package that is "
-            f"not installed: {first.strip()}; install it (torchvision: the build matching your torch)"
+            f"not installed: {first.strip()}; {hint}"
+        ) from exc
+    except RuntimeError as exc:
+        if "torchvision" not in str(exc).lower():
+            raise
+        raise ConfigError(
+            f"load_processor({str(path_or_uri)!r}): torchvision is installed but does not load with this "
+            f"torch ({str(exc).strip().splitlines()[0]}); {_torchvision_hint()}"
         ) from exc
     tok = getattr(proc, "tokenizer", proc)
     if getattr(tok, "pad_token", "") is None and tok.eos_token is not None:

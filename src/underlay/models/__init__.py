@@ -37,6 +37,7 @@ from underlay.models.vision import (
     patch_cost,
     sequence_costs,
     vision_calls,
+    vision_value_model,
     zero_vision_pass,
 )
 
@@ -64,5 +65,6 @@ __all__ = [
     "shift_to_tokens",
     "softcapped_logprobs",
     "vision_calls",
+    "vision_value_model",
     "zero_vision_pass",
 ]

@@ -39,9 +39,12 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "glm4",
     "deepseek_v3",
     "gpt_oss",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
 )
 """Hugging Face ``config.model_type`` values verified by tests on tiny random models (``qwen2`` covers
-Qwen2 and Qwen2.5). :func:`underlay.models.prepare_model` does not consult this list: it accepts any
+Qwen2 and Qwen2.5; the last three are vision-language models, with images and videos). :func:`underlay.models.prepare_model` does not consult this list: it accepts any
 model whose needs :func:`inspect_model` finds supported, and names the missing capability otherwise."""
 
 TESTED_TRANSFORMERS: tuple[str, ...] = (">=4.56", "<6")

@@ -18,7 +18,7 @@ from underlay.interfaces import (
 )
 from underlay.models._compat import ModelCapabilities, capabilities, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
-from underlay.models.vision import zero_vision_pass
+from underlay.models.vision import shard_vision_tower, zero_vision_pass
 from underlay.ops.attention import seqlens_from_cu
 from underlay.ops.packing import pad, pad_to_multiple
 from underlay.parallel.ulysses import gather_seq, slice_for_rank, sp_world_size
@@ -281,7 +281,8 @@ def _split_after_embedding(
 ) -> Any:
     """Run a Qwen-VL backbone on the whole packed sequence ``ids [1, T]`` (so image placeholders meet
     their features) with ``rope [4, 1, T]`` positions; under Ulysses its language model gets only this
-    rank's slice of the merged embeddings and positions (a pre-hook), so text tokens are not duplicated.
+    rank's slice of the merged embeddings and positions (a pre-hook), so text tokens are not duplicated,
+    and each rank runs the vision tower on its share of the images (:func:`shard_vision_tower`).
     Returns the backbone output (``last_hidden_state [1, T / sp, H]``)."""
     language = getattr(backbone, "language_model", None)
     if sp_world_size(group) == 1 or not isinstance(language, nn.Module):
@@ -295,7 +296,8 @@ def _split_after_embedding(
 
     handle = language.register_forward_pre_hook(local_slice, with_kwargs=True)
     try:
-        return backbone(input_ids=ids, position_ids=rope, **kwargs)
+        with shard_vision_tower(backbone, group):  # each rank encodes its share of the images
+            return backbone(input_ids=ids, position_ids=rope, **kwargs)
     finally:
         handle.remove()
 

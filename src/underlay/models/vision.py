@@ -1,16 +1,20 @@
-"""Vision-language batches (Qwen-VL style): placeholder checks, the inputs ``packed_forward`` takes, the
-micro-batch token cost of images, and the zero-weight vision pass that keeps FSDP-sharded vision towers
-in step across ranks."""
+"""Vision-language models (Qwen-VL style): placeholder checks, the inputs ``packed_forward`` takes, the
+micro-batch token cost of images, the zero-weight vision pass that keeps FSDP-sharded vision towers in
+step across ranks, and the value-model (critic) variant transformers does not provide."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, VisionInputs
+from underlay.parallel.ulysses import sp_rank, sp_world_size
 
 __all__ = [
     "PROCESSOR_FILES",
@@ -19,7 +23,10 @@ __all__ = [
     "multimodal_inputs",
     "patch_cost",
     "sequence_costs",
+    "shard_vision_tower",
+    "split_media",
     "vision_calls",
+    "vision_value_model",
     "zero_vision_pass",
 ]
 
@@ -206,3 +213,211 @@ def zero_vision_pass(backbone: nn.Module) -> torch.Tensor:
     if total is None:
         raise ConfigError(f"{type(visual).__name__} returned no floating tensor")
     return total * 0.0
+
+
+_VALUE_CLASSES: dict[Any, Any] = {}
+
+
+def _value_class(backbone_cls: Any) -> Any:
+    """The value-model class over ``backbone_cls`` (e.g. ``Qwen2_5_VLModel``), made once per backbone:
+    a subclass of the backbone's ``PreTrainedModel`` base (so ``_no_split_modules``, weight init,
+    gradient checkpointing and attention-implementation switching behave as in transformers' own
+    classes) holding ``model`` (the backbone) and ``score`` (``nn.Linear(text hidden, 1)`` with bias,
+    as transformers' ``*ForTokenClassification`` heads)."""
+    cls = _VALUE_CLASSES.get(backbone_cls)
+    if cls is not None:
+        return cls
+    from transformers.modeling_outputs import TokenClassifierOutput
+
+    base: Any = backbone_cls.__bases__[0]
+
+    def __init__(self: Any, config: Any) -> None:
+        base.__init__(self, config)
+        text = config.get_text_config()
+        self.model = backbone_cls(config)
+        self.score = nn.Linear(int(text.hidden_size), 1)
+        self.post_init()
+
+    def forward(
+        self: Any,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Per-token values ``logits [B, S, 1]`` (the score head on the backbone's last hidden states;
+        no shift). Keyword arguments (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ...)
+        go to the backbone."""
+        kwargs.setdefault("use_cache", False)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+        return TokenClassifierOutput(logits=self.score(out.last_hidden_state))
+
+    stem = backbone_cls.__name__.removesuffix("Model")
+    cls = type(
+        f"{stem}ValueModel",
+        (base,),
+        {
+            "__init__": __init__,
+            "forward": forward,
+            "__module__": __name__,
+            "base_model_prefix": "model",
+            # transformers decides whether the attention / experts implementation may be switched by
+            # reading the class's module source; the backbone's module is the one that defines them
+            "_can_set_attn_implementation_cached_value": backbone_cls._can_set_attn_implementation(),
+            "_can_set_experts_implementation_cached_value": backbone_cls._can_set_experts_implementation(),
+        },
+    )
+    _VALUE_CLASSES[backbone_cls] = cls
+    return cls
+
+
+def vision_value_model(hf_config: Any, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A value model (RL critic) of a Qwen-VL style vision-language config, which transformers has no
+    token-classification head for: the model type's backbone (``AutoModel``: vision tower + language
+    model, at ``.model``) plus ``score = nn.Linear(text_config.hidden_size, 1)`` (weight and bias), in
+    ``dtype`` with transformers' initialisation (seed it with ``torch.manual_seed`` first).
+
+    The module's class is ``<Backbone>ValueModel`` (``Qwen2_5_VLValueModel``, ``Qwen3VLValueModel``,
+    ...), a subclass of the backbone's ``PreTrainedModel`` base; :func:`underlay.models.prepare_model`
+    and :func:`underlay.models.packed_forward` treat it as any value model (``values`` fp32 ``[T]``,
+    the head at token ``t``, no shift), with images and videos in ``multimodal``. Its parameter names
+    are the backbone's under ``model.`` (as in the causal LM) plus ``score.weight`` / ``score.bias``.
+    Sets ``hf_config.num_labels = 1``. Raises ``ConfigError`` for a config that is not a
+    vision-language config or whose model type has no transformers backbone class."""
+    if not is_vision_config(hf_config):
+        raise ConfigError(
+            f"vision_value_model: {getattr(hf_config, 'model_type', hf_config)!r} is not a vision-language "
+            "config (no vision_config); build text value models with AutoModelForTokenClassification"
+        )
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        backbone_cls: Any = MODEL_MAPPING[type(hf_config)]
+    except KeyError:
+        raise ConfigError(
+            f"vision_value_model: transformers has no backbone (AutoModel) class for {type(hf_config).__name__}"
+        ) from None
+    hf_config.num_labels = 1
+    cls: Any = _value_class(backbone_cls)
+    return cls._from_config(hf_config, dtype=dtype)  # type: ignore[no-any-return]
+
+
+def split_media(patches: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous ranges ``[start, stop)`` of the items (images or videos) with ``patches[i]`` patches
+    each, one range per part, balancing the patches: part ``r`` starts at the first item whose
+    preceding patches reach ``r / parts`` of the total (ranges may be empty when there are fewer items
+    than parts). ``InvalidInput`` for ``parts < 1`` or a negative count."""
+    if parts < 1 or any(p < 0 for p in patches):
+        raise InvalidInput(f"split_media: parts={parts} must be >= 1 and patch counts {patches[:8]} >= 0")
+    before = [0]
+    for p in patches:
+        before.append(before[-1] + p)
+    total = before[-1]
+    starts = [0] + [bisect.bisect_left(before, total * r / parts, 0, len(patches)) for r in range(1, parts)]
+    starts = [max(starts[: i + 1]) for i in range(parts)]  # non-decreasing
+    return [(starts[r], starts[r + 1] if r + 1 < parts else len(patches)) for r in range(parts)]
+
+
+class _GatherShares(torch.autograd.Function):
+    """All-gather of equal-shaped ``[n, D]`` shares along dim 0 (rank order); backward: the sum over
+    the group of the gradients of this rank's share (each rank's loss may use every share)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        ctx.rank = sp_rank(group)
+        ctx.rows = int(share.shape[0])
+        pieces = [torch.empty_like(share) for _ in range(sp_world_size(group))]
+        dist.all_gather(pieces, share.contiguous(), group=group)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)  # gloo has no reduce-scatter; the shares are small
+        return total.narrow(0, ctx.rank * ctx.rows, ctx.rows), None
+
+
+class _TowerShard:
+    """State of one sharded vision-tower call (see :func:`shard_vision_tower`)."""
+
+    def __init__(self, group: Any, merge: int) -> None:
+        self.group = group
+        self.sp = sp_world_size(group)
+        self.rank = sp_rank(group)
+        self.merge = merge
+        self.counts: list[int] = []
+        self.dummy = False
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kwargs = dict(kwargs)
+        pixels = args[0] if args else kwargs.pop("hidden_states")
+        grid: torch.Tensor = kwargs["grid_thw"]
+        patches = [int(t * h * w) for t, h, w in grid.tolist()]  # one host read of the grid
+        ranges = split_media(patches, self.sp)
+        merged = [p // (self.merge * self.merge) for p in patches]
+        self.counts = [sum(merged[a:b]) for a, b in ranges]
+        a, b = ranges[self.rank]
+        self.dummy = a == b
+        if self.dummy:  # no item here: one merged token of zeros keeps the FSDP-sharded blocks in step
+            m = self.merge
+            pixels = pixels.new_zeros(m * m, pixels.shape[-1])
+            local_grid = grid.new_tensor([[1, m, m]])
+        else:
+            first, last = sum(patches[:a]), sum(patches[:b])
+            pixels, local_grid = pixels[first:last], grid[a:b]
+        kwargs["grid_thw"] = local_grid
+        return (pixels, *args[1:]), kwargs
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        local: torch.Tensor = output.pooler_output
+        if self.dummy:  # zero rows, still attached to the tower's graph (its backward runs with zeros)
+            local = local[:0] + 0.0 * local.sum()
+        most = max(self.counts)
+        padded = torch.nn.functional.pad(local, (0, 0, 0, most - int(local.shape[0])))
+        gathered: torch.Tensor = _GatherShares.apply(padded, self.group)  # type: ignore[no-untyped-call]
+        pieces = gathered.chunk(self.sp)
+        output.pooler_output = torch.cat([piece[:n] for piece, n in zip(pieces, self.counts)])
+        return output
+
+
+@contextlib.contextmanager
+def shard_vision_tower(backbone: nn.Module, group: Any | None) -> Iterator[None]:
+    """Inside the block, each call of ``backbone.visual`` (a Qwen2.5-VL style tower: ``visual(pixels,
+    grid_thw=...)`` returning ``pooler_output [merged tokens, D]``) on the ranks of the Ulysses
+    ``group`` runs the tower on this rank's contiguous share of the images (or videos) only, balanced
+    by patches (:func:`split_media`), and all-gathers the merged features, so every rank gets the
+    features of all items in order while the tower's work is split ``sp`` ways instead of repeated.
+    Every rank of the group must make the same calls with the same grids (Ulysses ranks pass the same
+    batch). A rank without an item runs the tower on one zero merged token whose output enters with
+    weight 0, so FSDP-sharded vision blocks run as often on every rank.
+
+    Gradients follow :mod:`underlay.parallel.ulysses`: the all-gather's backward sums, over the group,
+    the gradients of this rank's features (each rank's tokens may use any item's features), so each
+    rank's tower gradients are those of its items and their sum over the group equals the
+    single-process gradient. ``last_hidden_state`` of the tower's output, unused by the language model,
+    is this rank's share only. A no-op for ``sp == 1``. Raises ``ConfigError`` when the backbone has no
+    ``visual`` tower."""
+    if sp_world_size(group) == 1:
+        yield
+        return
+    visual = getattr(backbone, "visual", None)
+    config = getattr(backbone, "config", None)
+    if not isinstance(visual, nn.Module) or config is None:
+        raise ConfigError(f"{type(backbone).__name__} has no vision tower (.visual) to shard")
+    state = _TowerShard(group, _merge_size(config))
+    handles = [
+        visual.register_forward_pre_hook(state.pre, with_kwargs=True),
+        visual.register_forward_hook(state.post, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

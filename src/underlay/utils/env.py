@@ -84,11 +84,10 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "UNDERLAY_TRITON_LOGPROB_TMA",
-            "load, store, off",
-            "load",
-            "triton log-prob kernel on sm90+: GEMM tiles loaded through TMA descriptors (load), the dlogits "
-            "tiles stored through one too (store: faster, GPU-unverified), or pointer loads (off); read "
-            "at each call",
+            "store, load, off",
+            "store",
+            "triton log-prob kernel on sm90+: GEMM tiles loaded and the dlogits tiles stored through TMA "
+            "descriptors (store), only the loads (load), or pointer loads and stores (off); read at each call",
         ),
         EnvVar(
             "UNDERLAY_FP8_AUTOTUNE",

@@ -180,11 +180,11 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 150, 151, 152, 153
 VL_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
-def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
+def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0, moe_intermediate: int = 32) -> nn.Module:
     """A random fp32 Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE (2 text layers, 2 vision blocks; 2x2 patches
     merged 2x2, so a 4x4-patch image is 4 placeholder tokens). Token ids 150-153 are the image/video/
     vision-start/vision-end tokens. Qwen2.5-VL has a window block and a full one; Qwen3-VL(-MoE) a
-    deepstack merger; Qwen3-VL-MoE 4 experts (top 2) in every text layer."""
+    deepstack merger; Qwen3-VL-MoE 4 experts (top 2, ``moe_intermediate`` wide) in every text layer."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text: dict[str, Any] = dict(
@@ -216,7 +216,12 @@ def tiny_vl_model(arch: str = "qwen2_5_vl", seed: int = 0) -> nn.Module:
         text["rope_parameters"] = dict(text["rope_parameters"], mrope_interleaved=True)
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0])
         if arch == "qwen3_vl_moe":
-            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+            text.update(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=moe_intermediate,
+                decoder_sparse_step=1,
+            )
     cfg = AutoConfig.for_model(
         arch,
         text_config=text,

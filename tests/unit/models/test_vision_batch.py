@@ -211,29 +211,52 @@ def test_load_processor_of_a_vlm_directory(tmp_path: Path) -> None:
     assert image.merge_size == 2 and image.patch_size == 2
     assert load_tokenizer(src).convert_tokens_to_ids("<|image_pad|>") == IMAGE_TOKEN
     if importlib.util.find_spec("torchvision") is None:
-        with pytest.raises(ConfigError, match="(?i)torchvision"):
+        minor = int(torch.__version__.split(".")[1])
+        with pytest.raises(ConfigError, match=rf"(?i)torchvision.*install torchvision==0\.{minor + 15}\.\*"):
             load_processor(src)
     else:
         proc = load_processor(src)
         assert proc.image_processor.merge_size == 2
 
 
-def test_fsdp2_builds_vlms_as_causal_lms_only() -> None:
+def test_load_processor_names_a_torchvision_that_does_not_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torchvision built for another torch (PyPI's CUDA wheel on a CPU torch) fails inside its import
+    with a RuntimeError (measured with torchvision 0.28.0 on torch 2.13.0+cpu: ``operator
+    torchvision::nms does not exist``); load_processor turns it into a ConfigError with the fix."""
+    import transformers
+
+    from tests.unit.models._tiny import save_vl_source
+    from underlay.data.tokenizer import load_processor
+    from underlay.interfaces import ConfigError
+
+    src = save_vl_source(tmp_path / "vl")
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", broken)
+    with pytest.raises(ConfigError, match="torchvision is installed but does not load.*torchvision::nms"):
+        load_processor(src)
+
+
+def test_fsdp2_builds_vlm_policies_and_value_models() -> None:
     """A vision-language config builds with AutoModelForImageTextToText (vision blocks and decoder layers
-    are the FSDP units); ``kind="value"`` is refused (transformers has no scorer head for it)."""
+    are the FSDP units); ``kind="value"`` builds ``models.vision_value_model`` (the same backbone and
+    units, a ``score`` head instead of ``lm_head``)."""
     from underlay.engines.fsdp2 import _build
     from underlay.engines.fsdp2.parallelize import decoder_layers
-    from underlay.interfaces import ConfigError, ModelConfig
+    from underlay.interfaces import ModelConfig
 
     cfg = tiny_vl_model("qwen2_5_vl").config
-    model = _build.build_model(
-        ModelConfig(hf_config=cfg), _build.hf_config_of(ModelConfig(hf_config=cfg)), meta=True
-    )
-    kinds = sorted({type(m).__name__ for m in decoder_layers(model)})
-    assert kinds == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
-    value = ModelConfig(hf_config=cfg, kind="value")
-    with pytest.raises(ConfigError, match="no token-classification head"):
-        _build.build_model(value, _build.hf_config_of(value), meta=True)
+    for kind, head in (("causal_lm", "lm_head.weight"), ("value", "score.weight")):
+        mc = ModelConfig(hf_config=cfg, kind=kind)
+        model = _build.build_model(mc, _build.hf_config_of(mc), meta=True)
+        kinds = sorted({type(m).__name__ for m in decoder_layers(model)})
+        assert kinds == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
+        names = [n for n, _ in model.named_parameters()]
+        assert head in names and names[0].startswith("model.visual.")
 
 
 @pytest.mark.parametrize("arch", VL_ARCHS)
@@ -263,3 +286,78 @@ def test_vision_tower_ignores_the_text_packing_keywords(arch: str) -> None:
     ref_t = ref.pooler_output if hasattr(ref, "pooler_output") else ref[0]
     out_t = out.pooler_output if hasattr(out, "pooler_output") else out[0]
     torch.testing.assert_close(out_t, ref_t, rtol=0, atol=0)
+
+
+def test_split_media_gives_contiguous_patch_balanced_shares() -> None:
+    """Ulysses ranks encode contiguous runs of items balanced by patches; with fewer items than ranks
+    the last ranks get none (they run a zero-weight dummy)."""
+    from underlay.models.vision import split_media
+
+    assert split_media([16, 16], 2) == [(0, 1), (1, 2)]
+    assert split_media([16, 32, 16, 16], 2) == [(0, 2), (2, 4)]
+    assert split_media([64, 16, 16, 16, 16], 2) == [(0, 1), (1, 5)]
+    assert split_media([16], 2) == [(0, 1), (1, 1)]
+    assert split_media([16, 16, 16], 4) == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    assert split_media([5, 7], 1) == [(0, 2)]
+    with pytest.raises(InvalidInput, match="parts=0"):
+        split_media([4], 0)
+
+
+def test_image_processor_outputs_feed_vision_inputs_and_the_packed_forward(tmp_path: Path) -> None:
+    """Without torchvision the Qwen-VL processor cannot be built (its video processor imports it), but
+    its image processor (PIL) can: its ``pixel_values`` / ``image_grid_thw`` for real images of
+    different sizes, with the placeholders expanded per grid as the processor does, make a
+    ``TokenBatch`` whose packed forward equals transformers' padded forward on the same inputs."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from tests.unit.models._tiny import save_vl_source
+
+    src = save_vl_source(tmp_path / "vl")
+    processor = AutoImageProcessor.from_pretrained(str(src), local_files_only=True)
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for h, w in ((8, 8), (8, 12), (16, 8))
+    ]
+    feats = processor(images=images, return_tensors="pt")
+    grid = feats["image_grid_thw"]
+    assert grid.tolist() == [[1, 4, 4], [1, 4, 6], [1, 8, 4]]
+    assert feats["pixel_values"].shape == (int(grid.prod(-1).sum()), W)
+    tokens = (grid.prod(-1) // 4).tolist()  # merged 2 x 2: the processor's placeholder count per image
+
+    def image(n: int) -> list[int]:
+        return [VISION_START] + [IMAGE_TOKEN] * n + [VISION_END]
+
+    seqs = [[5, 6, *image(tokens[0]), 7, 8, 9], [10, 11, 12], [*image(tokens[1]), 13, *image(tokens[2]), 14]]
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(3, s, dtype=torch.long)
+    mask = torch.zeros(3, s, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), 1
+    batch = TokenBatch(
+        ids, mask, mask.clone(), images=VisionInputs(feats["pixel_values"], grid, torch.tensor([0, 2, 2]))
+    )
+    ref = AutoModelForImageTextToText.from_pretrained(str(src), attn_implementation="eager").float()
+    check_vision_batch(ref.config, batch)
+    mm = multimodal_inputs(batch)
+    assert mm is not None
+    model = prepare_model(clone(ref), attention="eager")
+    packed = unpad(ids, mask)
+    out = packed_forward(model, packed, logprob_kernel=logprob_kernel(), multimodal=mm)
+    assert out.log_probs is not None
+    with torch.no_grad():
+        kinds = (ids == IMAGE_TOKEN).long()
+        lsm = (
+            ref(input_ids=ids, attention_mask=mask, mm_token_type_ids=kinds, **mm)
+            .logits.double()
+            .log_softmax(-1)
+        )
+    want = torch.zeros(ids.shape, dtype=torch.float64)
+    want[:, 1:] = lsm[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    keep = mask.bool()
+    keep[:, 0] = False
+    got = torch.zeros(ids.shape, dtype=torch.float64)
+    got[mask.bool()] = out.log_probs.double()
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=0)

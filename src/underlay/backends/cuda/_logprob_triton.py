@@ -17,11 +17,11 @@ Operand tiles of the ``tl.dot`` GEMMs are loaded through Hopper's tensor-memory 
 ``TensorDescriptor``s, a persistent grid of one program per multiprocessor walking the tiles) where the
 device and the operands allow it (:func:`tma_usable`), and through pointer loads otherwise; the TMA loads
 brought both kernels from about 540 / 430 TFLOP/s to about 650 (``benchmarks/gpu/logprob_tma_variants.py``,
-figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA`` (read per call): ``load`` (the default)
-loads the GEMM tiles through TMA and stores dlogits with masked pointer stores; ``store`` also stores the
-dlogits tiles through a TMA descriptor (the masked store cannot vectorise with unspecialised N and V:
-faster, but so far checked against float64 only in the interpreter, not on a GPU); ``off`` uses pointer
-loads and stores.
+figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA`` (read per call): ``store`` (the
+default) also stores the dlogits tiles through a TMA descriptor (a masked pointer store cannot vectorise
+with unspecialised N and V); ``load`` loads the GEMM tiles through TMA and stores dlogits with masked
+pointer stores; ``off`` uses pointer loads and stores. All three pass the same float64 bounds
+(``benchmarks/gpu/check_logprob.py``).
 
 ``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``fused`` (the default) computes them
 with ``tl.dot`` inside the kernels; ``hybrid`` computes cuBLAS ``[rows, v_chunk]`` logits blocks with fp32
@@ -504,7 +504,7 @@ def _tma_operand(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-TMA_SETTINGS = ("load", "store", "off")
+TMA_SETTINGS = ("store", "load", "off")
 """Values of ``UNDERLAY_TRITON_LOGPROB_TMA`` (see the module docstring)."""
 
 
@@ -513,7 +513,7 @@ def tma_setting() -> str:
     value = env.get("UNDERLAY_TRITON_LOGPROB_TMA")
     if value not in TMA_SETTINGS:
         raise ConfigError(
-            f"UNDERLAY_TRITON_LOGPROB_TMA={value!r}: use one of {', '.join(TMA_SETTINGS)} (unset: load)"
+            f"UNDERLAY_TRITON_LOGPROB_TMA={value!r}: use one of {', '.join(TMA_SETTINGS)} (unset: store)"
         )
     return value
 
@@ -726,7 +726,6 @@ def _backward(
         if need_hidden:
             assert grad_h is not None
             target = acc[: r1 - r0] if acc is not None else grad_h[r0:r1]
-            target.zero_()
         for v0 in range(0, v, chunk):
             v1 = min(v, v0 + chunk)
             w = weight[v0:v1]
@@ -751,7 +750,10 @@ def _backward(
                 else:
                     grad_w[v0:v1].addmm_(d.t(), hid)
             if target is not None:
-                _addmm_fp32(target, d, w)
+                if v0 == 0:  # the first chunk writes the accumulator: no zero fill, no read of it
+                    mm_fp32(d, w, target)
+                else:
+                    _addmm_fp32(target, d, w)
         if acc is not None and grad_h is not None:
             grad_h[r0:r1].copy_(acc[: r1 - r0])
     return grad_h, grad_w

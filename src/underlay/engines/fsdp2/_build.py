@@ -70,12 +70,10 @@ def _auto_model(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     if getattr(hf_config, "vision_config", None) is not None:  # Qwen-VL style: image-text-to-text
-        if model_cfg.kind == "value":
-            raise ConfigError(
-                f"ModelConfig.kind='value' for the vision-language model {hf_config.model_type!r}: "
-                "transformers has no token-classification head for it; train a causal_lm policy, or a "
-                "value model on its text_config"
-            )
+        if model_cfg.kind == "value":  # transformers has no token-classification head for VLMs
+            from underlay.models.vision import vision_value_model
+
+            return vision_value_model(hf_config, dtype=torch.float32)
         from transformers import AutoModelForImageTextToText
 
         return AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-any-return,no-untyped-call]
@@ -110,7 +108,8 @@ def _add_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
 
 def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.nn.Module:
     """The fp32 model ``model_cfg`` describes (causal LM, or a 1-label token-classification value
-    model), with peft LoRA adapters when ``model_cfg.lora`` is set. With ``meta`` the parameters are on
+    model; for a vision-language config the causal LM is ``AutoModelForImageTextToText`` and the value
+    model ``models.vision_value_model``), with peft LoRA adapters when ``model_cfg.lora`` is set. With ``meta`` the parameters are on
     the meta device (no memory); otherwise they are initialised on the cpu from ``model_cfg.seed``
     (rank independent, so every rank builds the same values as a single process would)."""
     if meta:

@@ -172,11 +172,14 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
     adds eager. Sequence lengths vary between micro-batches, so shapes become dynamic after the first
     recompile. Returns how many layers or modules were compiled (in the module scopes ``TiledMLP`` is
     left alone: it loops over tiles by design); ``backend`` is passed to ``torch.compile`` (tests use
-    ``"aot_eager"``). Raises ``ConfigError`` for another scope."""
+    ``"aot_eager"``). Vision-tower blocks of vision-language models are left eager (see
+    ``_vision_tower_modules``). Raises ``ConfigError`` for another scope."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope {scope!r}: use one of {COMPILE_SCOPES}")
+    tower = _vision_tower_modules(model)
+    text_layers = [layer for layer in decoder_layers(model) if id(layer) not in tower]
     if scope == "layer":
-        layers = decoder_layers(model)
+        layers = text_layers
         for layer in layers:
             # an instance attribute, so that hooks registered later (fully_shard) run eagerly around
             # it; the class's forward is looked up at call time because fully_shard swaps the class
@@ -186,7 +189,7 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
         return len(layers)
     suffixes: tuple[str, ...] = ("RMSNorm", "MLP") + (("Attention",) if scope == "layer_parts" else ())
     count = 0
-    for layer in decoder_layers(model):
+    for layer in text_layers:
         inside_compiled: list[torch.nn.Module] = []
         for module in layer.modules():
             cls = type(module).__name__
@@ -198,6 +201,23 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
             inside_compiled.append(module)
             count += 1
     return count
+
+
+# Submodule names of vision towers in transformers' vision-language models.
+_VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+
+
+def _vision_tower_modules(model: torch.nn.Module) -> set[int]:
+    """``id`` of every module inside a vision tower. Vision blocks stay eager: their attention splits
+    the patches per image or window in a Python loop, so a compiled block's graph depends on the image
+    count and recompiles per batch; under recomputation the recomputed block can then run another graph
+    (or eager code) than its forward did, and ``torch.utils.checkpoint`` refuses the different saved
+    tensors."""
+    ids: set[int] = set()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _VISION_TOWERS:
+            ids.update(id(m) for m in module.modules())
+    return ids
 
 
 def _class_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

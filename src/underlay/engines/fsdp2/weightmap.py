@@ -15,22 +15,39 @@ adapters get no rule (``named_full_parameters`` merges them into their base weig
   (``model.visual.*``, ``model.language_model.*``) while their checkpoints, and what ``save_pretrained``
   writes, keep the flat layout (``visual.*``, ``model.*``): those two prefixes are renamed. Qwen3-VL
   checkpoints use the module names.
+- Qwen3-VL-MoE (``TRANSPOSED_EXPERT_CHECKPOINTS``): the hub checkpoints store the fused experts
+  transposed against transformers' modules (``experts.gate_up_proj [E, H, 2I]`` for ``[E, 2I, H]`` in
+  memory, ``experts.down_proj [E, I, H]`` for ``[E, H, I]``); transformers 5.24 transposes them on load
+  (its ``qwen3_vl_moe`` conversion: ``Transpose(1, 2, check_dims=True)``, i.e. only when the file's shape
+  differs from the module's) and its ``save_pretrained`` writes the in-memory layout. The map reads and
+  writes the hub layout (``transpose_experts`` rules); ``match_file_layout`` switches a rule to the
+  in-memory layout for files that hold it (a ``save_pretrained`` output), so both load, as in
+  transformers. A square tensor (``2I == H``, or ``I == H`` for ``down_proj``) cannot be told apart by
+  shape: it is read and written as in memory, which is what transformers assumes then too.
 Tied parameters (``lm_head.weight`` = ``model.embed_tokens.weight``) map once, the alias in ``tied``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from underlay.engines._weightmap import rename, stack_experts
 from underlay.engines.fsdp2._build import hf_name
-from underlay.interfaces import RulePattern, WeightMap, WeightRule
+from underlay.interfaces import InvalidInput, RulePattern, WeightMap, WeightRule
 
-__all__ = ["LEGACY_VL_CHECKPOINTS", "PER_EXPERT_CHECKPOINTS", "fsdp2_weight_map", "hf_name"]
+__all__ = [
+    "LEGACY_VL_CHECKPOINTS",
+    "PER_EXPERT_CHECKPOINTS",
+    "TRANSPOSED_EXPERT_CHECKPOINTS",
+    "fsdp2_weight_map",
+    "hf_name",
+    "match_file_layout",
+]
 
 PER_EXPERT_CHECKPOINTS = frozenset({"qwen2_moe", "qwen3_moe"})
 """Model types whose checkpoints store ``experts.{e}.{gate,up,down}_proj.weight`` while transformers 5
@@ -39,6 +56,52 @@ fuses them in memory (verified for qwen3_moe with transformers 5.24's ``save_pre
 LEGACY_VL_CHECKPOINTS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 """Vision-language model types whose checkpoints hold ``visual.*`` and ``model.*`` for the modules
 ``model.visual.*`` and ``model.language_model.*`` (transformers 5.24's ``save_pretrained`` writes them so)."""
+
+
+TRANSPOSED_EXPERT_CHECKPOINTS = frozenset({"qwen3_vl_moe"})
+"""Model types (``hf_config.model_type``) whose hub checkpoints hold ``experts.gate_up_proj`` and
+``experts.down_proj`` with dims 1 and 2 swapped against the modules (transformers 5.24's conversion
+mapping transposes them on load)."""
+
+TRANSPOSE_EXPERTS = "transpose_experts"
+"""``WeightRule.kind`` of the rules that swap dims 1 and 2 of a fused expert tensor."""
+
+
+def _transposed(engine_name: str, hf: str) -> WeightRule:
+    """The engine's ``[E, A, B]`` is the HF tensor ``hf`` stored as ``[E, B, A]``."""
+
+    def to_hf(full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {hf: full.transpose(1, 2).contiguous()}
+
+    def from_hf(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        try:
+            return tensors[hf].transpose(1, 2)
+        except KeyError:
+            raise InvalidInput(f"{engine_name}: HF tensor {hf!r} is missing") from None
+
+    return WeightRule(engine_name, (hf,), to_hf, from_hf, kind=TRANSPOSE_EXPERTS)
+
+
+def match_file_layout(wmap: WeightMap, shapes: Mapping[str, Sequence[int]]) -> WeightMap:
+    """``wmap`` adapted to the files about to be loaded (``shapes``: HF name -> shape in the files):
+    a ``transpose_experts`` rule whose tensor the files hold in the module layout (the engine shape;
+    ``save_pretrained`` writes that) becomes a plain rename, so those files load as well as hub ones.
+    Other rules, and names the files lack, are unchanged; returns ``wmap`` itself when nothing changes.
+    Pure."""
+    rules = list(wmap.rules)
+    changed = False
+    for i, rule in enumerate(rules):
+        if rule.kind != TRANSPOSE_EXPERTS or rule.engine_shape is None:
+            continue
+        hf = rule.hf_names[0]
+        if hf in shapes and tuple(int(d) for d in shapes[hf]) == rule.engine_shape:
+            rules[i] = dataclasses.replace(
+                rename(rule.engine_name, hf, optional=rule.optional), engine_shape=rule.engine_shape
+            )
+            changed = True
+    if not changed:
+        return wmap
+    return WeightMap(tuple(rules), dict(wmap.tied), wmap.ignored)
 
 
 def _legacy_vl_name(name: str) -> str:
@@ -110,6 +173,14 @@ def fsdp2_weight_map(
             RulePattern(r".*\.experts\.down_proj", _down),
         ]
     ignored: tuple[str, ...] = ()
+    if getattr(hf_config, "model_type", None) in TRANSPOSED_EXPERT_CHECKPOINTS:
+
+        def experts(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+            if len(shape) != 3 or shape[1] == shape[2]:  # square: as in memory (transformers does so)
+                return rename(match.string, hf(match.string))
+            return _transposed(match.string, hf(match.string))
+
+        patterns.append(RulePattern(r".*\.experts\.(gate_up_proj|down_proj)", experts))
     if kind == "value":
         patterns.append(RulePattern(r"(.*\.)?score\.(weight|bias)", _optional))
         ignored = ("lm_head.*",)

@@ -72,9 +72,12 @@ def load_hf_into(
     ``bucket_bytes`` that is not an int >= 1. Collective."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise InvalidInput(f"load_hf: bucket_bytes={bucket_bytes!r} must be an int >= 1")
-    wmap = engine.weight_map
+    from underlay.engines.fsdp2.weightmap import match_file_layout
+
     path = Path(path)
     where = gather_headers(path)  # collective; raises on every rank for a bad file on any
+    # fused experts stored either as on the hub or as in memory (Qwen3-VL-MoE): read what the files hold
+    wmap = match_file_layout(engine.weight_map, {name: entry.shape for name, entry in where.items()})
     error: BaseException | None = None
     plan: LoadPlan | None = None
     try:

@@ -172,7 +172,7 @@ def check_layout(
     Raises ``ConfigError`` naming the numbers and the fix when the world size is not a multiple of
     ``tp * pp * cp``, heads or k/v heads or the vocabulary are not divisible by ``tp``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
-    without sequence parallelism, VPP is used without PP, or ``etp != tp`` (``etp`` is expert tensor
+    without sequence parallelism, VPP is used without PP or with CP, or ``etp != tp`` (``etp`` is expert tensor
     parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``)."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if not isinstance(value, int) or value < 1:
@@ -196,6 +196,13 @@ def check_layout(
         )
     if vpp > 1 and pp == 1:
         raise ConfigError(f"mcore: vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages)")
+    if vpp > 1 and cp > 1:
+        # the interleaved schedule runs with one padded token count per step; the CP split gives each
+        # rank a share whose length the engine does not fix
+        raise ConfigError(
+            f"mcore: vpp={vpp} with cp={cp}: virtual pipelines and context parallelism are not combined "
+            "in the mcore engine; use vpp=1 or cp=1"
+        )
     if arch.num_layers % (pp * vpp):
         raise ConfigError(
             f"mcore: the model's {arch.num_layers} layers are not divisible by pp*vpp = {pp}*{vpp} = "

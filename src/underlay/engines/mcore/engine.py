@@ -1,4 +1,4 @@
-"""``MCoreEngine``: the ``ParallelEngine`` protocol on megatron-core (TP, PP, VPP, SP, EP).
+"""``MCoreEngine``: the ``ParallelEngine`` protocol on megatron-core (TP, PP, VPP, SP, CP, EP).
 
 Build order: validate options and sizes (``ConfigError`` before any process group exists), initialise
 megatron's ``parallel_state``, build one ``GPTModel`` per virtual pipeline chunk (local spec with
@@ -11,6 +11,8 @@ Training runs megatron's pipeline schedules (``get_forward_backward_func``) over
 vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are never built. The loss is
 ``sum(loss) / N`` with ``N`` the loss tokens over dp x cp: megatron's per-token-loss mode
 (``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces.
+Context parallelism splits each micro-batch's sequences into megatron's load-balanced chunks
+(``context_parallel``); per-token outputs are gathered back so every CP rank sees the whole micro-batch.
 
 Options (``EngineConfig.options``, see ``MCoreOptions``).
 """
@@ -39,6 +41,7 @@ from underlay.engines.mcore.config import (
     check_layout,
     transformer_config_kwargs,
 )
+from underlay.engines.mcore.context_parallel import CPSplit
 from underlay.engines.mcore.options import MCoreOptions
 from underlay.engines.mcore.weightmap import Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
@@ -82,6 +85,7 @@ class _MicroBatch:
     labels: torch.Tensor  # [T'] next-token ids, IGNORE_INDEX at sequence ends and padding
     params: Any  # PackedSeqParams
     real: int  # T
+    cp: CPSplit | None = None  # context parallelism: how this rank's tokens map to the micro-batch
 
 
 class MCoreEngine:
@@ -91,9 +95,9 @@ class MCoreEngine:
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, value models, ``etp != tp``, context parallelism, and ``batch_p2p_comm=True`` with virtual
-    pipelines at ``pp=2``. Virtual pipelines run megatron's interleaved schedule over micro-batches
-    padded to one token count per step; expert parallelism runs megatron's alltoall dispatcher."""
+    LoRA, value models, ``etp != tp``, and ``batch_p2p_comm=True`` with virtual pipelines at
+    ``pp=2``. Virtual pipelines run megatron's interleaved schedule over micro-batches padded to one
+    token count per step; expert parallelism runs megatron's alltoall dispatcher."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
         opts: MCoreOptions = resolve_options(MCoreOptions, config.options, "mcore")
@@ -109,11 +113,6 @@ class MCoreEngine:
         if mc.kind != "causal_lm":
             raise ConfigError(f"mcore: ModelConfig.kind={mc.kind!r}; the mcore engine builds causal LMs only")
         par = config.parallel
-        if par.cp > 1:
-            raise ConfigError(
-                f"mcore: cp={par.cp}: context parallelism is not provided by the mcore engine's local "
-                "attention; use cp=1"
-            )
         if par.ulysses > 1:
             raise ConfigError(
                 f"mcore: ulysses={par.ulysses}: Ulysses sequence parallelism is an fsdp2 feature; megatron "
@@ -578,6 +577,8 @@ class MCoreEngine:
         labels[: real - 1] = ids[1:]
         ends = (cu[1:] - 1).long()
         labels[ends] = IGNORE_INDEX
+        if self._layout.cp > 1:
+            return self._cp_micro_batch(sub, packed, ids, pos, labels[:real], cu, real)
         if pad:
             ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype, device=ids.device)])
             pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)])
@@ -591,6 +592,38 @@ class MCoreEngine:
             max_seqlen_kv=max_len,
         )
         return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real)
+
+    def _cp_micro_batch(
+        self,
+        sub: TokenBatch | None,
+        packed: Any,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        labels: torch.Tensor,
+        cu: torch.Tensor,
+        real: int,
+    ) -> _MicroBatch:
+        """This CP rank's share of a packed micro-batch (``context_parallel.split_packed``): the
+        load-balanced chunks of every sequence, global real and padded ``cu_seqlens`` for megatron's
+        RoPE and the attention core; the local count a multiple of tp under sequence parallelism."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from underlay.engines.mcore.context_parallel import split_packed
+
+        multiple = self._layout.tp if self._tf_config.sequence_parallel else 1
+        group = ps.get_context_parallel_group()
+        ids, pos, labels, split = split_packed(ids, pos, labels, cu, group=group, multiple=multiple)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=split.cu_real,
+            cu_seqlens_kv=split.cu_real,
+            cu_seqlens_q_padded=split.cu_padded,
+            cu_seqlens_kv_padded=split.cu_padded,
+            max_seqlen_q=split.max_seqlen,
+            max_seqlen_kv=split.max_seqlen,
+        )
+        return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real, split)
 
     def _head_outputs(
         self, model: Any, hidden: torch.Tensor, mb: _MicroBatch, temperature: float, with_entropy: bool
@@ -611,10 +644,13 @@ class MCoreEngine:
             h, weight, mb.labels, temperature=temperature, with_entropy=with_entropy, vocab_group=group
         )
         real = mb.real
+        split = mb.cp
 
         def align(x: torch.Tensor | None) -> torch.Tensor | None:
             if x is None:
                 return None
+            if split is not None:  # every CP rank gets the whole micro-batch, in packed order
+                x = split.gather(x)
             shifted = torch.cat([x.new_zeros(1), x[: real - 1]])
             return pad(shifted.to(torch.float32), mb.packed) if mb.sub is not None else shifted
 
@@ -640,7 +676,8 @@ class MCoreEngine:
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self._chunks if len(self._chunks) > 1 else self._chunks[0],
             num_microbatches=len(mbs),
-            seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
+            # megatron divides this by cp (the local length); only a hint with variable_seq_lengths
+            seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs) * self._layout.cp,
             micro_batch_size=1,
             forward_only=forward_only,
         )
@@ -663,6 +700,7 @@ class MCoreEngine:
         plan = self._plan(batch)
         mbs = self._micro_batches(batch, plan)
         sums: dict[str, torch.Tensor] = {}
+        cp_rank = ps.get_context_parallel_rank()
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
 
@@ -680,6 +718,8 @@ class MCoreEngine:
             for key, value in metrics.items():
                 _accumulate(sums, key, torch.as_tensor(value, device=hidden.device).detach())
             tokens = mb.sub.loss_mask.sum().to(torch.int)
+            if cp_rank:  # each CP rank holds the whole loss: count its tokens once over dp x cp
+                tokens = torch.zeros_like(tokens)
             return loss_sum, tokens, {}
 
         for c in self._chunks:

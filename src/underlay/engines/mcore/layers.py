@@ -4,7 +4,8 @@
   ``sequence_parallel`` so megatron all-reduces its gradient over TP when sequence parallelism is on
   (the local spec's torch norm refuses sequence parallelism).
 - ``CoreAttention``: causal attention through the selected ``AttentionKernel`` (varlen), for packed THD
-  input (``PackedSeqParams``) and for ``[s, b, h, d]`` input; GQA is left to the kernel.
+  input (``PackedSeqParams``) and for ``[s, b, h, d]`` input; GQA is left to the kernel. Under context
+  parallelism it gathers K/V over the CP group (``context_parallel.cp_attention``).
 - ``layer_spec``: the GPT layer spec with these plugged in, or the Transformer Engine spec when
   ``transformer_engine`` is importable.
 - ``mark_tensor_parallel``: the TP attributes megatron sets only when it initialises weights itself.
@@ -16,6 +17,8 @@ import importlib.util
 from typing import Any
 
 import torch
+
+from underlay.interfaces import InvalidInput
 
 __all__ = ["CoreAttention", "RMSNorm", "block_spec", "have_te", "mark_tensor_parallel"]
 
@@ -70,6 +73,13 @@ def _core_attention_class() -> type:
             self.softmax_scale = softmax_scale
             self.kernel_name = kernel
             self._kernel: Any = None
+            cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            if cp_group is None and int(getattr(config, "context_parallel_size", 1)) > 1:
+                from megatron.core import parallel_state
+
+                cp_group = parallel_state.get_context_parallel_group()
+            self.cp_group = cp_group
+            self.cp_size = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
 
         def _get_kernel(self) -> Any:
             if self._kernel is None:
@@ -89,6 +99,8 @@ def _core_attention_class() -> type:
             packed_seq_params: Any = None,
         ) -> torch.Tensor:
             kernel = self._get_kernel()
+            if self.cp_size > 1:
+                return self._context_parallel(kernel, query, key, value, packed_seq_params)
             if packed_seq_params is not None:
                 cu_q = packed_seq_params.cu_seqlens_q.to(torch.int32)
                 cu_k = packed_seq_params.cu_seqlens_kv.to(torch.int32)
@@ -112,6 +124,26 @@ def _core_attention_class() -> type:
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
             out = kernel.varlen(q, k, v, cu, cu, s, s, causal=True, scale=self.softmax_scale)
             result = out.reshape(b, s, -1).transpose(0, 1).contiguous()
+            return result
+
+        def _context_parallel(
+            self, kernel: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any
+        ) -> torch.Tensor:
+            """Under context parallelism: THD input split by ``context_parallel.split_packed`` (its
+            ``cu_seqlens_q_padded`` are the global padded lengths); ``[t, hq * dv]`` out."""
+            from underlay.engines.mcore.context_parallel import cp_attention
+
+            cu = getattr(packed, "cu_seqlens_q_padded", None)
+            if packed is None or packed.qkv_format != "thd" or cu is None:
+                raise InvalidInput(
+                    "mcore attention under context parallelism takes packed THD input with "
+                    "PackedSeqParams.cu_seqlens_q_padded (the global padded lengths); build the "
+                    "micro-batch with underlay.engines.mcore.context_parallel.split_packed"
+                )
+            out = cp_attention(
+                kernel, query, key, value, cu, self.cp_group, scale=self.softmax_scale, cache=packed
+            )
+            result: torch.Tensor = out.reshape(out.shape[0], -1)
             return result
 
     return CoreAttentionImpl

@@ -1,0 +1,146 @@
+"""Context parallelism in the mcore engine: megatron's load-balanced THD split (checked against
+megatron's own RoPE position slicing, in process), and CP=2 alone, with TP=2 + sequence parallelism
+and with PP=2 on 4 gloo ranks against the float64 HF model, with two negative controls; bad layouts
+refused before any process group exists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests._dist import run_distributed
+from tests.mcore import _cp_workers as W
+from tests.mcore._helpers import tiny_config
+from underlay.engines.mcore.config import arch_of, check_layout
+from underlay.engines.mcore.context_parallel import split_packed
+from underlay.interfaces import IGNORE_INDEX, ConfigError
+
+pytestmark = pytest.mark.mcore
+
+LP_TOL = 1e-5
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+
+
+def _packed(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 100, (sum(lengths),))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    labels = torch.randint(0, 100, (sum(lengths),))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, pos, labels, cu
+
+
+@pytest.mark.parametrize(("cp", "multiple"), [(2, 1), (2, 2), (4, 1), (2, 3)])
+def test_split_matches_megatron_rope_and_reassembles(cp: int, multiple: int) -> None:
+    """For lengths shorter than 2*cp, odd and even: every rank's local positions are the ones
+    megatron's THD RoPE assigns to its tokens from the padded ``cu_seqlens`` (its own
+    ``_get_thd_freqs_on_this_cp_rank`` on a table of positions), the local count divides by
+    ``multiple`` (tp under SP), and concatenating the ranks' tokens in rank order then indexing with
+    ``real_index`` gives back the packed ids; padding carries ``IGNORE_INDEX`` labels."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+
+    torch.manual_seed(0)
+    lengths = [1, 3, 8, 5, 2, 13]
+    ids, pos, labels, cu = _packed(lengths)
+    pieces = []
+    for rank in range(cp):
+        lid, lpos, llab, split = split_packed(
+            ids, pos, labels, cu, group=None, multiple=multiple, cp_rank=(cp, rank)
+        )
+        assert lid.numel() % multiple == 0 and lid.numel() * cp == int(split.cu_padded[-1])
+        padded = (split.cu_padded[1:] - split.cu_padded[:-1]).tolist()
+        assert all(p % (2 * cp) == 0 for p in padded)
+        table = torch.arange(split.max_seqlen)
+        local = (torch.tensor(padded) // cp).tolist()
+        want = torch.cat(
+            [_get_thd_freqs_on_this_cp_rank(rank, cp, x, table) for x in torch.split(lpos, local)]
+        )
+        assert torch.equal(lpos, want), (rank, lpos, want)
+        pieces.append((lid, llab))
+    gathered_ids = torch.cat([p[0] for p in pieces])
+    gathered_labels = torch.cat([p[1] for p in pieces])
+    assert torch.equal(gathered_ids[split.real_index], ids)
+    assert torch.equal(gathered_labels[split.real_index], labels)
+    pad = torch.ones(gathered_ids.numel(), dtype=torch.bool)
+    pad[split.real_index] = False
+    assert bool((gathered_labels[pad] == IGNORE_INDEX).all())
+    assert split.cu_real[: len(lengths) + 1].tolist() == cu.tolist()
+
+
+_CASES: list[tuple[str, int, int, int, dict[str, Any], str | None]] = [
+    ("llama", 1, 1, 2, {}, None),  # CP2 x DP2: the token mean over dp x cp
+    ("qwen3", 2, 1, 2, {"sequence_parallel": True}, None),  # CP2 x TP2 with sequence parallelism
+    ("qwen2_tied", 1, 2, 2, {}, None),  # CP2 x PP2, tied embeddings
+    ("llama", 1, 1, 2, {}, "contiguous"),
+    ("llama", 1, 1, 2, {}, "kv_grad_not_summed"),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls() -> None:
+    """Packed variable-length micro-batches (24 tokens max; sequences of 1..12 tokens, some shorter
+    than 2*cp and of odd length) on 4 ranks at CP2xDP2, CP2xTP2 (SP) and CP2xPP2: per-token log-probs
+    on every rank, the token-mean loss over dp x cp, every gradient and the grad norm
+    ``optimizer_step`` reports equal the float64 HF model's.
+    Negative controls: a contiguous (not load-balanced) split breaks the log-probs, and a K/V gather
+    whose backward does not sum the CP ranks' gradients breaks the gradients while the forward stays
+    right, each by over 100x the tolerance."""
+    results = run_distributed(W.cp_cases, 4, _CASES, timeout_s=600)
+    n_tokens = None
+    for i, case in enumerate(_CASES):
+        per_rank = [r[i] for r in results]
+        for r in per_rank:
+            assert r["cp"] == 2.0 and r["entropy_finite"] == 1.0, (case, r)
+            n_tokens = r["n_tokens"] if n_tokens is None else n_tokens
+            assert r["n_tokens"] == n_tokens, (case, r)  # the global loss-token count N everywhere
+        negative = case[-1]
+        lp = max(r["lp"] for r in per_rank)
+        loss = max(r["loss"] for r in per_rank)
+        grad = max(r["grad_rel"] for r in per_rank)
+        if negative is None:
+            assert lp < LP_TOL and loss < LOSS_TOL and grad < GRAD_TOL, (case, per_rank)
+            # the reported global norm counts every gradient once (not once per CP rank)
+            for r in per_rank:
+                assert abs(r["norm"] - r["hf_norm"]) <= 1e-5 * r["hf_norm"], (case, r)
+        elif negative == "contiguous":
+            assert lp > 100 * LP_TOL, (case, per_rank)
+        else:
+            assert lp < LP_TOL and loss < LOSS_TOL, (case, per_rank)
+            assert grad > 100 * GRAD_TOL, (case, per_rank)
+    assert [r["dp"] for r in results[0]] == [2.0, 1.0, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "cp", "sp", "needle"),
+    [
+        (4, 1, 1, 3, False, r"world size 4 is not a multiple of tp\*pp\*cp = 1\*1\*3 = 3"),
+        (6, 2, 1, 2, True, r"world size 6 is not a multiple of tp\*pp\*cp = 2\*1\*2 = 4"),
+        (8, 1, 2, 0, False, r"cp=0 must be an int >= 1"),
+        (4, 1, 1, 2, True, r"sequence_parallel=True needs tp > 1"),
+    ],
+)
+def test_bad_cp_layouts_refused(world: int, tp: int, pp: int, cp: int, sp: bool, needle: str) -> None:
+    """Layouts with context parallelism the world or the options do not allow: ``ConfigError`` naming
+    the numbers, from the pure layout check the engine runs before any process group exists."""
+    arch = arch_of(tiny_config("qwen3"))
+    with pytest.raises(ConfigError, match=needle):
+        check_layout(arch, world=world, tp=tp, pp=pp, vpp=1, cp=cp, ep=1, etp=tp, sequence_parallel=sp)
+
+
+@pytest.mark.distributed
+def test_cp_attention_equals_full_attention() -> None:
+    """Without megatron, 2 gloo ranks: the load-balanced split, the K/V all-gather attention (GQA,
+    sequences of 1..13 tokens; ``multiple=3`` appends a padding sequence as sequence parallelism with
+    tp=3 would) and the output gather give float64 causal attention over the whole sequences, and the
+    ranks' gradients sum to the reference q/k/v gradients."""
+    multiples = [1, 3]
+    results = run_distributed(W.attention_vs_full, 2, "eager", multiples, timeout_s=120)
+    for per_rank in results:
+        for multiple, r in zip(multiples, per_rank):
+            assert r["out"] < 1e-12 and r["grad"] < 1e-12, (multiple, r)
+            assert r["local"] % multiple == 0, (multiple, r)
