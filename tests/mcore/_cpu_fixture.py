@@ -1,7 +1,9 @@
 """Test-only: run megatron-core on the CPU by mapping its direct CUDA calls to the CPU.
 
 megatron-core calls ``torch.cuda`` in many places (current device, RNG state and seeding, streams and
-events, ``device="cuda"`` allocations, ``.cuda()``, ``Tensor.type()`` checks in its optimizers). This
+events, ``device="cuda"`` allocations, ``.cuda()``, ``Tensor.type()`` checks in its optimizers, the MoE
+dispatcher's device-to-host copy of its split sizes) and gives gloo the uneven all-gather and
+reduce-scatter that NCCL has (MoE under expert tensor parallelism). This
 module replaces those process-wide: it changes global torch behaviour, so it lives in ``tests/`` and is
 installed only inside test processes (``install()``, idempotent). It also sets
 ``UNDERLAY_MCORE_CPU_FIXTURE=1``, the switch that lets ``MCoreEngine`` accept a CPU device; nothing
