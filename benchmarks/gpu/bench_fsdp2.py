@@ -49,6 +49,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -551,6 +552,7 @@ def main() -> int:
             r = bench_engine(cfg, work, args, dev, variant)
         except Exception as exc:  # one failing variant must not hide the others
             print(f"fsdp2/{variant} failed: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
             gc.collect()
             dev.empty_cache()
             continue

@@ -11,7 +11,12 @@ mcore >= 0.9x fsdp2); writes ``$OUT/mcore_bench.json``. Needs megatron-core (the
 
 ``--profile`` profiles one more step of each engine (torch profiler: the 30 costliest device ops and
 ``trace_gaps.py``'s idle-gap attribution) into ``OUT/mcore_profile_tp1.txt`` and
-``OUT/fsdp2_profile_<variant>.txt``: the comparison that shows where mcore's step loses time.
+``OUT/fsdp2_profile_<variant>.txt``: the comparison that shows where mcore's step loses time. It also
+counts the device->host synchronisations of one mcore ``forward_backward`` and one ``optimizer_step``
+(``torch.cuda.set_sync_debug_mode("warn")``: every synchronising CUDA call warns; grouped by the
+Python line that made it), for a batch given on the host and for the same batch on the device, into
+``OUT/mcore_syncs_tp1.json`` (expected: forward_backward = the metrics read at its end plus
+megatron's own, optimizer_step = the grad-norm read).
 """
 
 from __future__ import annotations
@@ -63,6 +68,12 @@ def bench_mcore(cfg: Any, work: list[Any], args: Any, dev: Any) -> dict[str, Any
     peak = dev.memory_stats().peak_allocated
     if args.profile and dev.is_accelerator:
         profile_mcore_step(engine, work[-1].batch, args.out)
+        syncs = count_syncs(engine, work[-1].batch)
+        print(json.dumps(syncs, indent=1), flush=True)
+        out_dir = Path(args.out) if args.out else None
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "mcore_syncs_tp1.json").write_text(json.dumps(syncs, indent=1))
     del engine
     gc.collect()
     dev.empty_cache()
@@ -97,6 +108,41 @@ def profile_mcore_step(engine: Any, batch: Any, out: str | None) -> None:
     text = f"profiled mcore step (tp1): wall {wall:.3f} s ('Self CUDA time total' is kernel time)\n{table}\n{gaps}"
     print(text, flush=True)
     (out_dir / "mcore_profile_tp1.txt").write_text(text)
+
+
+def count_syncs(engine: Any, batch: Any) -> dict[str, Any]:
+    """Synchronising CUDA calls of one ``forward_backward`` and one ``optimizer_step`` (under
+    ``torch.cuda.set_sync_debug_mode("warn")``), for ``batch`` on the host and on the device: per
+    phase the count and the ``file:line`` sites that made them (most frequent first)."""
+    import warnings
+    from collections import Counter
+    from collections.abc import Callable
+
+    result: dict[str, Any] = {}
+    for where, b in (
+        ("host_batch", batch.to(torch.device("cpu"))),
+        ("device_batch", batch.to(engine.device.torch_device())),
+    ):
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("forward_backward", lambda b=b: engine.forward_backward(b, bf.pg_loss)),
+            ("optimizer_step", engine.optimizer_step),
+        ]
+        for phase, call in calls:
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    call()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            sites = Counter(
+                f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+                for w in rec
+                if "synchroniz" in str(w.message)
+            )
+            result[f"{where}/{phase}"] = {"count": sum(sites.values()), "sites": dict(sites.most_common())}
+    return result
 
 
 def main() -> int:

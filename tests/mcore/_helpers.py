@@ -3,6 +3,7 @@ HF float64 reference of per-token log-probs and the token-mean loss gradient."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -127,3 +128,38 @@ def hf_reference(
         }
     )
     return lp.detach(), loss.detach(), grads
+
+
+def value_batch(seed: int, b: int = 4, s: int = 12) -> TokenBatch:
+    """``make_batch`` with per-token returns ``extras["ret"] [B, S]`` for a value loss."""
+    base = make_batch(seed, b, s)
+    g = torch.Generator().manual_seed(seed + 1000)
+    ret = torch.randn(b, s, generator=g)
+    return TokenBatch(base.input_ids, base.attention_mask, base.loss_mask, {"ret": ret})
+
+
+def value_loss(outputs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over loss tokens of ``0.5 * (value - ret)^2``, plus the sum of the values as a metric."""
+    m = batch.loss_mask.to(outputs.values.dtype)
+    err = outputs.values - batch.extras["ret"].to(outputs.values.dtype)
+    return (0.5 * err.pow(2) * m).sum(), {"value": (outputs.values * m).sum().detach()}
+
+
+def hf_value_reference(
+    hf_config: Any, batch: TokenBatch
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """float64 HF token-classification model (``num_labels=1``, seed 0, the fsdp2 engine's build) in
+    training mode: per-token values ``[B, S]`` (0 at padding), the token-mean value loss and its
+    gradients by HF name. Configs here set ``classifier_dropout=0`` so training mode is deterministic."""
+    from underlay.engines.fsdp2._build import build_model
+
+    cfg = copy.deepcopy(hf_config)
+    model = build_model(ModelConfig(hf_config=cfg, seed=0, kind="value"), cfg, meta=False).double()
+    model.train()
+    values = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., 0]
+    values = values * batch.attention_mask
+    m = batch.loss_mask.double()
+    loss = (0.5 * (values - batch.extras["ret"].double()).pow(2) * m).sum() / m.sum()
+    loss.backward()
+    grads = {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
+    return values.detach(), loss.detach(), grads

@@ -254,3 +254,260 @@ def grad_norm_layouts(
         del eng
         ps.destroy_model_parallel()
     return results
+
+
+def _value_engine(family: str, *, seed: int = 0, path: str | None = None, **sizes: Any) -> Any:
+    import dataclasses
+
+    cfg = H.tiny_config(family, classifier_dropout=sizes.pop("dropout", 0.0))
+    ecfg = H.engine_config(cfg, kind="value", **sizes)
+    model = dataclasses.replace(ecfg.model, seed=seed, path=path, hf_config=None if path else cfg)
+    return cfg, H.make_engine(dataclasses.replace(ecfg, model=model))
+
+
+def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str, float]:
+    """A value model (``kind="value"``, no dropout) at TP2, TP2 + sequence parallelism and PP2 on two
+    ranks, one after the other: ``infer`` values, the token-mean value loss of ``forward_backward``
+    over packed variable-length micro-batches and every gradient (score head included) against the
+    float64 HF token-classification model; ``shifted`` is the error a causal-LM style one-token shift
+    of the values would have (the negative control). At PP2: ``export_hf`` -> transformers reload
+    (rank 0), and ``load_hf`` of that export and ``load_checkpoint`` of a PP2 checkpoint each into a
+    TP2 engine of another seed. A value model built
+    from a causal-LM directory takes its backbone from the files and the head from the seed. With
+    ``classifier_dropout=0.5`` at TP2 the training values differ from ``infer``'s and agree on both
+    TP ranks."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from underlay.engines.mcore.weights import MCoreWeightLoader
+
+    out: dict[str, float] = {}
+    batch = H.value_batch(31)
+    cfg = H.tiny_config(family, classifier_dropout=0.0)
+    ref_v, ref_loss, ref_grads = H.hf_value_reference(cfg, batch)
+    m = batch.attention_mask.double()
+    for tag, sizes in (
+        ("tp2", {"tp": 2}),
+        ("tp2sp", {"tp": 2, "sequence_parallel": True}),
+        ("pp2", {"pp": 2}),
+    ):
+        _, eng = _value_engine(family, **sizes)
+        values = eng.infer(batch).values.double()
+        res = eng.forward_backward(batch, H.value_loss)
+        grads = grad_by_hf_name(eng)
+        out[f"{tag}_values"] = float((values - ref_v).abs().max())
+        shifted = torch.cat([torch.zeros_like(values[:, :1]), values[:, :-1]], 1) * m
+        out[f"{tag}_shifted"] = float((shifted - ref_v).abs().max())
+        out[f"{tag}_loss"] = abs(res.metrics["loss"] - float(ref_loss))
+        out[f"{tag}_tokens"] = float(res.loss_tokens - int(batch.loss_mask.sum()))
+        out[f"{tag}_names"] = float(set(grads) == set(ref_grads))
+        out[f"{tag}_grad_rel"] = max(
+            float((grads[n].double() - r).abs().max() / (r.abs().max() + 1e-6)) for n, r in ref_grads.items()
+        )
+        if tag == "pp2":
+            (Path(out_dir) / "ckpt").mkdir(exist_ok=True)
+            eng.save_checkpoint(Path(out_dir) / "ckpt")
+            path = MCoreWeightLoader().export_hf(eng, str(Path(out_dir) / "value"))
+            if path is not None:
+                from transformers import AutoModelForTokenClassification
+
+                hf = AutoModelForTokenClassification.from_pretrained(str(path)).double().eval()
+                again = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., 0]
+                out["export_values"] = float((again * m - ref_v).abs().max())
+                out["export_class"] = float(type(hf).__name__.endswith("ForTokenClassification"))
+        del eng
+        ps.destroy_model_parallel()
+    dist.barrier()
+    # the PP2 checkpoint (dist_checkpointing, head included) resharded into a TP2 engine of another seed
+    _, eng = _value_engine(family, seed=3, tp=2)
+    out["ckpt_before"] = float((eng.infer(batch).values.double() - ref_v).abs().max())
+    eng.load_checkpoint(Path(out_dir) / "ckpt")
+    out["ckpt_values"] = float((eng.infer(batch).values.double() - ref_v).abs().max())
+    del eng
+    ps.destroy_model_parallel()
+    # load_hf of the exported value model into a TP2 engine seeded differently
+    _, eng = _value_engine(family, seed=3, tp=2)
+    report = MCoreWeightLoader().load_hf(eng, str(Path(out_dir) / "value"))
+    out["load_report_clean"] = float(not report.missing and not report.unexpected)
+    out["load_values"] = float((eng.infer(batch).values.double() - ref_v).abs().max())
+    del eng
+    ps.destroy_model_parallel()
+    # a value model from a causal-LM directory: backbone from the files, head from the seed
+    causal = Path(out_dir) / "causal"
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(str(causal))
+    dist.barrier()
+    _, eng = _value_engine(family, path=str(causal), pp=2)
+    from safetensors.torch import load_file
+
+    files = load_file(str(causal / "model.safetensors"))
+    full = dict(eng.named_full_tensors())
+    out["causal_backbone"] = max(float((full[n] - t).abs().max()) for n, t in files.items() if n in full)
+    out["causal_lm_head_dropped"] = float("lm_head.weight" not in full)
+    from underlay.engines.mcore._hf import seeded_hf_state, value_hf_config
+    from underlay.interfaces import ModelConfig
+
+    vcfg = value_hf_config(cfg)
+    head = seeded_hf_state(ModelConfig(hf_config=vcfg, seed=0, kind="value"), vcfg)
+    out["causal_head_seeded"] = max(
+        float((full[n] - head[n]).abs().max()) for n in ("score.weight", "score.bias")
+    )
+    del eng
+    ps.destroy_model_parallel()
+    # dropout in training: the same mask on both TP ranks, none in infer
+    _, eng = _value_engine(family, tp=2, dropout=0.5)
+    seen: list[torch.Tensor] = []
+
+    def capture(outputs: Any, b: Any) -> Any:
+        seen.append(outputs.values.detach().clone())
+        return H.value_loss(outputs, b)
+
+    res = eng.forward_backward(batch, capture)
+    train = torch.cat([v.reshape(-1) for v in seen])
+    other = [torch.zeros_like(train) for _ in range(world)]
+    dist.all_gather(other, train)
+    out["dropout_tp_agree"] = float(torch.equal(other[0], other[1]))
+    clean = eng.infer(batch).values
+    lm = batch.loss_mask.to(clean.dtype)
+    eval_loss = float((0.5 * (clean - batch.extras["ret"]).pow(2) * lm).sum() / lm.sum())
+    out["dropout_loss_change"] = abs(res.metrics["loss"] - eval_loss)
+    return out
+
+
+_SYNC_METHODS = frozenset(
+    {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "unique"}
+)
+
+
+def host_syncs(rank: int, world: int) -> dict[str, Any]:
+    """Where the data path of ``forward_backward`` and ``infer`` reads device values on the host.
+
+    The CPU has no device, so the engine's one host->device entry point (``_to_device``) is wrapped
+    to return a marked tensor subclass: every tensor computed from the batch after it went to the
+    "device" stays marked (``__torch_function__``), and each call on a marked tensor that needs its
+    values on the host (``item``, ``tolist``, ``bool``/``int``/``float``, ``nonzero``, ``cpu``, ...:
+    a synchronisation on an accelerator) is recorded with its innermost non-torch caller. Returns
+    those callers (``file:line function``) per phase, and whether the step's numbers match an
+    unwrapped engine's (the marking changes nothing). Also: malformed batches raise ``InvalidInput``
+    with their messages before any gradient is accumulated or the step counter moves."""
+    import os
+    import traceback
+
+    from megatron.core import parallel_state as ps
+
+    from underlay.interfaces import InvalidInput, TokenBatch
+
+    sites: list[str] = []
+
+    class Marked(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if getattr(func, "__name__", "") in _SYNC_METHODS:
+                for frame in reversed(traceback.extract_stack()[:-1]):
+                    inner = f"{os.sep}torch{os.sep}" in frame.filename or frame.filename.endswith(
+                        "_cpu_fixture.py"
+                    )
+                    if not inner:
+                        parts = Path(frame.filename).parts
+                        short = "/".join(parts[-3:])
+                        sites.append(f"{short}:{frame.lineno} {frame.name} [{func.__name__}]")
+                        break
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    from pathlib import Path
+
+    cfg = H.tiny_config("qwen3")
+    batch = H.make_batch(41)
+    out: dict[str, Any] = {}
+    plain = H.make_engine(H.engine_config(cfg))
+    ref = plain.forward_backward(batch, H.pg_loss)
+    ref_norm = plain.optimizer_step().grad_norm
+    del plain
+    ps.destroy_model_parallel()
+    eng = H.make_engine(H.engine_config(cfg))
+    original = eng._to_device
+    eng._to_device = lambda t: original(t).as_subclass(Marked)
+    phases: dict[str, list[str]] = {}
+    res = eng.forward_backward(batch, H.pg_loss)
+    phases["forward_backward"], sites[:] = list(sites), []
+    step = eng.optimizer_step()
+    phases["optimizer_step"], sites[:] = list(sites), []
+    eng.infer(batch, with_entropy=True)
+    phases["infer"], sites[:] = list(sites), []
+    out["phases"] = phases
+    out["same_step"] = float(
+        abs(res.metrics["loss"] - ref.metrics["loss"]) < 1e-7
+        and res.loss_tokens == ref.loss_tokens
+        and abs(step.grad_norm - ref_norm) < 1e-6
+    )
+    # malformed input: the error and its message, before any state changes
+    step_before = eng.global_step
+    good = H.make_batch(42)
+    bad = {
+        "empty_row": TokenBatch(
+            good.input_ids, good.attention_mask * torch.tensor([[1], [0], [1], [1]]), good.loss_mask
+        ),
+        "id_range": TokenBatch(good.input_ids + H.VOCAB, good.attention_mask, good.loss_mask),
+        "negative_id": TokenBatch(good.input_ids - H.VOCAB, good.attention_mask, good.loss_mask),
+        "dtype": TokenBatch(good.input_ids.float(), good.attention_mask, good.loss_mask),
+        "empty": TokenBatch(good.input_ids[:0], good.attention_mask[:0], good.loss_mask[:0]),
+    }
+    messages: dict[str, str] = {}
+    for name, b in bad.items():
+        for call in ("forward_backward", "infer"):
+            try:
+                if call == "forward_backward":
+                    eng.forward_backward(b, H.pg_loss)
+                else:
+                    eng.infer(b)
+                messages[f"{name}/{call}"] = "no error"
+            except InvalidInput as exc:
+                messages[f"{name}/{call}"] = str(exc)
+    out["messages"] = messages
+    out["grads_untouched"] = float(
+        all(float(p.main_grad.abs().max()) == 0.0 for c in eng.chunks for p in c.parameters())
+    )
+    out["step_unchanged"] = float(eng.global_step == step_before)
+    del eng
+    ps.destroy_model_parallel()
+    out["value_step"] = value_step_vs_fsdp2(rank, world)  # shares this process (one spawn fewer)
+    return out
+
+
+def value_step_vs_fsdp2(rank: int, world: int) -> dict[str, float]:
+    """One forward_backward + clipped AdamW step of a value model (qwen3, no dropout) on mcore and on
+    fsdp2 from the same seed and batch: the largest parameter difference after the step (every
+    parameter, score head included, by HF name), how far the step moved them, the loss and
+    grad-norm differences, and whether both engines hold the same HF names."""
+    import copy
+
+    from underlay.engines.fsdp2.engine import FSDP2Engine
+    from underlay.registry import get_device
+
+    cfg = H.tiny_config("qwen3", classifier_dropout=0.0)
+    mc = H.make_engine(H.engine_config(copy.deepcopy(cfg), kind="value"))
+    fs = FSDP2Engine(H.engine_config(copy.deepcopy(cfg), kind="value"), get_device("cpu"))
+    batch = H.value_batch(51)
+    before = {n: t.clone() for n, t in mc.named_full_tensors()}
+    r1 = mc.forward_backward(batch, H.value_loss)
+    s1 = mc.optimizer_step()
+    r2 = fs.forward_backward(batch, H.value_loss)
+    s2 = fs.optimizer_step()
+    after_m = {n: t.clone() for n, t in mc.named_full_tensors()}
+    after_f = {n: t.clone() for n, t in fs.named_full_tensors()}
+    return {
+        "names": float(set(after_m) == set(after_f) and "score.weight" in after_m),
+        "param": max(float((after_m[n] - after_f[n]).abs().max()) for n in after_m),
+        "moved": max(float((after_m[n] - before[n]).abs().max()) for n in after_m),
+        "head_moved": float((after_m["score.weight"] - before["score.weight"]).abs().max()),
+        "loss": abs(r1.metrics["loss"] - r2.metrics["loss"]),
+        "value_metric": abs(r1.metrics["value"] - r2.metrics["value"]),
+        "norm": abs(s1.grad_norm - s2.grad_norm),
+        "skipped": float(s1.skipped or s2.skipped),
+    }

@@ -179,7 +179,9 @@ def test_registry_refuses_mcore_on_cpu() -> None:
         ({}, {"sequence_parallel": "yes"}, "sequence_parallel='yes'"),
         ({}, {"vpp": 2}, "unknown mcore option"),
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),
-        ({"model": {"kind": "value"}}, {}, "causal LMs only"),
+        # a value model whose head dropout transformers' rule reads as 1.0 (everything dropped)
+        ({"model": {"kind": "value"}, "hf": {"classifier_dropout": 1.0}}, {}, r"value-head dropout 1.0"),
+        ({"model": {"kind": "value"}, "parallel": {"cp": 2}}, {}, "value model with cp=2"),
         ({"model": {"lora": {"rank": 4}}}, {}, "LoRA"),
     ],
 )
@@ -191,7 +193,7 @@ def test_engine_refuses_before_any_state(
     from underlay.interfaces import EngineConfig, LoraConfig, ModelConfig, ParallelConfig
     from underlay.registry import get_device
 
-    model: dict[str, object] = {"hf_config": tiny_config("llama")}
+    model: dict[str, object] = {"hf_config": tiny_config("llama", **over.get("hf", {}))}
     model.update(over.get("model", {}))
     if "lora" in model:
         model["lora"] = LoraConfig(**model["lora"])  # type: ignore[arg-type]

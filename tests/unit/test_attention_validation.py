@@ -263,3 +263,27 @@ def test_one_validated_entry_normalises_the_call(monkeypatch: pytest.MonkeyPatch
             softcap=None,
             sinks=torch.zeros(3),
         )
+
+
+def test_attached_host_lengths_are_used_without_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attach_seqlens`` (the mcore engine packs on the host and attaches the lengths it built
+    ``cu_seqlens`` from): the checks take them with no read of the tensor, ``max_seqlen`` is still
+    checked, an in-place change drops them (read again), negative lengths are refused."""
+    import underlay.ops.attention as att
+
+    reads: list[int] = []
+    real = att._read_lengths
+
+    def counting(cu: torch.Tensor, total: int, name: str) -> list[int]:
+        reads.append(int(cu.numel()))
+        return real(cu, total, name)
+
+    monkeypatch.setattr(att, "_read_lengths", counting)
+    cu = att.attach_seqlens(torch.tensor([0, 3, 10], dtype=torch.int32), LENS)
+    assert att.seqlens_from_cu(cu, 10, 7, "cu_seqlens_q") == LENS and not reads
+    with pytest.raises(InvalidInput, match="max_seqlen 6 is smaller"):
+        att.seqlens_from_cu(cu, 10, 6, "cu_seqlens_q")
+    cu[2] = 9
+    assert att.seqlens_from_cu(cu, 9, 6, "cu_seqlens_q") == [3, 6] and len(reads) == 1
+    with pytest.raises(InvalidInput, match="must be >= 0"):
+        att.attach_seqlens(torch.tensor([0, 3], dtype=torch.int32), [-1])

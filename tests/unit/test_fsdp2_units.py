@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -294,3 +295,29 @@ def test_compile_leaves_the_vision_tower_eager() -> None:
     assert compile_layer_parts(model, backend="aot_eager", scope="layer") == len(text)
     assert all("forward" in vars(layer) for layer in text)
     assert not any("forward" in vars(block) for block in vision)
+
+
+@pytest.mark.parametrize(("dynamic", "graphs"), [(None, 2), (True, 1)])
+def test_recompute_compiles_one_dynamic_graph_per_layer(dynamic: bool | None, graphs: int) -> None:
+    """Under recomputation the engine compiles with ``dynamic=True``: one graph serves every length, so
+    the recomputed forward cannot pick another graph than the forward did (by default a first static
+    graph and a later dynamic one coexist, and both match a later length)."""
+    from transformers import AutoModelForCausalLM
+
+    from underlay.engines.fsdp2.parallelize import apply_activation_checkpointing, compile_layer_parts
+
+    compiled: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> Any:
+        compiled.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama(), dtype=torch.float64)
+    apply_activation_checkpointing(model, "full")
+    compile_layer_parts(model, backend=counting, scope="layer", dynamic=dynamic)  # type: ignore[arg-type]
+    for length in (9, 12, 15):
+        ids = torch.randint(0, 64, (1, length))
+        model(input_ids=ids).logits.square().mean().backward()
+    assert len(compiled) == graphs

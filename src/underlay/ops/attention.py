@@ -28,6 +28,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "AttentionCall",
     "allowed_mask",
+    "attach_seqlens",
     "attention_spec",
     "check_options",
     "check_padded",
@@ -216,6 +217,18 @@ def seqlens_from_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int, name:
         setattr(cu_seqlens, _LENGTHS_ATTR, (cu_seqlens._version, total, tuple(lens)))
     _check_max_seqlen(max_seqlen, lens, name)
     return lens
+
+
+def attach_seqlens(cu_seqlens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Record the host-known per-sequence ``lengths`` of ``cu_seqlens`` on the tensor (as
+    ``seqlens_from_cu`` caches them after reading it), so the varlen checks read no device values.
+    For a caller that built ``cu_seqlens`` from ``lengths`` on the host and copied it to the device
+    (the mcore engine's packed micro-batches): the lengths must be the tensor's (they are trusted,
+    not re-read). ``InvalidInput`` for a negative length. Returns ``cu_seqlens``."""
+    if any(n < 0 for n in lengths):
+        raise InvalidInput(f"attach_seqlens: lengths {lengths[:8]} must be >= 0")
+    setattr(cu_seqlens, _LENGTHS_ATTR, (cu_seqlens._version, sum(lengths), tuple(int(n) for n in lengths)))
+    return cu_seqlens
 
 
 _LENGTHS_ATTR = "_underlay_lengths"

@@ -38,6 +38,9 @@ from typing import Literal
 
 from underlay.engines.fsdp2.options import FSDP2Options
 
+OFFLOAD_CHUNK_BYTES = 1 << 30
+"""State bytes per streamed chunk of ``HostOffloadAdamW`` (``optimizer_offload``)."""
+
 __all__ = [
     "AUTO_COMPILE_BUDGET",
     "DeviceDefaults",
@@ -236,7 +239,9 @@ def estimate_memory(
     states, each sharded over ``dp`` ranks (``optimizer_offload``: the AdamW state lives on the host;
     ``cpu_offload``: all three do). Unsharded ``param_bytes`` parameters: the whole model when
     ``keep_unsharded`` (``reshard_after_forward=False``), else the root and two layers (one prefetched).
-    Transient: one layer's unsharded gradient and its fp32 reduce buffer. Activations: ``tokens`` (one
+    With ``optimizer_offload`` the device holds three streamed chunks of the state (at least one
+    parameter's each). Transient: the unsharded gradient of the largest FSDP unit (a decoder layer or
+    the root) and its fp32 reduce buffer. Activations: ``tokens`` (one
     micro-batch, ``micro_batch_max_tokens``; divided over ``ulysses`` ranks) x layers x
     ``activation_bytes_per_token_layer``, or with ``recompute="full"`` the layer inputs plus one layer's
     activations; ``activation_offload`` (saved activations in host memory, one layer of slack and one
@@ -245,12 +250,22 @@ def estimate_memory(
     p, t = shape.params, shape.trainable
     master = 0 if cpu_offload else 4 * p // dp
     grads = 0 if cpu_offload else 4 * t // dp
-    optim = 0 if (cpu_offload or optimizer_offload) else 8 * t // dp
+    if cpu_offload:
+        optim = 0
+    elif optimizer_offload:
+        # the streamed state: three chunks in flight, a chunk at least one parameter's state (the
+        # embedding and the head are the largest tensors)
+        largest = 8 * min(t, shape.vocab * shape.hidden) // dp
+        optim = 3 * max(OFFLOAD_CHUNK_BYTES, largest)
+    else:
+        optim = 8 * t // dp
     if keep_unsharded:
         unsharded = param_bytes * p
     else:
         unsharded = param_bytes * (shape.root_params + 2 * shape.layer_params)
-    transient = shape.layer_params * (param_bytes + 4)
+    # the unsharded gradients of one FSDP unit and their fp32 reduce buffer: a decoder layer, or the
+    # root unit (embeddings, head) at the end of backward when that is larger
+    transient = max(shape.layer_params, shape.root_params) * (param_bytes + 4)
     n = -(-tokens // ulysses)
     per_layer = activation_bytes_per_token_layer(
         shape, compiled=compiled, compile_memory_budget=compile_memory_budget, param_bytes=param_bytes

@@ -147,6 +147,7 @@ class FSDP2Engine:
                 model,
                 backend=_compile_backend(),
                 scope="layer_parts" if compile_opt is True else str(compile_opt),
+                dynamic=True if self._recompute == "full" else None,
             )
         # outermost around each layer's (compiled, checkpointed) forward: see act_offload
         self._act_offload = install_activation_offload(model, device, options)

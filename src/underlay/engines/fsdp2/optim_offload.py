@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_functional
 
+from underlay.engines.fsdp2.defaults import OFFLOAD_CHUNK_BYTES
 from underlay.interfaces import CheckpointError, ConfigError
 
 __all__ = ["HostOffloadAdamW"]
@@ -54,7 +55,7 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         eps: float,
         weight_decay: float,
         fused: bool,
-        chunk_bytes: int = 1 << 30,
+        chunk_bytes: int = OFFLOAD_CHUNK_BYTES,
         pin_memory: bool = False,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
@@ -78,7 +79,10 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         pin = self._pin and local.device.type != "cpu"
         host = torch.zeros(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
         if isinstance(p, DTensor):
-            return DTensor.from_local(host, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            # the constructor, not ``DTensor.from_local``: that one moves the local tensor to the mesh's
+            # device type, which would put the whole state back on the accelerator (FSDP2's own CPU
+            # offload builds its host-resident shards the same way)
+            return DTensor(host, p._spec, requires_grad=False)  # type: ignore[no-untyped-call]
         return host
 
     def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -163,7 +163,13 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
         cfg.use_cache = False
 
 
-def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope: str = "layer_parts") -> int:
+def compile_layer_parts(
+    model: torch.nn.Module,
+    backend: str = "inductor",
+    scope: str = "layer_parts",
+    *,
+    dynamic: bool | None = None,
+) -> int:
     """``torch.compile`` (in place) parts of every decoder layer so that their elementwise chains (fp32
     norm arithmetic, rotary, SiLU x up) fuse into few kernels. ``scope`` is one of ``COMPILE_SCOPES``:
     ``"layer"`` compiles each layer's bound ``forward`` (one graph per layer when the attention kernel
@@ -172,8 +178,12 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
     adds eager. Sequence lengths vary between micro-batches, so shapes become dynamic after the first
     recompile. Returns how many layers or modules were compiled (in the module scopes ``TiledMLP`` is
     left alone: it loops over tiles by design); ``backend`` is passed to ``torch.compile`` (tests use
-    ``"aot_eager"``). Vision-tower blocks of vision-language models are left eager (see
-    ``_vision_tower_modules``). Raises ``ConfigError`` for another scope."""
+    ``"aot_eager"``). ``dynamic`` is passed to ``torch.compile``: use ``True`` under recomputation, so
+    each layer has one graph with symbolic sizes from the start; otherwise the first static graph and the
+    dynamic one compiled at the next length both match a later input, the recomputation may pick the
+    other graph than the forward did (dynamo reorders its cache entries), and ``torch.utils.checkpoint``
+    refuses the different saved tensors. Vision-tower blocks of vision-language models are left eager
+    (see ``_vision_tower_modules``). Raises ``ConfigError`` for another scope."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope {scope!r}: use one of {COMPILE_SCOPES}")
     tower = _vision_tower_modules(model)
@@ -185,7 +195,9 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
             # it; the class's forward is looked up at call time because fully_shard swaps the class
             # for a subclass, and transformers checkpoints (recompute="full") only when that class's
             # forward is the one called (a bound method taken now would silently skip recomputation)
-            layer.forward = torch.compile(functools.partial(_class_forward, layer), backend=backend)
+            layer.forward = torch.compile(
+                functools.partial(_class_forward, layer), backend=backend, dynamic=dynamic
+            )
         return len(layers)
     suffixes: tuple[str, ...] = ("RMSNorm", "MLP") + (("Attention",) if scope == "layer_parts" else ())
     count = 0
@@ -197,7 +209,7 @@ def compile_layer_parts(model: torch.nn.Module, backend: str = "inductor", scope
                 continue
             if any(any(m is module for m in outer.modules()) for outer in inside_compiled):
                 continue  # e.g. q_norm inside a compiled attention module
-            module.compile(backend=backend)
+            module.compile(backend=backend, dynamic=dynamic)
             inside_compiled.append(module)
             count += 1
     return count

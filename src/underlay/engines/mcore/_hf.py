@@ -11,7 +11,7 @@ import torch
 
 from underlay.interfaces import ConfigError, ModelConfig
 
-__all__ = ["hf_config_of", "seeded_hf_state", "signature_diff"]
+__all__ = ["hf_config_of", "seeded_hf_state", "signature_diff", "value_hf_config"]
 
 
 def hf_config_of(model_cfg: ModelConfig) -> Any:
@@ -30,14 +30,37 @@ def hf_config_of(model_cfg: ModelConfig) -> Any:
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def seeded_hf_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.Tensor]:
-    """The fp32 causal LM built on the cpu under ``torch.manual_seed(model_cfg.seed)`` (global RNG state
-    restored afterwards), as tensors under the names ``save_pretrained`` writes (per-expert MoE names)."""
-    from transformers import AutoModelForCausalLM
+def value_hf_config(hf_config: Any) -> Any:
+    """A copy of ``hf_config`` for a value model: ``num_labels=1`` and ``architectures`` naming the
+    family's ``*ForTokenClassification`` class (what ``export_hf`` writes, so transformers reloads it
+    with ``AutoModelForTokenClassification``). The caller's config is not changed."""
+    import copy
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    cfg = copy.deepcopy(hf_config)
+    cfg.num_labels = 1
+    name = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(str(getattr(cfg, "model_type", "")))
+    if name is None:
+        raise ConfigError(
+            f"mcore: ModelConfig.kind='value' for model_type {getattr(cfg, 'model_type', None)!r}: "
+            "transformers has no token-classification model for it"
+        )
+    cfg.architectures = [name]
+    return cfg
+
+
+def seeded_hf_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.Tensor]:
+    """The fp32 model built on the cpu under ``torch.manual_seed(model_cfg.seed)`` (global RNG state
+    restored afterwards): the causal LM, or for ``kind="value"`` the token-classification model
+    (``hf_config.num_labels`` must be 1), as the fsdp2 engine builds them; as tensors under the names
+    ``save_pretrained`` writes (per-expert MoE names)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if model_cfg.kind == "value" else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_cfg.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model = auto.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     return per_expert_names(state)
 

@@ -12,6 +12,7 @@ megatron's global parallel state (``check_layout`` runs before any process group
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from underlay.interfaces import ConfigError
 
-__all__ = ["MCoreArch", "arch_of", "check_layout", "transformer_config_kwargs"]
+__all__ = ["MCoreArch", "arch_of", "check_layout", "transformer_config_kwargs", "value_arch"]
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
@@ -29,7 +30,11 @@ class MCoreArch:
     """The architecture facts the conversion and the weight map need (all from the HF config).
 
     ``head_dim`` is the per-head width (``kv_channels``), ``num_query_groups`` the number of k/v heads;
-    ``num_experts``/``moe_topk``/``moe_ffn`` are 0 for dense models.
+    ``num_experts``/``moe_topk``/``moe_ffn`` are 0 for dense models. ``value_head``: a value model
+    (``ModelConfig.kind="value"``, see ``value_arch``): the last stage ends in the token-classification
+    head ``score`` (``[1, hidden]`` weight, a ``[1]`` bias when ``value_bias``, dropout
+    ``value_dropout`` on its input in training) instead of the vocabulary output layer; ``tied`` is
+    then ``False`` (no output layer shares the embedding).
     """
 
     model_type: str
@@ -50,6 +55,9 @@ class MCoreArch:
     moe_topk: int = 0
     moe_ffn: int = 0
     norm_topk_prob: bool = True
+    value_head: bool = False
+    value_bias: bool = True
+    value_dropout: float = 0.0
 
     @property
     def is_moe(self) -> bool:
@@ -152,6 +160,30 @@ def arch_of(hf_config: Any) -> MCoreArch:
         moe_topk=topk,
         moe_ffn=moe_ffn,
         norm_topk_prob=norm_topk,
+    )
+
+
+def value_arch(arch: MCoreArch, hf_config: Any) -> MCoreArch:
+    """``arch`` as the value model transformers builds with ``AutoModelForTokenClassification`` and
+    ``num_labels=1``: the backbone, then ``score = Linear(hidden, 1, bias=token_classification_bias)``
+    on the final (normed) hidden state of every token, after a dropout of ``classifier_dropout``
+    (else ``hidden_dropout``, else 0.1, transformers' rule) that is active in training only. No
+    vocabulary output layer, so nothing is tied. ``ConfigError`` for a dropout outside ``[0, 1)``."""
+    cfg = hf_config
+    rate = getattr(cfg, "classifier_dropout", None)
+    if rate is None:
+        rate = getattr(cfg, "hidden_dropout", None)
+    dropout = 0.1 if rate is None else float(rate)
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(
+            f"mcore: value-head dropout {dropout} (classifier_dropout/hidden_dropout) must be in [0, 1)"
+        )
+    return dataclasses.replace(
+        arch,
+        tied=False,
+        value_head=True,
+        value_bias=bool(getattr(cfg, "token_classification_bias", True)),
+        value_dropout=dropout,
     )
 
 

@@ -10,9 +10,16 @@ Training runs megatron's pipeline schedules (``get_forward_backward_func``) over
 (``PackedSeqParams``); the output layer returns the final hidden states and the log-probs come from the
 vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are never built. The loss is
 ``sum(loss) / N`` with ``N`` the loss tokens over dp x cp: megatron's per-token-loss mode
-(``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces.
+(``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces. A value
+model's last stage runs ``layers.ValueHead`` instead (per-token values, no vocabulary projection).
 Context parallelism splits each micro-batch's sequences into megatron's load-balanced chunks
 (``context_parallel``); per-token outputs are gathered back so every CP rank sees the whole micro-batch.
+
+Host synchronisation: batches are validated, planned and packed on the host (micro-batch tensors are
+queued to the device without waiting; the attention kernel gets the host lengths), so the data path
+reads no device values (without context parallelism); per step what is read back is the metrics and
+token count at the end of ``forward_backward`` (one all-reduce) and the grad norm in
+``optimizer_step`` (it decides a skip).
 
 Options (``EngineConfig.options``, see ``MCoreOptions``).
 """
@@ -40,10 +47,11 @@ from underlay.engines.mcore.config import (
     check_interleaved_count,
     check_layout,
     transformer_config_kwargs,
+    value_arch,
 )
 from underlay.engines.mcore.context_parallel import CPSplit
 from underlay.engines.mcore.options import MCoreOptions
-from underlay.engines.mcore.weightmap import Rule, hf_shapes, stage_rules
+from underlay.engines.mcore.weightmap import VALUE_HEAD_NAMES, Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
     IGNORE_INDEX,
     BackendUnavailable,
@@ -85,19 +93,22 @@ class _MicroBatch:
     labels: torch.Tensor  # [T'] next-token ids, IGNORE_INDEX at sequence ends and padding
     params: Any  # PackedSeqParams
     real: int  # T
+    rows: torch.Tensor  # [b] int64 rows of the whole batch (device), empty for the stand-in
     cp: CPSplit | None = None  # context parallelism: how this rank's tokens map to the micro-batch
 
 
 class MCoreEngine:
-    """A Hugging Face causal LM as megatron-core ``GPTModel`` chunks with DDP and megatron's optimizer.
+    """A Hugging Face causal LM (or, with ``ModelConfig.kind="value"``, its token-classification value
+    model: ``layers.ValueHead`` in place of the output layer) as megatron-core ``GPTModel`` chunks with
+    DDP and megatron's optimizer.
 
     Collective over the default process group. Needs an accelerator device; on a CPU device it raises
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, value models, ``etp != tp``, and ``batch_p2p_comm=True`` with virtual pipelines at
-    ``pp=2``. Virtual pipelines run megatron's interleaved schedule over micro-batches padded to one
-    token count per step; expert parallelism runs megatron's alltoall dispatcher."""
+    LoRA, ``etp != tp``, and ``batch_p2p_comm=True`` with virtual pipelines at ``pp=2``. Virtual
+    pipelines run megatron's interleaved schedule over micro-batches padded to one token count per
+    step; expert parallelism runs megatron's alltoall dispatcher."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
         opts: MCoreOptions = resolve_options(MCoreOptions, config.options, "mcore")
@@ -110,9 +121,14 @@ class MCoreEngine:
                 "mcore: LoRA is not supported by the mcore engine (megatron-core has no simple LoRA); "
                 "use the fsdp2 engine for LoRA"
             )
-        if mc.kind != "causal_lm":
-            raise ConfigError(f"mcore: ModelConfig.kind={mc.kind!r}; the mcore engine builds causal LMs only")
+        if mc.kind not in ("causal_lm", "value"):
+            raise ConfigError(f"mcore: ModelConfig.kind={mc.kind!r}; use 'causal_lm' or 'value'")
         par = config.parallel
+        if mc.kind == "value" and par.cp > 1:
+            raise ConfigError(
+                f"mcore: a value model with cp={par.cp}: the value head under context parallelism is not "
+                "verified in this engine's tests; use cp=1 for value models (tp/pp/sequence_parallel work)"
+            )
         if par.ulysses > 1:
             raise ConfigError(
                 f"mcore: ulysses={par.ulysses}: Ulysses sequence parallelism is an fsdp2 feature; megatron "
@@ -136,10 +152,14 @@ class MCoreEngine:
             raise ConfigError(
                 f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
             )
-        from underlay.engines.mcore._hf import hf_config_of
+        from underlay.engines.mcore._hf import hf_config_of, value_hf_config
 
+        self._value = mc.kind == "value"
         self._hf_config = hf_config_of(mc)
         self._arch = arch_of(self._hf_config)
+        if self._value:
+            self._hf_config = value_hf_config(self._hf_config)
+            self._arch = value_arch(self._arch, self._hf_config)
         if not device.is_accelerator and os.environ.get(CPU_FIXTURE_ENV) != "1":
             raise BackendUnavailable(
                 "engine",
@@ -220,6 +240,9 @@ class MCoreEngine:
             "tp": ps.get_tensor_model_parallel_group(),
             "pp": ps.get_pipeline_model_parallel_group(),
         }
+        from underlay.engines.mcore.layers import have_te
+
+        self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
         chunks = self._build_chunks()
         self._fill(chunks)
         self._chunks = self._wrap_ddp(chunks)
@@ -288,13 +311,35 @@ class MCoreEngine:
                 rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
                 vp_stage=vp,
             )
-            if model.post_process:
+            if model.post_process and arch.value_head:
+                model.output_layer = self._value_head()
+            elif model.post_process:
                 _return_hidden(model.output_layer, self._tf_config.sequence_parallel)
             # before DDP and the optimizer: both read these attributes (grad norm, optimizer shards)
             mark_tensor_parallel(model)
             model.to(self._torch_device)
             chunks.append(model)
         return chunks
+
+    def _value_head(self) -> torch.nn.Module:
+        """The value model's head for the last stage (replaces the vocabulary output layer); its dropout
+        seed differs per data-parallel rank (and per TP rank under sequence parallelism)."""
+        from megatron.core import parallel_state as ps
+
+        from underlay.engines.mcore.layers import ValueHead
+
+        a = self._arch
+        rank = ps.get_data_parallel_rank()
+        if self._tf_config.sequence_parallel:
+            rank = rank * self._layout.tp + ps.get_tensor_model_parallel_rank()
+        return ValueHead(
+            self._tf_config,
+            a.hidden,
+            bias=a.value_bias,
+            dropout=a.value_dropout,
+            seed=self._config.model.seed * 65_537 + rank,
+            tp_group=ps.get_tensor_model_parallel_group(),
+        )
 
     def chunk_rules(self, chunk: torch.nn.Module) -> list[Rule]:
         """The weight-map rules of one (unwrapped) pipeline chunk on this rank."""
@@ -361,22 +406,31 @@ class MCoreEngine:
         return loaded, missing
 
     def _fill(self, chunks: list[torch.nn.Module]) -> None:
+        """Parameters from the safetensors of ``model.path`` (a value model's head, when the files lack
+        it, e.g. a causal-LM checkpoint, from the seed: the whole seed model is built, so the head is
+        the fsdp2 engine's), or all from the seed model. ``CheckpointError`` for anything else missing."""
         mc = self._config.model
+        only: set[str] | None = None
         if mc.path is not None and mc.load_weights:
             from underlay.engines.mcore.weights import SafetensorsReader
 
             with SafetensorsReader(Path(mc.path)) as reader:
                 _, missing = self.load_tensors(chunks, reader.get)
-            if missing:
+            head = set(VALUE_HEAD_NAMES) if self._value else set()
+            if set(missing) - head:
                 raise CheckpointError(
                     f"mcore: {len(missing)} tensors missing from {mc.path}: {sorted(set(missing))[:5]}"
                 )
-            return
+            if not missing:
+                return
+            only = set(missing)
         from underlay.engines.mcore._hf import seeded_hf_state
 
         state = seeded_hf_state(mc, self._hf_config)
+        if only is not None:
+            state = {n: t for n, t in state.items() if n in only}
         _, missing = self.load_tensors(chunks, state.get)
-        if missing:
+        if only is None and missing:
             raise CheckpointError(
                 f"mcore: the seeded model lacks {sorted(set(missing))[:5]} (conversion bug)"
             )
@@ -488,7 +542,13 @@ class MCoreEngine:
     # --------------------------------------------------------------------------------- compute
 
     def _check_batch(self, batch: TokenBatch) -> TokenBatch:
-        ids, mask = batch.input_ids, batch.attention_mask
+        """Validate ``batch`` and return it on the host (cpu).
+
+        Every check reads host tensors: a batch given on the host (what data pipelines produce) is
+        validated, planned and packed without any device->host synchronisation; a batch given on the
+        device is copied to the host once here (one synchronisation instead of one per check and per
+        micro-batch). ``InvalidInput`` before any state changes."""
+        ids = batch.input_ids
         if ids.dtype not in (torch.int64, torch.int32):
             raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
         if batch.batch_size < 1:
@@ -498,6 +558,9 @@ class MCoreEngine:
                 "TokenBatch carries images/videos but the mcore engine runs text decoders only; train "
                 "vision-language models with the fsdp2 engine (UNDERLAY_ENGINE=fsdp2)"
             )
+        tensors = [batch.input_ids, batch.attention_mask, batch.loss_mask, *batch.extras.values()]
+        host = batch if all(t.device.type == "cpu" for t in tensors) else batch.to(torch.device("cpu"))
+        ids, mask = host.input_ids, host.attention_mask
         lengths = mask.sum(dim=1)
         if bool((lengths < 1).any()):
             rows = torch.nonzero(lengths < 1).flatten().tolist()
@@ -505,22 +568,36 @@ class MCoreEngine:
                 f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
             )
         vocab = self._arch.vocab
-        if int(ids.max()) >= vocab or int(ids.min()) < 0:
-            raise InvalidInput(
-                f"TokenBatch.input_ids out of range [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}"
-            )
-        return batch.to(self._torch_device)
+        low, high = int(ids.min()), int(ids.max())
+        if high >= vocab or low < 0:
+            raise InvalidInput(f"TokenBatch.input_ids out of range [0, {vocab}): min {low}, max {high}")
+        return host
 
-    def _plan(self, batch: TokenBatch) -> list[list[int]]:
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (host) on the engine's device without waiting for it: the copy is queued on the current
+        stream (a pageable source is staged by CUDA before the call returns, so ``t`` may be freed)."""
+        return t.to(self._torch_device, non_blocking=True)
+
+    def _batch_to_device(self, batch: TokenBatch) -> TokenBatch:
+        return TokenBatch(
+            self._to_device(batch.input_ids),
+            self._to_device(batch.attention_mask),
+            self._to_device(batch.loss_mask),
+            {k: self._to_device(v) for k, v in batch.extras.items()},
+        )
+
+    def _plan(self, host: TokenBatch) -> list[list[int]]:
+        """Micro-batches of ``host`` (a host batch from ``_check_batch``): lengths are read on the host;
+        the count is agreed over data parallel (one all-reduce; none at dp = 1)."""
         from underlay.ops import plan_micro_batches
 
-        seqlens = batch.attention_mask.sum(dim=1).tolist()
+        seqlens = host.attention_mask.sum(dim=1).tolist()
         pp = self._layout.pp
         multiple = pp if self._layout.vpp > 1 else 1
         plan = plan_micro_batches(
             seqlens,
             self._config.micro_batch_max_tokens,
-            group=self._pg["dp"],
+            group=self._pg["dp"] if self._layout.dp_shard > 1 else None,
             multiple_of=multiple,
         )
         check_interleaved_count(
@@ -531,38 +608,43 @@ class MCoreEngine:
         )
         return plan
 
-    def _micro_batches(self, batch: TokenBatch, plan: list[list[int]]) -> list[_MicroBatch]:
+    def _micro_batches(self, host: TokenBatch, plan: list[list[int]]) -> list[_MicroBatch]:
         """The packed micro-batches of ``plan``. With virtual pipelines every micro-batch of the step is
         padded to one token count (the longest, agreed over the model-parallel group, a multiple of
         tp under sequence parallelism) and megatron runs with fixed shapes: its per-micro-batch shape
         exchange (``variable_seq_lengths``) posts both directions' receives from the one peer at pp=2
         in a single batched call, where they pair with the peer's sends by posting order and the
-        shapes swap (gloo then hangs on a size mismatch)."""
+        shapes swap (gloo then hangs on a size mismatch). The agreement is one small all-reduce."""
         if self._layout.vpp == 1:
-            return [self._micro_batch(batch, idx) for idx in plan]
+            return [self._micro_batch(host, idx) for idx in plan]
         from megatron.core import parallel_state as ps
 
-        lengths = batch.attention_mask.sum(dim=1).tolist()
+        lengths = host.attention_mask.sum(dim=1).tolist()
         longest = max(max(sum(int(lengths[i]) for i in idx) for idx in plan), 1)
-        agreed = torch.tensor([longest], dtype=torch.int64, device=self._torch_device)
+        agreed = torch.tensor([longest], dtype=torch.int64).to(self._torch_device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
         length = int(agreed.item())
         if self._tf_config.sequence_parallel:
             length = -(-length // self._layout.tp) * self._layout.tp
-        return [self._micro_batch(batch, idx, length) for idx in plan]
+        return [self._micro_batch(host, idx, length) for idx in plan]
 
-    def _micro_batch(self, batch: TokenBatch, idx: list[int], length: int | None = None) -> _MicroBatch:
+    def _micro_batch(self, host: TokenBatch, idx: list[int], length: int | None = None) -> _MicroBatch:
+        """Pack the rows ``idx`` of the host batch on the host (lengths, labels, ``cu_seqlens`` and the
+        longest sequence are host values), then queue the packed tensors to the device; ``length``
+        pads the micro-batch to that many tokens with a masked padding sequence (virtual pipelines)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        from underlay.engines.mcore.layers import DEVICE_CU_ATTR
         from underlay.ops import unpad
+        from underlay.ops.attention import attach_seqlens
 
         if idx:
-            sub: TokenBatch | None = batch.select(idx)
+            sub: TokenBatch | None = host.select(idx)
             assert sub is not None
             packed = unpad(sub.input_ids, sub.attention_mask)
         else:  # a one-token stand-in: this dp rank has no sequence in this slot
             sub = None
-            one = batch.select([0])
+            one = host.select([0])
             packed = unpad(one.input_ids[:, :1], torch.ones_like(one.attention_mask[:, :1]))
         ids = packed.input_ids
         pos = packed.position_ids
@@ -573,25 +655,66 @@ class MCoreEngine:
             pad = length - real
         else:
             pad = (-real) % tp if self._tf_config.sequence_parallel else 0
-        labels = torch.full((real + pad,), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+        labels = torch.full((real + pad,), IGNORE_INDEX, dtype=torch.long)
         labels[: real - 1] = ids[1:]
         ends = (cu[1:] - 1).long()
         labels[ends] = IGNORE_INDEX
+        lens = packed.seqlens
         if self._layout.cp > 1:
-            return self._cp_micro_batch(sub, packed, ids, pos, labels[:real], cu, real)
+            dev = self._to_device
+            return self._cp_micro_batch(
+                None if sub is None else self._batch_to_device(sub),
+                self._packed_to_device(packed),
+                dev(ids),
+                dev(pos),
+                dev(labels[:real]),
+                dev(cu),
+                real,
+                dev(torch.as_tensor(idx, dtype=torch.long)),
+            )
         if pad:
-            ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype, device=ids.device)])
-            pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype, device=pos.device)])
-            cu = torch.cat([cu, torch.tensor([real + pad], dtype=torch.int32, device=cu.device)])
-        max_len = int((cu[1:] - cu[:-1]).max())
+            ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
+            pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
+            cu = torch.cat([cu, torch.tensor([real + pad], dtype=torch.int32)])
+            lens = [*lens, pad]
+        max_len = max(lens)
+        dev = self._to_device
+        # the attention kernel's length checks take these host lengths instead of reading cu_seqlens
+        cu_dev = attach_seqlens(dev(cu), lens)
+        cu_given = cu_dev
+        if self._host_cu_seqlens:
+            # megatron's unfused THD RoPE reads cu_seqlens on the host in every layer: give it the
+            # host tensor, and underlay's CoreAttention the device copy (TE's spec takes device ones)
+            cu_given = cu.clone()
+            setattr(cu_given, DEVICE_CU_ATTR, cu_dev)
         params = PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
+            cu_seqlens_q=cu_given,
+            cu_seqlens_kv=cu_given,
             max_seqlen_q=max_len,
             max_seqlen_kv=max_len,
         )
-        return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real)
+        return _MicroBatch(
+            None if sub is None else self._batch_to_device(sub),
+            self._packed_to_device(packed),
+            dev(ids)[None],
+            dev(pos)[None],
+            dev(labels),
+            params,
+            real,
+            dev(torch.as_tensor(idx, dtype=torch.long)),
+        )
+
+    def _packed_to_device(self, packed: Any) -> Any:
+        """The host ``PackedBatch`` with its tensors queued to the device (``ops.pad`` scatters there)."""
+        dev = self._to_device
+        return dataclasses.replace(
+            packed,
+            input_ids=dev(packed.input_ids),
+            cu_seqlens=dev(packed.cu_seqlens),
+            indices=dev(packed.indices),
+            position_ids=dev(packed.position_ids),
+        )
 
     def _cp_micro_batch(
         self,
@@ -602,6 +725,7 @@ class MCoreEngine:
         labels: torch.Tensor,
         cu: torch.Tensor,
         real: int,
+        rows: torch.Tensor,
     ) -> _MicroBatch:
         """This CP rank's share of a packed micro-batch (``context_parallel.split_packed``): the
         load-balanced chunks of every sequence, global real and padded ``cu_seqlens`` for megatron's
@@ -623,27 +747,33 @@ class MCoreEngine:
             max_seqlen_q=split.max_seqlen,
             max_seqlen_kv=split.max_seqlen,
         )
-        return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real, split)
+        return _MicroBatch(sub, packed, ids[None], pos[None], labels, params, real, rows, split)
 
     def _head_outputs(
-        self, model: Any, hidden: torch.Tensor, mb: _MicroBatch, temperature: float, with_entropy: bool
+        self, model: Any, output: torch.Tensor, mb: _MicroBatch, temperature: float, with_entropy: bool
     ) -> TokenOutputs:
-        """Token-aligned ``[b, S]`` log-probs (and entropy) of one micro-batch from the last stage's
-        final hidden states ``[1, T', H]`` through the vocab-parallel log-prob kernel."""
+        """Token-aligned ``[b, S]`` outputs of one micro-batch from the last stage's output ``[1, T',
+        H]`` (the final hidden states): log-probs (and entropy) through the vocab-parallel log-prob
+        kernel. For a value model ``output`` is the value head's ``[1, T', 1]`` and the result holds
+        ``values`` only: ``values[t]`` scores token ``t`` itself (no shift, as Hugging Face's token
+        classification), fp32, 0 at padding."""
         from underlay.ops import pad
 
+        real = mb.real
+        if self._value:
+            values = output.reshape(-1)[:real].to(torch.float32)
+            return TokenOutputs(None, None, pad(values, mb.packed) if mb.sub is not None else values)
         inner = _unwrap(model)
         weight = (
             inner.shared_embedding_or_output_weight()
             if inner.share_embeddings_and_output_weights
             else inner.output_layer.weight
         )
-        h = hidden.reshape(-1, hidden.shape[-1])
+        h = output.reshape(-1, output.shape[-1])
         group = self._pg["tp"] if self._layout.tp > 1 else None
         out = self._logprob_kernel(
             h, weight, mb.labels, temperature=temperature, with_entropy=with_entropy, vocab_group=group
         )
-        real = mb.real
         split = mb.cp
 
         def align(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -687,28 +817,31 @@ class MCoreEngine:
 
         Micro-batches come from ``ops.plan_micro_batches`` (same count on every dp rank, a multiple of
         pp with virtual pipelines); megatron's schedule runs them; on the last stage each micro-batch's
-        per-token outputs go to ``loss_fn``. Metrics are summed over micro-batches and dp ranks, divided
-        by the global loss-token count ``N``, and broadcast over the pipeline so every rank returns the
-        same ``StepResult``. ``InvalidInput`` on a malformed batch before any compute."""
+        per-token outputs (``TokenOutputs``: log-probs and entropy, or ``values`` for a value model)
+        go to ``loss_fn``. Metrics are summed over micro-batches and dp ranks, divided by the global
+        loss-token count ``N``, and broadcast over the pipeline so every rank returns the same
+        ``StepResult``. ``InvalidInput`` on a malformed batch before any compute.
+
+        Host synchronisation: validation, planning and packing read host tensors (none for a host
+        batch; one copy for a device batch), ``N`` travels with the metrics in the one all-reduce at
+        the end, whose result is read once (``StepResult`` holds Python numbers)."""
         from megatron.core import parallel_state as ps
 
-        batch = self._check_batch(batch)
+        host = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
-        count = batch.loss_mask.sum().to(torch.float64)
-        dist.all_reduce(count, group=self._pg["dp"])
-        n_tokens = int(count.item())
-        plan = self._plan(batch)
-        mbs = self._micro_batches(batch, plan)
+        local_tokens = int(host.loss_mask.sum())
+        plan = self._plan(host)
+        mbs = self._micro_batches(host, plan)
         sums: dict[str, torch.Tensor] = {}
         cp_rank = ps.get_context_parallel_rank()
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
 
-        def loss_func(model: Any, mb: _MicroBatch, hidden: torch.Tensor) -> Any:
+        def loss_func(model: Any, mb: _MicroBatch, output: torch.Tensor) -> Any:
             if mb.sub is None:
-                zero = hidden.sum() * 0.0
-                return zero, torch.zeros((), dtype=torch.int, device=hidden.device), {}
-            outputs = self._head_outputs(model, hidden, mb, temperature, with_entropy)
+                zero = output.sum() * 0.0
+                return zero, torch.zeros((), dtype=torch.int, device=output.device), {}
+            outputs = self._head_outputs(model, output, mb, temperature, with_entropy)
             loss_sum, metrics = loss_fn(outputs, mb.sub)
             if loss_sum.dim() != 0:
                 raise InvalidInput(
@@ -716,7 +849,7 @@ class MCoreEngine:
                 )
             _accumulate(sums, "loss", loss_sum.detach())
             for key, value in metrics.items():
-                _accumulate(sums, key, torch.as_tensor(value, device=hidden.device).detach())
+                _accumulate(sums, key, _as_device_scalar(value, output.device))
             tokens = mb.sub.loss_mask.sum().to(torch.int)
             if cp_rank:  # each CP rank holds the whole loss: count its tokens once over dp x cp
                 tokens = torch.zeros_like(tokens)
@@ -725,11 +858,16 @@ class MCoreEngine:
         for c in self._chunks:
             c.train()
         self._run_schedule(mbs, loss_func, forward_only=False)
-        metrics = self._share_metrics(sums, n_tokens, ps.is_pipeline_last_stage(ignore_virtual=True))
+        metrics, n_tokens = self._share_metrics(
+            sums, local_tokens, ps.is_pipeline_last_stage(ignore_virtual=True)
+        )
         return StepResult(metrics, len(plan), n_tokens)
 
-    def _share_metrics(self, sums: dict[str, torch.Tensor], n_tokens: int, last: bool) -> dict[str, float]:
-        """Sum over dp on the last stage, divide by ``N``, broadcast from the last stage over pp."""
+    def _share_metrics(
+        self, sums: dict[str, torch.Tensor], local_tokens: int, last: bool
+    ) -> tuple[dict[str, float], int]:
+        """Sum the metric sums and the loss-token count over dp on the last stage (one all-reduce),
+        broadcast them from the last stage over pp, read them on the host once: ``(metrics / N, N)``."""
         from megatron.core import parallel_state as ps
 
         keys = [sorted(sums)] if last else [None]
@@ -739,61 +877,62 @@ class MCoreEngine:
             dist.broadcast_object_list(keys, src=src, group=pp_group)
         names: list[str] = keys[0] or []
         if last:
-            stacked = (
-                torch.stack([sums[k].to(torch.float64).reshape(()) for k in names])
-                if names
-                else torch.zeros(0, dtype=torch.float64)
-            )
-            stacked = stacked.to(self._torch_device)
-            dist.all_reduce(stacked, group=self._pg["dp"])
+            count = torch.full((1,), float(local_tokens), dtype=torch.float64, device=self._torch_device)
+            stacked = torch.cat([count, *(sums[k].to(torch.float64).reshape(1) for k in names)])
+            if self._layout.dp_shard > 1:
+                dist.all_reduce(stacked, group=self._pg["dp"])
         else:
-            stacked = torch.zeros(len(names), dtype=torch.float64, device=self._torch_device)
+            stacked = torch.zeros(len(names) + 1, dtype=torch.float64, device=self._torch_device)
         if self._layout.pp > 1:
             dist.broadcast(stacked, src=src, group=pp_group)
+        values = stacked.tolist()
+        n_tokens = int(values[0])
         denom = float(max(n_tokens, 1))
-        return dict(zip(names, (stacked / denom).tolist()))
+        return {k: v / denom for k, v in zip(names, values[1:])}, n_tokens
 
     @torch.no_grad()
     def infer(
         self, batch: TokenBatch, *, temperature: float | None = None, with_entropy: bool = False
     ) -> TokenOutputs:
-        """Per-token log-probs (and entropy when ``with_entropy``), ``[B, S]`` fp32 on the device, rows
-        in the order of ``batch``, 0 at position 0 and padding, on every rank (broadcast from the last
-        pipeline stage)."""
+        """Per-token log-probs (and entropy when ``with_entropy``), or ``values`` for a value model,
+        ``[B, S]`` fp32 on the device, rows in the order of ``batch``, 0 at padding (log-probs and
+        entropy also at position 0), on every rank (broadcast from the last pipeline stage)."""
         from megatron.core import parallel_state as ps
 
-        batch = self._check_batch(batch)
+        host = self._check_batch(batch)
         self._ensure_onloaded("infer")
         temp = self._config.temperature if temperature is None else temperature
         if not temp > 0:
             raise InvalidInput(f"infer: temperature={temp} must be > 0")
-        plan = self._plan(batch)
-        mbs = self._micro_batches(batch, plan)
-        shape = tuple(batch.input_ids.shape)
-        lp = torch.zeros(shape, dtype=torch.float32, device=self._torch_device)
+        with_entropy = with_entropy and not self._value
+        plan = self._plan(host)
+        mbs = self._micro_batches(host, plan)
+        shape = tuple(host.input_ids.shape)
+        main = torch.zeros(shape, dtype=torch.float32, device=self._torch_device)
         ent = torch.zeros(shape, dtype=torch.float32, device=self._torch_device) if with_entropy else None
-        rows_of = {id(mb): idx for mb, idx in zip(mbs, plan)}
 
-        def loss_func(model: Any, mb: _MicroBatch, hidden: torch.Tensor) -> Any:
-            zero = torch.zeros((), device=hidden.device)
+        def loss_func(model: Any, mb: _MicroBatch, output: torch.Tensor) -> Any:
+            zero = torch.zeros((), device=output.device)
             if mb.sub is not None:
-                out = self._head_outputs(model, hidden, mb, temp, with_entropy)
-                rows = torch.as_tensor(rows_of[id(mb)], device=lp.device)
-                assert out.log_probs is not None
-                lp[rows] = out.log_probs
+                out = self._head_outputs(model, output, mb, temp, with_entropy)
+                got = out.values if self._value else out.log_probs
+                assert got is not None
+                main[mb.rows] = got
                 if ent is not None and out.entropy is not None:
-                    ent[rows] = out.entropy
-            return zero, torch.zeros((), dtype=torch.int, device=hidden.device), {}
+                    ent[mb.rows] = out.entropy
+            return zero, torch.zeros((), dtype=torch.int, device=output.device), {}
 
         for c in self._chunks:
             c.eval()
         self._run_schedule(mbs, loss_func, forward_only=True)
         if self._layout.pp > 1:
             src = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(lp, src=src, group=self._pg["pp"])
+            dist.broadcast(main, src=src, group=self._pg["pp"])
             if ent is not None:
                 dist.broadcast(ent, src=src, group=self._pg["pp"])
-        return TokenOutputs(lp, ent, None)
+        if self._value:
+            return TokenOutputs(None, None, main)
+        return TokenOutputs(main, ent, None)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (megatron's grad buffers are zeroed)."""
@@ -804,18 +943,21 @@ class MCoreEngine:
     def optimizer_step(self) -> OptimizerStepResult:
         """Global grad norm over all shards (TP, PP, DP, EP); a non-finite norm skips the update
         (parameters and optimizer state unchanged); otherwise clip to ``optim.grad_clip`` and step.
-        Gradients are zeroed in both cases; ``global_step`` grows."""
+        Gradients are zeroed in both cases; ``global_step`` grows.
+
+        The norm is computed and read on the host once per step (megatron's ``get_grad_norm``: one
+        all-reduce, one device->host read, needed to decide the skip); clipping reuses it instead of
+        computing it a second time (megatron's ``clip_grad_norm`` would)."""
         self._ensure_onloaded("optimizer_step")
         opt = self._optimizer
         lr = float(_torch_optimizers(opt)[0].param_groups[0]["lr"])
         opt.prepare_grads()
-        norm_t = opt.get_grad_norm()
-        norm = float(norm_t)
+        norm = float(opt.get_grad_norm())
         skipped = not math.isfinite(norm)
         if not skipped:
             clip = self._config.optim.grad_clip
             if clip is not None and clip > 0:
-                _clip_to_norm(opt, clip, norm)
+                _clip_by_norm(opt, clip, norm)
             opt.step_with_ready_grads()
         self.zero_grad()
         self._global_step += 1
@@ -923,7 +1065,9 @@ class MCoreEngine:
             rules.append(dataclasses.replace(wr, engine_shape=tuple(full.shape)))
             self._where[wr.engine_name] = (stage, v, e, rule)
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if self._arch.tied else {}
-        self._weight_map = WeightMap(tuple(rules), tied, ("*rotary_emb.inv_freq",))
+        # a value model loads the backbone of a causal-LM checkpoint: its lm_head is not "unexpected"
+        ignored = ("*rotary_emb.inv_freq", "lm_head.*") if self._value else ("*rotary_emb.inv_freq",)
+        self._weight_map = WeightMap(tuple(rules), tied, ignored)
 
     @property
     def weight_map(self) -> WeightMap:
@@ -1283,26 +1427,6 @@ def _step_kept_aside(opt: Any) -> Iterator[None]:
             del o._set_main_param_and_optimizer_states
 
 
-def _clip_to_norm(opt: Any, clip: float, norm: float) -> None:
-    """Scale every gradient of ``opt`` by ``min(1, clip / norm)`` with the global ``norm`` already
-    computed: each optimizer of a chain (megatron keeps expert parameters in their own optimizer under
-    expert parallelism) is clipped with the one total norm, as ``ChainedOptimizer.step`` does; its
-    ``clip_grad_norm`` refuses a chain of more than one optimizer."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-    for inner in getattr(opt, "chained_optimizers", [opt]):
-        if getattr(inner, "is_stub_optimizer", False):
-            continue
-        params = inner.get_parameters()
-        if params:
-            clip_grad_by_total_norm_fp32(
-                params,
-                max_norm=clip,
-                total_norm=norm,
-                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            )
-
-
 def _unwrap(module: Any) -> Any:
     while hasattr(module, "module"):
         module = module.module
@@ -1313,6 +1437,28 @@ def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
     if hasattr(opt, "chained_optimizers"):
         return [o.optimizer for o in opt.chained_optimizers]
     return [opt.optimizer]
+
+
+def _clip_by_norm(opt: Any, clip: float, norm: float) -> None:
+    """Scale every (sub-)optimizer's main gradients by ``min(1, clip / (norm + 1e-6))`` with megatron's
+    ``clip_grad_by_total_norm_fp32``, as its ``ChainedOptimizer.step`` does with one global norm."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        if getattr(o, "is_stub_optimizer", False):
+            continue
+        params = o.get_parameters()
+        if params:
+            decoupled = bool(getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+            clip_grad_by_total_norm_fp32(params, clip, norm, decoupled)
+
+
+def _as_device_scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A metric value as a detached scalar tensor on ``device``: tensors as they are (no copy when
+    already there), Python numbers through a device fill (not a host->device copy that would wait)."""
+    if torch.is_tensor(value):
+        return value.detach().to(device)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:

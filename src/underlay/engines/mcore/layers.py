@@ -9,6 +9,7 @@
 - ``layer_spec``: the GPT layer spec with these plugged in, or the Transformer Engine spec when
   ``transformer_engine`` is importable.
 - ``mark_tensor_parallel``: the TP attributes megatron sets only when it initialises weights itself.
+- ``ValueHead``: a value model's token-classification head in the place of ``GPTModel.output_layer``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import torch
 
 from underlay.interfaces import InvalidInput
 
-__all__ = ["CoreAttention", "RMSNorm", "block_spec", "have_te", "mark_tensor_parallel"]
+__all__ = [
+    "DEVICE_CU_ATTR",
+    "CoreAttention",
+    "RMSNorm",
+    "ValueHead",
+    "block_spec",
+    "have_te",
+    "kernel_cu_seqlens",
+    "mark_tensor_parallel",
+]
 
 
 def have_te() -> bool:
@@ -48,6 +58,77 @@ class RMSNorm(torch.nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ValueHead(torch.nn.Module):
+    """A value model's head, installed as the last stage's ``GPTModel.output_layer``: per-token values
+    ``hidden @ weight.T + bias`` (Hugging Face's ``*ForTokenClassification.score`` with
+    ``num_labels=1``), after a dropout of rate ``dropout`` in training mode (transformers applies its
+    ``nn.Dropout`` there too; evaluation applies none).
+
+    ``weight [1, hidden]`` and ``bias [1]`` are replicated over TP (one output cannot be split).
+    Without sequence parallelism every TP rank holds the whole sequence and computes the same values;
+    with it each rank scores its sequence slice and the ``[s, b, 1]`` values (not the ``[s, b, H]``
+    hidden states) are gathered; the parameters then carry ``sequence_parallel=True`` so megatron's
+    ``finalize_model_grads`` sums their slice gradients over TP, as it does for the norms.
+
+    Dropout masks come from a generator seeded with ``seed`` and a per-call counter, so every TP rank
+    draws the same mask for the same micro-batch independently of torch's global RNG state (a mask
+    that differed across TP ranks would give replicated parameters different gradients); the engine
+    passes a seed that differs across data-parallel ranks (and across TP ranks under sequence
+    parallelism, whose slices are different tokens)."""
+
+    def __init__(
+        self, config: Any, hidden_size: int, *, bias: bool, dropout: float, seed: int, tp_group: Any
+    ) -> None:
+        super().__init__()
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
+        self.sequence_parallel = bool(config.sequence_parallel)
+        for p in self.parameters():
+            p.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+        self.dropout = float(dropout)
+        self.seed = int(seed)
+        self.calls = 0
+        self._tp_group = tp_group
+
+    def forward(
+        self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        """``hidden [s, b, H]`` (``s`` this rank's slice under sequence parallelism) -> ``(values [S,
+        b, 1], None)`` with ``S`` the whole sequence, in ``hidden``'s dtype; ``weight`` and
+        ``runtime_gather_output`` (``GPTModel``'s output-layer arguments) are unused."""
+        if self.training and self.dropout > 0:
+            gen = torch.Generator(device=hidden.device)
+            gen.manual_seed(self.seed * 1_000_003 + self.calls)
+            self.calls += 1
+            draw = torch.rand(hidden.shape, generator=gen, device=hidden.device, dtype=torch.float32)
+            hidden = hidden * (draw >= self.dropout).to(hidden.dtype) / (1.0 - self.dropout)
+        values = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(
+                values, tensor_parallel_output_grad=False, group=self._tp_group
+            )
+        return values, None
+
+
+DEVICE_CU_ATTR = "underlay_device_copy"
+"""Attribute of a host ``cu_seqlens`` in ``PackedSeqParams`` holding its device copy (int32). The
+engine gives megatron host ``cu_seqlens`` with the local spec: megatron's unfused THD RoPE reads the
+lengths with ``tolist()`` in every layer (a device synchronisation each time were they on the device);
+``CoreAttention`` takes the device copy for the kernel."""
+
+
+def kernel_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The int32 ``cu_seqlens`` on ``device`` for the attention kernel: the device copy the engine
+    attached to a host tensor (``DEVICE_CU_ATTR``), else the tensor itself (moved when elsewhere)."""
+    attached = getattr(cu_seqlens, DEVICE_CU_ATTR, None)
+    if isinstance(attached, torch.Tensor) and attached.device == device:
+        return attached
+    return cu_seqlens.to(device=device, dtype=torch.int32)
 
 
 def _core_attention_class() -> type:
@@ -102,8 +183,8 @@ def _core_attention_class() -> type:
             if self.cp_size > 1:
                 return self._context_parallel(kernel, query, key, value, packed_seq_params)
             if packed_seq_params is not None:
-                cu_q = packed_seq_params.cu_seqlens_q.to(torch.int32)
-                cu_k = packed_seq_params.cu_seqlens_kv.to(torch.int32)
+                cu_q = kernel_cu_seqlens(packed_seq_params.cu_seqlens_q, query.device)
+                cu_k = kernel_cu_seqlens(packed_seq_params.cu_seqlens_kv, query.device)
                 out = kernel.varlen(
                     query,
                     key,

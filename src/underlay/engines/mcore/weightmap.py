@@ -9,6 +9,8 @@ Megatron's fused layouts:
   up's ``r``-th row chunk.
 - ``linear_proj`` and ``linear_fc2`` split along dim 1; the word embedding and the output layer along
   the vocabulary (dim 0); norms and the router are replicated.
+- A value model's head (HF ``score.weight [1, H]``, ``score.bias [1]``) is the last stage's
+  ``output_layer`` (``layers.ValueHead``), replicated over TP.
 
 A ``Rule`` names one engine parameter (its name inside a pipeline chunk, with the chunk-local layer and
 expert indices), the HF tensors it is built from, and how to cut this TP rank's piece out of them
@@ -30,6 +32,7 @@ from underlay.engines.mcore.config import MCoreArch
 from underlay.interfaces.weightmap import WeightRule
 
 __all__ = [
+    "VALUE_HEAD_NAMES",
     "Rule",
     "engine_rule",
     "fuse_gate_up",
@@ -150,9 +153,18 @@ def hf_shapes(arch: MCoreArch) -> dict[str, tuple[int, ...]]:
             out[p + "mlp.up_proj.weight"] = (a.ffn, a.hidden)
             out[p + "mlp.down_proj.weight"] = (a.hidden, a.ffn)
     out["model.norm.weight"] = (a.hidden,)
-    if not a.tied:
+    if a.value_head:
+        out["score.weight"] = (1, a.hidden)
+        if a.value_bias:
+            out["score.bias"] = (1,)
+    elif not a.tied:
         out["lm_head.weight"] = (a.vocab, a.hidden)
     return out
+
+
+VALUE_HEAD_NAMES = ("score.weight", "score.bias")
+"""HF names of a value model's head (``*ForTokenClassification.score``); a causal-LM checkpoint lacks
+them (the head then comes from the seed, as in the fsdp2 engine)."""
 
 
 def stage_rules(
@@ -206,7 +218,11 @@ def stage_rules(
             rules.append(Rule(p + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", a))
     if post_process:
         rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", a))
-        if not a.tied:
+        if a.value_head:  # the value head replaces the output layer (replicated over TP)
+            rules.append(Rule("output_layer.weight", ("score.weight",), "replicated", a))
+            if a.value_bias:
+                rules.append(Rule("output_layer.bias", ("score.bias",), "replicated", a))
+        elif not a.tied:
             rules.append(Rule("output_layer.weight", ("lm_head.weight",), "column", a))
         elif not pre_process:
             rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "column", a))
@@ -242,4 +258,4 @@ def engine_rule(rule: Rule, arch: MCoreArch) -> WeightRule:
     if rule.kind == "gate_up":
         return _wm_gate_up(name, rule.hf[0], rule.hf[1])
     tp_dim = {"replicated": None, "column": 0, "row": 1}[rule.kind]
-    return rename(name, rule.hf[0], tp_dim=tp_dim)
+    return rename(name, rule.hf[0], tp_dim=tp_dim, optional=rule.hf[0] in VALUE_HEAD_NAMES)

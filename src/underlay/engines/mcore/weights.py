@@ -8,6 +8,7 @@ rank 0 writes shards of at most ``max_shard_bytes``.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 from collections.abc import Iterator
@@ -105,16 +106,26 @@ class MCoreWeightLoader:
     def load_hf(self, engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
         """Stream ``*.safetensors`` of ``path`` into the engine's shards. With ``strict``, missing or
         unexpected names raise ``CheckpointError`` naming them before any parameter changes; shape
-        mismatches always raise. Collective (every rank reads its own shards)."""
+        mismatches always raise. A value model loads a ``*ForTokenClassification`` checkpoint (its
+        ``score.*`` head included) or the backbone of a causal-LM checkpoint: a missing head is only
+        reported in ``missing`` (the parameters keep their values) and ``lm_head.weight`` is never
+        unexpected (the weight map's optional and ignored names). Collective (every rank reads its
+        own shards)."""
         eng = _engine(engine)
         from underlay.engines.mcore.weightmap import hf_shapes
 
         expected = set(hf_shapes(eng.arch))
+        wmap = eng.weight_map
+        optional = {n for r in wmap.rules if r.optional for n in r.hf_names}
         with SafetensorsReader(Path(path)) as reader:
             names = reader.names
             missing = sorted(expected - names)
-            unexpected = sorted(n for n in names - expected if not n.endswith("rotary_emb.inv_freq"))
-            if strict and (missing or unexpected):
+            unexpected = sorted(
+                n
+                for n in names - expected
+                if not any(fnmatch.fnmatchcase(n, pat) for pat in (*wmap.ignored, "*rotary_emb.inv_freq"))
+            )
+            if strict and ((set(missing) - optional) or unexpected):
                 raise CheckpointError(
                     f"load_hf {path}: missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} "
                     f"({len(unexpected)}); pass strict=False to load what matches"
