@@ -40,6 +40,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_REPORT_CHARS = 16000
+
+
+def _clip(text: str) -> str:
+    """``text`` cut to about ``_REPORT_CHARS`` characters (head and tail kept)."""
+    if len(text) <= _REPORT_CHARS:
+        return text
+    half = _REPORT_CHARS // 2
+    return f"{text[:half]}\n... [{len(text) - 2 * half} characters cut] ...\n{text[-half:]}"
+
+
 def _worker(
     rank: int,
     fn: Callable[..., Any],
@@ -74,12 +85,15 @@ def _worker(
         queue.put(("ok", rank, payload, "", 0.0))
     except BaseException as exc:
         when = time.time()
-        tb = traceback.format_exc()
+        # an error message may print whole tensors: the report stays small
+        tb = _clip(traceback.format_exc())
         try:
             blob = pickle.dumps(exc)
             pickle.loads(blob)
+            if len(blob) > _REPORT_CHARS:
+                raise ValueError("report too large")
         except Exception:
-            blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+            blob = pickle.dumps(RuntimeError(_clip(f"{type(exc).__name__}: {exc}")))
         queue.put(("err", rank, blob, tb, when))
         raise
     finally:
@@ -107,22 +121,28 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
+    reports: list[tuple[str, int, bytes, str, float]] = []
     try:
-        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+        procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _worker,
             args=(fn, world_size, port, queue, args, timeout_s, backend),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        # drain the reports while waiting: a child blocks in put() once the pipe is full
+        while not procs.join(timeout=0.2):
+            while not queue.empty():
+                reports.append(queue.get())
     except ProcessException as exc:
         failure: ProcessException | None = exc
     else:
         failure = None
+    while not queue.empty():
+        reports.append(queue.get())
     results: dict[int, Any] = {}
     errors: list[tuple[float, int, BaseException, str]] = []
-    while not queue.empty():
-        status, rank, blob, tb, when = queue.get()
+    for status, rank, blob, tb, when in reports:
         if status == "ok":
             results[rank] = pickle.loads(blob)
         else:

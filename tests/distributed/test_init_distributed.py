@@ -66,3 +66,17 @@ def test_single_process_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     env = read_env()
     assert (env.rank, env.local_rank, env.world_size) == (0, 0, 1)
     assert env.master_port > 0
+
+
+def _fail_loudly(rank: int, world: int) -> None:
+    raise ValueError("x" * 300_000)  # an error message far larger than a pipe's buffer
+
+
+def test_run_distributed_reports_a_huge_error_instead_of_hanging() -> None:
+    """A child error whose message is far larger than the result pipe's buffer (an error that prints
+    tensors) fails the run with the child's exception, clipped; the run must not hang in the child's
+    report while the parent waits for the children to exit."""
+    from tests._dist import run_distributed
+
+    with pytest.raises((ValueError, RuntimeError), match="characters cut"):
+        run_distributed(_fail_loudly, 2, timeout_s=60)

@@ -1,7 +1,9 @@
 """Test-only: run megatron-core on the CPU by mapping its direct CUDA calls to the CPU.
 
 megatron-core calls ``torch.cuda`` in many places (current device, RNG state and seeding, streams and
-events, ``device="cuda"`` allocations, ``.cuda()``, ``Tensor.type()`` checks in its optimizers). This
+events, ``device="cuda"`` allocations, ``.cuda()``, ``Tensor.type()`` checks in its optimizers, the MoE
+dispatcher's device-to-host copy of its split sizes) and gives gloo the uneven all-gather and
+reduce-scatter that NCCL has (MoE under expert tensor parallelism). This
 module replaces those process-wide: it changes global torch behaviour, so it lives in ``tests/`` and is
 installed only inside test processes (``install()``, idempotent). It also sets
 ``UNDERLAY_MCORE_CPU_FIXTURE=1``, the switch that lets ``MCoreEngine`` accept a CPU device; nothing
@@ -142,5 +144,76 @@ def install() -> None:
         new_state
     )
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+    _host_split_sizes()
+    _uneven_gloo_collectives()
     mode = _CudaToCpu()
     mode.__enter__()
+
+
+def _host_split_sizes() -> None:
+    """MoE's alltoall dispatcher moves its split sizes to the host as numpy arrays through
+    ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors: on the
+    CPU the sizes stay tensors and ``ProcessGroup.all_to_all_single`` rejects them ("incompatible
+    function arguments"), so expert parallelism failed in its first all-to-all. Here a host tensor asked
+    for as numpy becomes numpy too, which is what the GPU path hands to the collective."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            host = tensor.clone()  # a copy, as the device-to-host transfer makes
+            return host.numpy() if as_numpy else host
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    dispatcher.maybe_move_tensor_to_cpu = to_host  # imported by name there
+
+
+def _uneven_gloo_collectives() -> None:
+    """MoE's alltoall dispatcher under expert tensor parallelism gathers (forward) and reduce-scatters
+    (backward) the routed tokens over the TP group with per-rank sizes that differ
+    (``torch.distributed.all_gather`` / ``reduce_scatter`` with lists of unequal tensors). NCCL takes
+    uneven lists; gloo's all_gather rejects them ("invalid tensor size"). On a gloo group with unequal
+    sizes these are done exactly with the collectives gloo has: the gather as one broadcast per rank,
+    the reduce-scatter as an all-reduce of the concatenation, of which each rank keeps its piece.
+    Equal sizes and other backends take torch's own functions."""
+    import torch.distributed as dist
+
+    all_gather = dist.all_gather
+    reduce_scatter = dist.reduce_scatter
+
+    def uneven(tensors: list[torch.Tensor], group: Any) -> bool:
+        return len({tuple(t.shape) for t in tensors}) > 1 and dist.get_backend(group) == "gloo"
+
+    def gather(
+        tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
+        if async_op or not uneven(tensor_list, group):
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        me = dist.get_rank(group)
+        for r, out in enumerate(tensor_list):
+            if r == me:
+                out.copy_(tensor)
+            dist.broadcast(out, src=dist.get_global_rank(group, r), group=group)
+        return None
+
+    def scatter(
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        if async_op or not uneven(input_list, group):
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        full = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(full, op=op, group=group)
+        me = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:me])
+        output.copy_(full[start : start + input_list[me].numel()].view_as(output))
+        return None
+
+    dist.all_gather = gather  # type: ignore[assignment]
+    dist.reduce_scatter = scatter  # type: ignore[assignment]

@@ -134,9 +134,10 @@ def step_vs_fsdp2(rank: int, world: int, family: str) -> dict[str, float]:
     }
 
 
-def export_reload(rank: int, world: int, family: str, tp: int, pp: int, out_dir: str) -> float:
+def export_reload(rank: int, world: int, family: str, tp: int, pp: int, out_dir: str, ep: int = 1) -> float:
     """Export at the given layout; rank 0 reloads with transformers and compares logits with the
-    seed-0 HF model (max abs difference; 0.0 on other ranks)."""
+    seed-0 HF model (max abs difference; 0.0 on other ranks). float64, MoE in fp32 (transformers'
+    grouped expert matmul has no float64 kernel)."""
     from transformers import AutoModelForCausalLM
 
     from underlay.engines.fsdp2._build import build_model
@@ -144,12 +145,13 @@ def export_reload(rank: int, world: int, family: str, tp: int, pp: int, out_dir:
     from underlay.interfaces import ModelConfig
 
     cfg = H.tiny_config(family)
-    eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp))
+    eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp, ep=ep))
     path = MCoreWeightLoader().export_hf(eng, out_dir)
     if path is None:
         return 0.0
-    reloaded = AutoModelForCausalLM.from_pretrained(str(path)).double()
-    ref = build_model(ModelConfig(hf_config=cfg, seed=0), cfg, meta=False).double()
+    dtype = torch.float32 if getattr(cfg, "num_experts", 0) else torch.float64
+    reloaded = AutoModelForCausalLM.from_pretrained(str(path)).to(dtype)
+    ref = build_model(ModelConfig(hf_config=cfg, seed=0), cfg, meta=False).to(dtype)
     batch = H.make_batch(7)
     a = reloaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     b = ref(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits

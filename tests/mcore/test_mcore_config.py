@@ -75,6 +75,7 @@ def test_model_type_refused() -> None:
         ("llama", {"world": 3, "pp": 3}, "4 layers are not divisible by pp\\*vpp = 3\\*1"),
         ("llama", {"world": 2, "pp": 2, "vpp": 4}, "not divisible by pp\\*vpp = 2\\*4 = 8"),
         ("llama", {"world": 2, "vpp": 2}, "vpp=2 needs pp > 1"),
+        ("llama", {"world": 4, "pp": 2, "vpp": 2, "cp": 2}, "vpp=2 with cp=2"),
         ("qwen3_moe", {"world": 3, "ep": 3}, "ep=3 must divide the number of experts 4"),
         ("qwen3_moe", {"world": 2, "tp": 2}, "requires sequence parallelism"),
         ("llama", {"world": 2, "ep": 2}, "dense model"),
@@ -86,6 +87,28 @@ def test_model_type_refused() -> None:
 def test_bad_layouts_refused(family: str, sizes: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         _layout(arch_of(tiny_config(family)), **sizes)
+
+
+@pytest.mark.parametrize(
+    ("count", "pp", "group", "needle"),
+    [
+        (1, 2, None, "1 micro-batches with pp=2, vpp=2: .* needs at least 2"),
+        (3, 2, None, "last group .* 1 < pp micro-batches"),
+        (4, 3, 3, "last group .* 1 < pp"),
+        (4, 2, 5, "needs at least 5"),
+    ],
+)
+def test_interleaved_micro_batch_count_refused(count: int, pp: int, group: int | None, needle: str) -> None:
+    """Counts megatron's interleaved schedule refuses raise ConfigError naming the count and the fix
+    (the engine checks its plan before the schedule runs); accepted counts pass, and vpp=1 is free."""
+    from underlay.engines.mcore.config import check_interleaved_count
+
+    with pytest.raises(ConfigError, match=needle):
+        check_interleaved_count(count, pp=pp, vpp=2, group_size=group)
+    for ok in (2, 4, 6):
+        check_interleaved_count(ok, pp=2, vpp=2)
+    check_interleaved_count(7, pp=3, vpp=2, group_size=4)  # last group of 3 >= pp
+    check_interleaved_count(1, pp=2, vpp=1)
 
 
 def test_qkv_fusion_is_per_query_group() -> None:
@@ -149,8 +172,8 @@ def test_registry_refuses_mcore_on_cpu() -> None:
 @pytest.mark.parametrize(
     ("over", "options", "needle"),
     [
-        ({"parallel": {"ep": 2}}, {}, "ep=2"),
-        ({"parallel": {"pp": 2, "vpp": 2}}, {}, "vpp=2"),
+        # batched p2p at pp=2 pairs the two directions' transfers by posting order: swapped tensors
+        ({"parallel": {"pp": 2, "vpp": 2}}, {"batch_p2p_comm": True}, "batch_p2p_comm=True with pp=2"),
         ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),
         ({"parallel": {"tp": 2, "etp": 1}}, {}, "etp=1 with tp=2"),
         ({}, {"sequence_parallel": "yes"}, "sequence_parallel='yes'"),

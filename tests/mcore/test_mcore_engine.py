@@ -33,6 +33,21 @@ GRAD_TOL = 1e-4
         pytest.param("qwen3_moe", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen3moe-tp2-sp-etp2"),
         # the plain DDP all-reduce: the distributed optimizer leaves each rank only its reduce-scattered shard
         pytest.param("mistral", 1, 1, 1, 2, {"distributed_optimizer": False}, {}, id="mistral-dp2"),
+        # expert parallelism (alltoall dispatcher): experts 0-1 on rank 0, 2-3 on rank 1, dp=2
+        pytest.param("qwen3_moe", 1, 1, 2, 2, {"distributed_optimizer": False}, {}, id="qwen3moe-ep2"),
+        # EP=2 x TP=2 (etp=2) with SP: routed tokens gathered over TP in unequal pieces
+        pytest.param(
+            "qwen3_moe",
+            2,
+            1,
+            2,
+            4,
+            {"sequence_parallel": True, "distributed_optimizer": False},
+            {},
+            id="qwen3moe-ep2-tp2-sp",
+        ),
+        # the interleaved schedule: 2 virtual stages per pipeline rank, micro-batches padded to one length
+        pytest.param("qwen3", 1, 2, 1, 2, {}, {"vpp": 2}, id="qwen3-pp2-vpp2"),
     ],
 )
 def test_logprobs_loss_grads_equal_hf(
@@ -72,9 +87,12 @@ def test_step_equals_fsdp2() -> None:
 
 def test_export_reload_and_load_hf(tmp_path: Path) -> None:
     """Export at TP2 -> transformers reload gives the seed model's logits; loading that export with
-    load_hf at PP2 gives HF's log-probs."""
+    load_hf at PP2 gives HF's log-probs. A Qwen3-MoE export at EP=2 (each rank holds half the experts)
+    reloads with the seed model's logits too."""
     out = str(tmp_path / "export")
     errs = run_distributed(W.export_reload, 2, "qwen3", 2, 1, out, timeout_s=300)
+    assert errs[0] < 1e-9, errs
+    errs = run_distributed(W.export_reload, 2, "qwen3_moe", 1, 1, str(tmp_path / "moe"), 2, timeout_s=300)
     assert errs[0] < 1e-9, errs
     lps = run_distributed(W.load_roundtrip, 2, "qwen3", 1, 2, out, timeout_s=300)
     assert max(lps) < LP_TOL, lps
@@ -110,6 +128,10 @@ _NORM_LAYOUTS_4 = [
     ("qwen2", 2, 1, {"sequence_parallel": True}),
     ("qwen2_tied", 2, 2, {}),
     ("qwen3_moe", 2, 1, {"sequence_parallel": True}),
+    # expert parallelism (EP=2 x TP=2, distributed optimizer over the expert data-parallel group)
+    ("qwen3_moe", 2, 1, {"sequence_parallel": True, "ep": 2}),
+    # virtual pipelines (PP=2 x VPP=2, dp=2): the same step as PP=2 above and the 1-rank step
+    ("qwen3", 1, 2, {"vpp": 2}),
 ]
 _NORM_LAYOUTS_1 = [
     ("qwen3", 1, 1, {}),
@@ -123,7 +145,7 @@ def test_grad_norm_and_clipped_step_independent_of_layout(tmp_path: Path) -> Non
     """The grad norm ``optimizer_step`` reports (and clips with) is the float64 HF model's for one
     batch at TP1 (1 rank) and, on 4 ranks, at TP2xPP2, TP2, PP2, TP2 with sequence parallelism
     (qkv biases, norms replicated over TP), tied embeddings across TP2xPP2 and MoE (router, experts)
-    with TP2+SP; and the clipped step (grad_clip=1.0 below every norm) gives every layout the
+    with TP2+SP, with EP2 x TP2+SP, and at PP2 x VPP2; and the clipped step (grad_clip=1.0 below every norm) gives every layout the
     parameters of the 1-rank step. Megatron counts a TP-sharded weight in the norm only when it
     carries ``tensor_model_parallel``; without it TP2xPP2's norm came out ~0.7 low."""
     import torch

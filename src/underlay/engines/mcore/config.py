@@ -204,7 +204,7 @@ def check_layout(
     Raises ``ConfigError`` naming the numbers and the fix when the world size is not a multiple of
     ``tp * pp * cp``, heads or k/v heads or the vocabulary are not divisible by ``tp``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
-    without sequence parallelism, VPP is used without PP, or ``etp != tp`` (``etp`` is expert tensor
+    without sequence parallelism, VPP is used without PP or with CP, or ``etp != tp`` (``etp`` is expert tensor
     parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``)."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if not isinstance(value, int) or value < 1:
@@ -228,6 +228,13 @@ def check_layout(
         )
     if vpp > 1 and pp == 1:
         raise ConfigError(f"mcore: vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages)")
+    if vpp > 1 and cp > 1:
+        # the interleaved schedule runs with one padded token count per step; the CP split gives each
+        # rank a share whose length the engine does not fix
+        raise ConfigError(
+            f"mcore: vpp={vpp} with cp={cp}: virtual pipelines and context parallelism are not combined "
+            "in the mcore engine; use vpp=1 or cp=1"
+        )
     if arch.num_layers % (pp * vpp):
         raise ConfigError(
             f"mcore: the model's {arch.num_layers} layers are not divisible by pp*vpp = {pp}*{vpp} = "
@@ -258,6 +265,30 @@ def check_layout(
     if sequence_parallel and tp == 1:
         raise ConfigError("mcore: sequence_parallel=True needs tp > 1 (it splits the sequence over TP)")
     return dp
+
+
+def check_interleaved_count(count: int, *, pp: int, vpp: int, group_size: int | None = None) -> None:
+    """Raise ``ConfigError`` for a micro-batch ``count`` that megatron's interleaved schedule
+    (``vpp > 1``) refuses, before it runs: it executes micro-batches in groups of ``group_size``
+    (``microbatch_group_size_per_vp_stage``, default ``pp``) per virtual stage, so it needs
+    ``pp <= group_size <= count`` and a last group of 0 or at least ``pp`` micro-batches. No check
+    for ``vpp == 1``."""
+    if vpp <= 1:
+        return
+    group = pp if group_size is None else group_size
+    if not pp <= group <= count:
+        raise ConfigError(
+            f"mcore: {count} micro-batches with pp={pp}, vpp={vpp}: the interleaved schedule runs "
+            f"groups of {group} micro-batches per virtual stage and needs at least {max(group, pp)}; give "
+            f"the step at least {max(group, pp)} micro-batches (a multiple of pp={pp}) or use vpp=1"
+        )
+    rest = count % group
+    if 0 < rest < pp:
+        raise ConfigError(
+            f"mcore: {count} micro-batches with pp={pp}, vpp={vpp}: the last group of the interleaved "
+            f"schedule would hold {rest} < pp micro-batches ({count} % {group}); use a multiple of "
+            f"pp={pp} micro-batches or use vpp=1"
+        )
 
 
 def transformer_config_kwargs(
@@ -312,7 +343,9 @@ def transformer_config_kwargs(
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        variable_seq_lengths=True,
+        # the interleaved schedule runs with one padded token count per step (see the engine's
+        # _micro_batches): megatron's shape exchange is wrong at pp=2 with virtual stages
+        variable_seq_lengths=vpp == 1,
         batch_p2p_comm=batch_p2p_comm,
         calculate_per_token_loss=True,
         moe_token_dispatcher_type="alltoall",

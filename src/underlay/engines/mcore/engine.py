@@ -44,6 +44,7 @@ from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
+    check_interleaved_count,
     check_layout,
     transformer_config_kwargs,
     value_arch,
@@ -105,8 +106,9 @@ class MCoreEngine:
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, ``etp != tp``, virtual pipelines or expert parallelism (not enabled: the
-    last two did not complete in this engine's gloo tests; megatron's code paths for them are wired)."""
+    LoRA, ``etp != tp``, and ``batch_p2p_comm=True`` with virtual pipelines at ``pp=2``. Virtual
+    pipelines run megatron's interleaved schedule over micro-batches padded to one token count per
+    step; expert parallelism runs megatron's alltoall dispatcher."""
 
     def __init__(self, config: EngineConfig, device: Device) -> None:
         opts: MCoreOptions = resolve_options(MCoreOptions, config.options, "mcore")
@@ -132,18 +134,13 @@ class MCoreEngine:
                 f"mcore: ulysses={par.ulysses}: Ulysses sequence parallelism is an fsdp2 feature; megatron "
                 "splits the sequence inside TP instead (options sequence_parallel=True with tp > 1)"
             )
-        if par.vpp > 1:
+        if par.vpp > 1 and par.pp == 2 and opts.batch_p2p_comm:
             raise ConfigError(
-                f"mcore: vpp={par.vpp}: the interleaved schedule deadlocks with packed variable-length "
-                "micro-batches on gloo (forward_backward; infer completes): with variable_seq_lengths one "
-                "pipeline rank waits in the per-micro-batch shape exchange (send_forward_backward_recv_"
-                "forward_backward) while its peer waits in the tensor send_forward_recv_forward; not "
-                "enabled until it is verified on NCCL. Use vpp=1"
-            )
-        if par.ep > 1:
-            raise ConfigError(
-                f"mcore: ep={par.ep}: expert parallelism did not complete in this engine's tests (gloo, "
-                "alltoall dispatcher); it is not enabled. Use ep=1 (experts replicated over data parallel)"
+                f"mcore: batch_p2p_comm=True with pp=2, vpp={par.vpp}: the interleaved schedule then "
+                "receives from and sends to the one peer in both directions inside one batched call, "
+                "whose transfers pair up by posting order, so activations and gradients swap (wrong "
+                "results); leave batch_p2p_comm unset (megatron's unbatched path keeps the directions "
+                "apart) or use pp > 2"
             )
         if par.etp is not None and par.etp != par.tp:
             raise ConfigError(
@@ -197,7 +194,13 @@ class MCoreEngine:
         self._torch_device = device.torch_device() if device.is_accelerator else torch.device("cpu")
         self._param_dtype = _DTYPES[config.param_dtype]
         gloo = dist.get_backend() == "gloo"
-        batch_p2p = (not gloo) if opts.batch_p2p_comm is None else bool(opts.batch_p2p_comm)
+        # off on gloo (wrong interleaved results there) and for the interleaved schedule at pp=2 (see
+        # the refusal above); megatron's default otherwise
+        batch_p2p = (
+            not gloo and not (par.vpp > 1 and par.pp == 2)
+            if opts.batch_p2p_comm is None
+            else bool(opts.batch_p2p_comm)
+        )
         self._init_parallel_state(par.tp, par.pp, par.vpp, par.cp, par.ep, etp)
         _compat_shims()
         from megatron.core import parallel_state as ps
@@ -591,16 +594,44 @@ class MCoreEngine:
         seqlens = host.attention_mask.sum(dim=1).tolist()
         pp = self._layout.pp
         multiple = pp if self._layout.vpp > 1 else 1
-        return plan_micro_batches(
+        plan = plan_micro_batches(
             seqlens,
             self._config.micro_batch_max_tokens,
             group=self._pg["dp"] if self._layout.dp_shard > 1 else None,
             multiple_of=multiple,
         )
+        check_interleaved_count(
+            len(plan),
+            pp=pp,
+            vpp=self._layout.vpp,
+            group_size=self._tf_config.microbatch_group_size_per_vp_stage,
+        )
+        return plan
 
-    def _micro_batch(self, host: TokenBatch, idx: list[int]) -> _MicroBatch:
+    def _micro_batches(self, host: TokenBatch, plan: list[list[int]]) -> list[_MicroBatch]:
+        """The packed micro-batches of ``plan``. With virtual pipelines every micro-batch of the step is
+        padded to one token count (the longest, agreed over the model-parallel group, a multiple of
+        tp under sequence parallelism) and megatron runs with fixed shapes: its per-micro-batch shape
+        exchange (``variable_seq_lengths``) posts both directions' receives from the one peer at pp=2
+        in a single batched call, where they pair with the peer's sends by posting order and the
+        shapes swap (gloo then hangs on a size mismatch). The agreement is one small all-reduce."""
+        if self._layout.vpp == 1:
+            return [self._micro_batch(host, idx) for idx in plan]
+        from megatron.core import parallel_state as ps
+
+        lengths = host.attention_mask.sum(dim=1).tolist()
+        longest = max(max(sum(int(lengths[i]) for i in idx) for idx in plan), 1)
+        agreed = torch.tensor([longest], dtype=torch.int64).to(self._torch_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+        length = int(agreed.item())
+        if self._tf_config.sequence_parallel:
+            length = -(-length // self._layout.tp) * self._layout.tp
+        return [self._micro_batch(host, idx, length) for idx in plan]
+
+    def _micro_batch(self, host: TokenBatch, idx: list[int], length: int | None = None) -> _MicroBatch:
         """Pack the rows ``idx`` of the host batch on the host (lengths, labels, ``cu_seqlens`` and the
-        longest sequence are host values), then queue the packed tensors to the device."""
+        longest sequence are host values), then queue the packed tensors to the device; ``length``
+        pads the micro-batch to that many tokens with a masked padding sequence (virtual pipelines)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         from underlay.engines.mcore.layers import DEVICE_CU_ATTR
@@ -620,7 +651,10 @@ class MCoreEngine:
         cu = packed.cu_seqlens.to(torch.int32)
         real = int(ids.numel())
         tp = self._layout.tp
-        pad = (-real) % tp if self._tf_config.sequence_parallel else 0
+        if length is not None:  # a fixed token count (virtual pipelines): a masked padding sequence
+            pad = length - real
+        else:
+            pad = (-real) % tp if self._tf_config.sequence_parallel else 0
         labels = torch.full((real + pad,), IGNORE_INDEX, dtype=torch.long)
         labels[: real - 1] = ids[1:]
         ends = (cu[1:] - 1).long()
@@ -797,7 +831,7 @@ class MCoreEngine:
         self._ensure_onloaded("forward_backward")
         local_tokens = int(host.loss_mask.sum())
         plan = self._plan(host)
-        mbs = [self._micro_batch(host, idx) for idx in plan]
+        mbs = self._micro_batches(host, plan)
         sums: dict[str, torch.Tensor] = {}
         cp_rank = ps.get_context_parallel_rank()
         temperature = self._config.temperature
@@ -872,7 +906,7 @@ class MCoreEngine:
             raise InvalidInput(f"infer: temperature={temp} must be > 0")
         with_entropy = with_entropy and not self._value
         plan = self._plan(host)
-        mbs = [self._micro_batch(host, idx) for idx in plan]
+        mbs = self._micro_batches(host, plan)
         shape = tuple(host.input_ids.shape)
         main = torch.zeros(shape, dtype=torch.float32, device=self._torch_device)
         ent = torch.zeros(shape, dtype=torch.float32, device=self._torch_device) if with_entropy else None
