@@ -180,3 +180,115 @@ def attention_vs_full(
             {"out": float((got - want).abs().max()), "grad": gerr, "local": float(local_ids.numel())}
         )
     return results
+
+
+def value_cp_batch(seed: int) -> TokenBatch:
+    """``cp_batch`` with per-token returns ``extras["ret"] [8, 12]`` for the value loss."""
+    base = cp_batch(seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    ret = torch.randn(tuple(base.input_ids.shape), generator=g)
+    return TokenBatch(base.input_ids, base.attention_mask, base.loss_mask, {"ret": ret})
+
+
+@contextlib.contextmanager
+def _unpermuted_gather() -> Iterator[None]:
+    """Negative control: ``CPSplit.gather`` returns the CP all-gather in rank order (each rank's
+    load-balanced chunks one after the other) without mapping it back to the packed token order."""
+    from underlay.engines.mcore.context_parallel import CPSplit
+    from underlay.parallel.ulysses import gather_seq
+
+    def wrong(self: Any, local: torch.Tensor) -> torch.Tensor:
+        return gather_seq(local.contiguous(), self.group)[: self.real_index.numel()]
+
+    saved = CPSplit.gather
+    CPSplit.gather = wrong  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CPSplit.gather = saved  # type: ignore[method-assign]
+
+
+def _head_seed(eng: Any) -> int:
+    """The dropout seed of this rank's value head (last pipeline stage; -1 elsewhere)."""
+    inner = eng.chunks[-1]
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return int(inner.output_layer.seed) if inner.post_process else -1
+
+
+VALUE_LAYOUTS: list[tuple[str, dict[str, Any]]] = [
+    ("cp1", {}),  # CP1 x DP4: the reference step
+    ("cp2", {"cp": 2}),  # CP2 x DP2
+    ("cp2tp2sp", {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    ("cp2pp2", {"cp": 2, "pp": 2}),
+]
+
+
+def value_cp_cases(rank: int, world: int) -> dict[str, float]:
+    """A value model (qwen3, no head dropout) on 4 ranks at each of ``VALUE_LAYOUTS`` in turn, each
+    from seed 0 on its dp share of ``value_cp_batch``: ``infer`` values, the token-mean value loss
+    and the global loss-token count of ``forward_backward``, every gradient (score head included) and
+    the grad norm of ``optimizer_step`` against the float64 HF token-classification model; the
+    parameters after the clipped AdamW step against the CP1 engine's (how far CP1's step moved them
+    too). At CP2 x DP2 also the values when ``CPSplit.gather`` skips the un-permutation (negative
+    control). Per CP layout, whether the value heads' dropout seeds differ on every rank that holds
+    different tokens (dp x cp, and tp under sequence parallelism: all 4 ranks here)."""
+    import copy
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    full = value_cp_batch(5)
+    cfg = H.tiny_config("qwen3", classifier_dropout=0.0)
+    ref_v, ref_loss, ref_grads = H.hf_value_reference(cfg, full)
+    hf_norm = sum(float(g.pow(2).sum()) for g in ref_grads.values()) ** 0.5
+    want_tokens = int(full.loss_mask.sum())
+    out: dict[str, float] = {}
+    base: dict[str, torch.Tensor] = {}
+    for tag, sizes in VALUE_LAYOUTS:
+        eng = H.make_engine(
+            H.engine_config(copy.deepcopy(cfg), kind="value", distributed_optimizer=False, **sizes)
+        )
+        dp = eng.layout.dp_shard
+        rows = list(range(eng_dp_rank(eng), full.batch_size, dp))
+        mine = full.select(rows)
+        values = eng.infer(mine).values.double()
+        out[f"{tag}_values"] = float((values - ref_v[rows]).abs().max())
+        if tag == "cp2":
+            with _unpermuted_gather():
+                wrong = eng.infer(mine).values.double()
+            out["unpermuted_values"] = float((wrong - ref_v[rows]).abs().max())
+        if eng.layout.cp > 1:
+            seeds = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(seeds, torch.tensor(_head_seed(eng)))
+            last = [int(s) for s in seeds if int(s) >= 0]
+            out[f"{tag}_seeds_distinct"] = float(len(set(last)) == len(last) == world // eng.layout.pp)
+        before = {n: t.clone() for n, t in eng.named_full_tensors()} if tag == "cp1" else {}
+        res = eng.forward_backward(mine, H.value_loss)
+        grads = grad_by_hf_name(eng)
+        step = eng.optimizer_step()
+        after = {n: t.clone() for n, t in eng.named_full_tensors()}
+        out[f"{tag}_loss"] = abs(res.metrics["loss"] - float(ref_loss))
+        out[f"{tag}_tokens"] = float(res.loss_tokens - want_tokens)
+        out[f"{tag}_names"] = float(set(grads) == set(ref_grads) and "score.weight" in grads)
+        out[f"{tag}_grad_rel"] = max(
+            float((grads[n].double() - r).abs().max() / (r.abs().max() + 1e-6)) for n, r in ref_grads.items()
+        )
+        out[f"{tag}_norm"] = abs(step.grad_norm - hf_norm) / hf_norm
+        out[f"{tag}_skipped"] = float(step.skipped)
+        if tag == "cp1":
+            base = after
+            out["cp1_moved"] = max(float((after[n] - before[n]).abs().max()) for n in after)
+            out["cp1_head_moved"] = float((after["score.weight"] - before["score.weight"]).abs().max())
+        else:
+            out[f"{tag}_step"] = max(float((after[n] - base[n]).abs().max()) for n in after)
+        del eng
+        ps.destroy_model_parallel()
+    return out
+
+
+def cp_suite(
+    rank: int, world: int, cases: list[tuple[str, int, int, int, dict[str, Any], str | None]]
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """``cp_cases`` then ``value_cp_cases`` in one spawn (one megatron import and gloo setup)."""
+    return cp_cases(rank, world, cases), value_cp_cases(rank, world)

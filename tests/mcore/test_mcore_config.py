@@ -181,7 +181,6 @@ def test_registry_refuses_mcore_on_cpu() -> None:
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),
         # a value model whose head dropout transformers' rule reads as 1.0 (everything dropped)
         ({"model": {"kind": "value"}, "hf": {"classifier_dropout": 1.0}}, {}, r"value-head dropout 1.0"),
-        ({"model": {"kind": "value"}, "parallel": {"cp": 2}}, {}, "value model with cp=2"),
         ({"model": {"lora": {"rank": 4}}}, {}, "LoRA"),
     ],
 )

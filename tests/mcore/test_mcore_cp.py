@@ -1,7 +1,8 @@
 """Context parallelism in the mcore engine: megatron's load-balanced THD split (checked against
 megatron's own RoPE position slicing, in process), and CP=2 alone, with TP=2 + sequence parallelism
-and with PP=2 on 4 gloo ranks against the float64 HF model, with two negative controls; bad layouts
-refused before any process group exists."""
+and with PP=2 on 4 gloo ranks against the float64 HF model, with two negative controls; value models
+at the same CP layouts against the float64 HF token-classification model and the CP1 step (one spawn
+for both); bad layouts refused before any process group exists."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.mcore
 LP_TOL = 1e-5
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
+STEP_TOL = 1e-6
 
 
 def _packed(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,9 +82,21 @@ _CASES: list[tuple[str, int, int, int, dict[str, Any], str | None]] = [
 ]
 
 
+@pytest.fixture(scope="module")
+def cp_suite() -> list[tuple[list[dict[str, float]], dict[str, float]]]:
+    """One 4-rank spawn for the log-prob cases ``_CASES`` and the value-model layouts
+    (``_cp_workers.value_cp_cases``): per rank ``(log-prob results, value results)``."""
+    results: list[tuple[list[dict[str, float]], dict[str, float]]] = run_distributed(
+        W.cp_suite, 4, _CASES, timeout_s=600
+    )
+    return results
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls() -> None:
+def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls(
+    cp_suite: list[tuple[list[dict[str, float]], dict[str, float]]],
+) -> None:
     """Packed variable-length micro-batches (24 tokens max; sequences of 1..12 tokens, some shorter
     than 2*cp and of odd length) on 4 ranks at CP2xDP2, CP2xTP2 (SP) and CP2xPP2: per-token log-probs
     on every rank, the token-mean loss over dp x cp, every gradient and the grad norm
@@ -90,7 +104,7 @@ def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls() -> None:
     Negative controls: a contiguous (not load-balanced) split breaks the log-probs, and a K/V gather
     whose backward does not sum the CP ranks' gradients breaks the gradients while the forward stays
     right, each by over 100x the tolerance."""
-    results = run_distributed(W.cp_cases, 4, _CASES, timeout_s=600)
+    results = [lp for lp, _ in cp_suite]
     n_tokens = None
     for i, case in enumerate(_CASES):
         per_rank = [r[i] for r in results]
@@ -113,6 +127,32 @@ def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls() -> None:
             assert lp < LP_TOL and loss < LOSS_TOL, (case, per_rank)
             assert grad > 100 * GRAD_TOL, (case, per_rank)
     assert [r["dp"] for r in results[0]] == [2.0, 1.0, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_value_model_cp2_equals_hf_and_cp1_step(
+    cp_suite: list[tuple[list[dict[str, float]], dict[str, float]]],
+) -> None:
+    """A value model (``kind="value"``) at CP2 x DP2, CP2 x TP2 with sequence parallelism and CP2 x
+    PP2 on the packed variable-length batch of the log-prob cases: per-token values returned on every
+    rank in the original token order, the token-mean value loss over dp x cp with the global
+    loss-token count, every gradient (the CP-replicated score head included) and the reported grad
+    norm equal the float64 HF token-classification model's; the parameters after one clipped AdamW
+    step equal the CP1 x DP4 engine's step (which moved them, head included). Each rank holding
+    different tokens draws its own head-dropout mask (distinct seeds). Negative control: a CP gather
+    that skips the un-permutation to the packed order is off by over 100x the tolerance."""
+    for _, r in cp_suite:
+        for tag, _sizes in W.VALUE_LAYOUTS:
+            assert r[f"{tag}_values"] < LP_TOL and r[f"{tag}_loss"] < LOSS_TOL, (tag, r)
+            assert r[f"{tag}_tokens"] == 0.0 and r[f"{tag}_names"] == 1.0, (tag, r)
+            assert r[f"{tag}_grad_rel"] < GRAD_TOL and r[f"{tag}_norm"] < 1e-5, (tag, r)
+            assert r[f"{tag}_skipped"] == 0.0, (tag, r)
+            if tag != "cp1":
+                assert r[f"{tag}_step"] < STEP_TOL, (tag, r)
+                assert r[f"{tag}_seeds_distinct"] == 1.0, (tag, r)
+        assert r["cp1_moved"] > 100 * STEP_TOL and r["cp1_head_moved"] > 100 * STEP_TOL, r
+        assert r["unpermuted_values"] > 100 * LP_TOL, r
 
 
 @pytest.mark.parametrize(

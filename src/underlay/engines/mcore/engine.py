@@ -13,7 +13,9 @@ vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are nev
 (``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces. A value
 model's last stage runs ``layers.ValueHead`` instead (per-token values, no vocabulary projection).
 Context parallelism splits each micro-batch's sequences into megatron's load-balanced chunks
-(``context_parallel``); per-token outputs are gathered back so every CP rank sees the whole micro-batch.
+(``context_parallel``); per-token outputs (log-probs, entropy, values) are gathered back so every CP
+rank sees the whole micro-batch, and every replicated parameter (the value head's too) gets its
+gradient summed over dp x cp by megatron's DDP.
 
 Host synchronisation: batches are validated, planned and packed on the host (micro-batch tensors are
 queued to the device without waiting; the attention kernel gets the host lengths), so the data path
@@ -124,11 +126,6 @@ class MCoreEngine:
         if mc.kind not in ("causal_lm", "value"):
             raise ConfigError(f"mcore: ModelConfig.kind={mc.kind!r}; use 'causal_lm' or 'value'")
         par = config.parallel
-        if mc.kind == "value" and par.cp > 1:
-            raise ConfigError(
-                f"mcore: a value model with cp={par.cp}: the value head under context parallelism is not "
-                "verified in this engine's tests; use cp=1 for value models (tp/pp/sequence_parallel work)"
-            )
         if par.ulysses > 1:
             raise ConfigError(
                 f"mcore: ulysses={par.ulysses}: Ulysses sequence parallelism is an fsdp2 feature; megatron "
@@ -323,13 +320,15 @@ class MCoreEngine:
 
     def _value_head(self) -> torch.nn.Module:
         """The value model's head for the last stage (replaces the vocabulary output layer); its dropout
-        seed differs per data-parallel rank (and per TP rank under sequence parallelism)."""
+        seed differs per data-parallel and per context-parallel rank (and per TP rank under sequence
+        parallelism): each of those holds different tokens."""
         from megatron.core import parallel_state as ps
 
         from underlay.engines.mcore.layers import ValueHead
 
         a = self._arch
-        rank = ps.get_data_parallel_rank()
+        # CP ranks score different tokens (their own chunks): their masks must be independent too
+        rank = ps.get_data_parallel_rank() * self._layout.cp + ps.get_context_parallel_rank()
         if self._tf_config.sequence_parallel:
             rank = rank * self._layout.tp + ps.get_tensor_model_parallel_rank()
         return ValueHead(
@@ -756,12 +755,18 @@ class MCoreEngine:
         H]`` (the final hidden states): log-probs (and entropy) through the vocab-parallel log-prob
         kernel. For a value model ``output`` is the value head's ``[1, T', 1]`` and the result holds
         ``values`` only: ``values[t]`` scores token ``t`` itself (no shift, as Hugging Face's token
-        classification), fp32, 0 at padding."""
+        classification), fp32, 0 at padding. Under context parallelism ``T'`` are this CP rank's
+        tokens (``mb.cp``'s split); the outputs are gathered over CP (collective over the CP group)
+        and cover the whole micro-batch on every CP rank; the backward keeps this rank's tokens'
+        share."""
         from underlay.ops import pad
 
         real = mb.real
         if self._value:
-            values = output.reshape(-1)[:real].to(torch.float32)
+            flat = output.reshape(-1)
+            # under context parallelism ``output`` holds this CP rank's load-balanced chunks: gather
+            # them over CP into the packed order, as the log-probs below (padding is dropped there)
+            values = (mb.cp.gather(flat) if mb.cp is not None else flat[:real]).to(torch.float32)
             return TokenOutputs(None, None, pad(values, mb.packed) if mb.sub is not None else values)
         inner = _unwrap(model)
         weight = (

@@ -68,7 +68,9 @@ class ValueHead(torch.nn.Module):
     ``num_labels=1``), after a dropout of rate ``dropout`` in training mode (transformers applies its
     ``nn.Dropout`` there too; evaluation applies none).
 
-    ``weight [1, hidden]`` and ``bias [1]`` are replicated over TP (one output cannot be split).
+    ``weight [1, hidden]`` and ``bias [1]`` are replicated over TP (one output cannot be split) and
+    over CP (each CP rank scores its own chunks of the sequences; the engine gathers the values over CP,
+    and megatron's DDP sums every replicated parameter's gradient over dp x cp).
     Without sequence parallelism every TP rank holds the whole sequence and computes the same values;
     with it each rank scores its sequence slice and the ``[s, b, 1]`` values (not the ``[s, b, H]``
     hidden states) are gathered; the parameters then carry ``sequence_parallel=True`` so megatron's
@@ -77,8 +79,8 @@ class ValueHead(torch.nn.Module):
     Dropout masks come from a generator seeded with ``seed`` and a per-call counter, so every TP rank
     draws the same mask for the same micro-batch independently of torch's global RNG state (a mask
     that differed across TP ranks would give replicated parameters different gradients); the engine
-    passes a seed that differs across data-parallel ranks (and across TP ranks under sequence
-    parallelism, whose slices are different tokens)."""
+    passes a seed that differs across data-parallel and context-parallel ranks (and across TP ranks
+    under sequence parallelism): each of those holds different tokens."""
 
     def __init__(
         self, config: Any, hidden_size: int, *, bias: bool, dropout: float, seed: int, tp_group: Any
