@@ -29,9 +29,9 @@ fi
 logs=$(mktemp -d)
 echo "== pytest: the mcore group and the rest, in parallel (logs in $logs)"
 start=$(date +%s)
-.venv/bin/python -m pytest -q -m mcore -p no:cacheprovider > "$logs/mcore.log" 2>&1 &
+.venv/bin/python -m pytest -q -m mcore -p no:cacheprovider --durations=15 > "$logs/mcore.log" 2>&1 &
 mcore_pid=$!
-.venv/bin/python -m pytest -q -m "not mcore" -p no:cacheprovider > "$logs/rest.log" 2>&1
+.venv/bin/python -m pytest -q -m "not mcore" -p no:cacheprovider --durations=30 > "$logs/rest.log" 2>&1
 rest_rc=$?
 wait "$mcore_pid"
 mcore_rc=$?

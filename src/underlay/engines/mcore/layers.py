@@ -86,9 +86,11 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., hidden]`` -> same shape and dtype."""
-        norm = fused(rms_norm) if self.fused else rms_norm
-        out: torch.Tensor = norm(x, self.weight, self.eps)
-        return out
+        if not self.fused:
+            return rms_norm(x, self.weight, self.eps)
+        # one compiled graph for the [s, b, H] hidden states and the [t, heads, d] q/k norms alike
+        out: torch.Tensor = fused(rms_norm)(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+        return out.view(x.shape)
 
 
 class ValueHead(torch.nn.Module):
