@@ -75,10 +75,15 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _pair(
-    batch: Any, loss_fn: Callable[..., Any], hf: Any, options: dict[str, Any] | None = None, **cfg: Any
+    batch: Any,
+    loss_fn: Callable[..., Any],
+    hf: Any,
+    options: dict[str, Any] | None = None,
+    setup: Callable[[Any, Any], None] | None = None,
+    **cfg: Any,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One engine per ``grad_sync`` mode, same seed and batch: one step each. Returns the engines and
-    the figures comparing them."""
+    """One engine per ``grad_sync`` mode, same seed and batch (``setup(engine, batch)`` after the
+    build): one step each. Returns the engines and the figures comparing them."""
     from underlay.engines.fsdp2.engine import FSDP2Engine
     from underlay.registry import get_device
 
@@ -86,9 +91,12 @@ def _pair(
     for sync in SYNCS:
         ec = H.engine_config(hf, options={**(options or {}), "grad_sync": sync}, **cfg)
         engine = FSDP2Engine(ec, get_device("cpu"))
+        if setup is not None:
+            setup(engine, batch)
         probes[sync] = _Probe(engine, loss_fn)
         res = engine.forward_backward(batch, probes[sync])
         grads[sync] = _grads(engine)
+        no_grad = sorted(n for n, p in engine.model.named_parameters() if p.grad is None)
         results[sync] = (res, engine.optimizer_step())
         engines[sync] = engine
     (rs, ss), (rm, sm) = results["per_step"], results["per_micro_batch"]
@@ -101,6 +109,7 @@ def _pair(
         "params": H.max_diff(_params(engines["per_step"]), _params(engines["per_micro_batch"])),
         "seen_per_step": probes["per_step"].seen,
         "seen_per_mb": probes["per_micro_batch"].seen,
+        "no_grad": no_grad,  # of the per_micro_batch engine; the per_step one has the same (grads)
     }
     return engines, figures
 
@@ -121,6 +130,28 @@ def _fail_in_backward(engine: Any, at_call: int) -> Any:
         return _FailInBackward.apply(output)
 
     return decoder_layers(engine.model)[0].register_forward_hook(hook)
+
+
+def _late_mlps(engine: Any, batch: Any) -> None:
+    """The first decoder layer's MLP takes part only in the last micro-batch of ``batch``, the second
+    layer's never (their outputs are replaced by their inputs): parameters of a layer whose first
+    gradient of the step arrives in the syncing micro-batch, or never, next to parameters (attention)
+    that have one from the first micro-batch on."""
+    from underlay.engines.fsdp2.parallelize import decoder_layers
+
+    n = len(engine._plan(batch))
+    layers = decoder_layers(engine.model)
+    calls = [0, 0]
+
+    def skip(i: int) -> Callable[..., Any]:
+        def hook(_module: Any, args: Any, _output: Any) -> Any:
+            calls[i] += 1
+            return None if i == 0 and calls[i] == n else args[0] * 1.0
+
+        return hook
+
+    for i in (0, 1):
+        layers[i].mlp.register_forward_hook(skip(i))
 
 
 def _failing_loss(at_call: int) -> Callable[..., Any]:
@@ -202,6 +233,15 @@ def job(rank: int, world: int) -> dict[str, Any]:
         param_dtype="bfloat16",
         reduce_dtype="float32",
     )
+    # bf16/fp32 again, with MLP parameters that get their first gradient in the last micro-batch or none
+    _, out["late"] = _pair(
+        local(75, 6),
+        H.pg_loss,
+        H.llama_config(),
+        setup=_late_mlps,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+    )
     # LoRA (frozen base: no gradients there) with the host-offloaded AdamW
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
     _, out["lora"] = _pair(local(81, 6), H.pg_loss, H.llama_config(), {"optimizer_offload": True}, lora=lora)
@@ -222,7 +262,8 @@ def job(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_per_step_grad_sync_equals_per_micro_batch(world: int) -> None:
     for r in run_distributed(job, world, timeout_s=400):
-        for case, tol in (("fp32", 1e-6), ("bf16", 1e-5), ("lora", 1e-6), ("value", 1e-6)):
+        cases = (("fp32", 1e-6), ("bf16", 1e-5), ("late", 1e-5), ("lora", 1e-6), ("value", 1e-6))
+        for case, tol in cases:
             f = r[case]
             assert f["resolved"] == list(SYNCS), (case, f)
             assert f["micro_batches"] >= 2, (case, f)  # several micro-batches, of different lengths
@@ -231,6 +272,8 @@ def test_per_step_grad_sync_equals_per_micro_batch(world: int) -> None:
             assert f["seen_per_mb"] == [False] + [True] * (len(f["seen_per_mb"]) - 1), (case, f)
             assert f["grads"] <= tol and f["norm"] <= tol and f["loss"] <= 1e-6, (case, f)
             assert f["params"] <= 1e-6, (case, f)  # lr 1e-3, clipped to 0.5
+        late = r["late"]["no_grad"]
+        assert any("layers.1.mlp" in n for n in late) and not any("layers.0.mlp" in n for n in late), late
         assert r["fp32_ref_weights"] <= TOL, r
         assert r["fail_micro_batches"] >= 3, r  # the failures hit the middle of the step
         assert r["fail_loss"] == "injected failure in the loss", r

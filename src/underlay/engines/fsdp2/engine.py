@@ -499,6 +499,7 @@ class FSDP2Engine:
         sync_once = self._options.grad_sync == "per_step" and len(plan) > 1 and not self._grads_pending
         sums: dict[str, torch.Tensor] = {}
         completed = False
+        filled: list[_ZeroFilled] = []
         warm = self._compile_warmup.start() if self._options.compile else None
         try:
             for i, idx in enumerate(plan):
@@ -508,6 +509,8 @@ class FSDP2Engine:
                 self._set_reshard_after_backward(not self._keep_unsharded or last)
                 if sync_once:
                     self._set_requires_gradient_sync(last)
+                    if last:
+                        filled = _fill_late_accumulators(self._model)
                 if not idx:
                     self._dummy_backward(batch)
                     continue
@@ -520,6 +523,7 @@ class FSDP2Engine:
                     _accumulate(sums, key, torch.as_tensor(value, device=self._torch_device).detach())
             completed = True
         finally:
+            _unfill(filled, completed)
             if sync_once:
                 self._set_requires_gradient_sync(True)  # after a failure too: the next call syncs
             if not completed:
@@ -1040,8 +1044,9 @@ def _to_device(saved: Any) -> Any:
     return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
 
 
-def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
-    """FSDP2's per-parameter state objects (``FSDPParam``) of every ``FSDPModule`` in ``model``."""
+def _fsdp_param_groups(model: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's parameter groups (``FSDPParamGroup``: one reduce-scatter each) of every ``FSDPModule``
+    in ``model``."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -1052,8 +1057,59 @@ def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
         if groups is None:  # torch before the list of groups per module
             group = getattr(state, "_fsdp_param_group", None)
             groups = [] if group is None else [group]
-        for group in groups:
-            yield from group.fsdp_params
+        yield from groups
+
+
+def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's per-parameter state objects (``FSDPParam``) of every ``FSDPModule`` in ``model``."""
+    for group in _fsdp_param_groups(model):
+        yield from group.fsdp_params
+
+
+@dataclass
+class _ZeroFilled:
+    """An accumulator ``_fill_late_accumulators`` created, and whether a gradient reached it."""
+
+    fsdp_param: Any
+    handle: Any
+    used: bool = False
+
+
+def _fill_late_accumulators(model: torch.nn.Module) -> list[_ZeroFilled]:
+    """Before the syncing (last) micro-batch of ``grad_sync="per_step"``: FSDP2 reduce-scatters one
+    parameter group in one dtype, so a parameter whose first gradient of the step comes in that
+    micro-batch (compute dtype) next to group members holding a reduce-dtype accumulation (a vision
+    tower's merger on the first image micro-batch, a module skipped until then) would fail the reduce.
+    Such parameters get a zero accumulation in the reduce dtype, and a hook that records whether
+    autograd gives them a gradient; ``_unfill`` drops the sharded gradient of those that got none, so
+    they stay without a gradient as with per-micro-batch sync."""
+    filled: list[_ZeroFilled] = []
+    for group in _fsdp_param_groups(model):
+        params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        held = [fp.unsharded_accumulated_grad for fp in params if fp.unsharded_accumulated_grad is not None]
+        if not held or len(held) == len(params):
+            continue
+        for fp in params:
+            if fp.unsharded_accumulated_grad is not None:
+                continue
+            fp.unsharded_accumulated_grad = torch.zeros_like(fp.unsharded_param, dtype=held[0].dtype)
+            entry = _ZeroFilled(fp, None)
+
+            def mark(_param: torch.Tensor, entry: _ZeroFilled = entry) -> None:
+                entry.used = True
+
+            entry.handle = fp.unsharded_param.register_post_accumulate_grad_hook(mark)
+            filled.append(entry)
+    return filled
+
+
+def _unfill(filled: list[_ZeroFilled], completed: bool) -> None:
+    """Remove ``_fill_late_accumulators``'s hooks; after a completed step, drop the (zero) sharded
+    gradient of each filled parameter that no micro-batch gave a gradient."""
+    for entry in filled:
+        entry.handle.remove()
+        if completed and not entry.used:
+            entry.fsdp_param.sharded_param.grad = None
 
 
 def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
