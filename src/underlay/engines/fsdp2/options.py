@@ -65,7 +65,8 @@ class FSDP2Options:
         "when gradients are reduced into the sharded gradients: 'per_micro_batch' (after every "
         "micro-batch's backward) or 'per_step' (once per forward_backward, at its last micro-batch: no "
         "reduce-scatter, copies and accumulation for the other micro-batches, but the unsharded "
-        "gradients of the whole model, in the reduce dtype, stay on the device until then); None = auto: "
+        "gradients of the whole model, in the reduce dtype, stay on the device until then; a second "
+        "forward_backward before the optimizer step syncs per micro-batch); None = auto: "
         "'per_step' when the memory estimate fits it, else 'per_micro_batch'",
     )
 
