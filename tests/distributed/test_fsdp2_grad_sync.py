@@ -37,7 +37,11 @@ class _FailInBackward(torch.autograd.Function):
 
 
 def _has_grads(engine: Any) -> bool:
-    return any(p.grad is not None for p in engine.model.parameters())
+    """Whether a sharded gradient exists (between micro-batches ``model.parameters()`` may be the
+    unsharded parameters, which FSDP keeps registered while they stay unsharded)."""
+    from underlay.engines.fsdp2.engine import _fsdp_params
+
+    return any(fp.sharded_param.grad is not None for fp in _fsdp_params(engine.model))
 
 
 class _Probe:
@@ -70,8 +74,11 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest difference relative to the largest magnitude of ``b`` (inf when the keys differ)."""
     if set(a) != set(b) or not a:
         return math.inf
-    scale = max(float(t.abs().max()) for t in b.values()) or 1.0
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a) / scale
+    keys = [k for k in a if b[k].numel()]  # a rank's shard of a small parameter may be empty
+    if any(a[k].shape != b[k].shape for k in a):
+        return math.inf
+    scale = max((float(b[k].abs().max()) for k in keys), default=0.0) or 1.0
+    return max((float((a[k].double() - b[k].double()).abs().max()) for k in keys), default=0.0) / scale
 
 
 def _pair(
@@ -117,8 +124,6 @@ def _pair(
 def _fail_in_backward(engine: Any, at_call: int) -> Any:
     """Make the first decoder layer's ``at_call``-th forward output raise in its backward (after the
     later layers' backward ran); returns the hook handle."""
-    from underlay.engines.fsdp2.parallelize import decoder_layers
-
     calls = [0]
 
     def hook(_module: Any, _args: Any, output: Any) -> Any:
@@ -129,7 +134,7 @@ def _fail_in_backward(engine: Any, at_call: int) -> Any:
             return (_FailInBackward.apply(output[0]), *output[1:])
         return _FailInBackward.apply(output)
 
-    return decoder_layers(engine.model)[0].register_forward_hook(hook)
+    return engine.model.model.layers[0].register_forward_hook(hook)
 
 
 def _late_mlps(engine: Any, batch: Any) -> None:
@@ -137,10 +142,8 @@ def _late_mlps(engine: Any, batch: Any) -> None:
     layer's never (their outputs are replaced by their inputs): parameters of a layer whose first
     gradient of the step arrives in the syncing micro-batch, or never, next to parameters (attention)
     that have one from the first micro-batch on."""
-    from underlay.engines.fsdp2.parallelize import decoder_layers
-
     n = len(engine._plan(batch))
-    layers = decoder_layers(engine.model)
+    layers = engine.model.model.layers
     calls = [0, 0]
 
     def skip(i: int) -> Callable[..., Any]:
