@@ -224,19 +224,8 @@ def job(rank: int, world: int) -> dict[str, Any]:
     out["after_failures_params"] = H.max_diff(_params(st), _params(mb))
     del engines, st, mb
 
-    # bf16 compute, fp32 reduction (FSDP2 accumulates the unsharded gradients in fp32), full
-    # recomputation and TiledMLP
-    hf = H.llama_config()
-    _, out["bf16"] = _pair(
-        local(71, 6),
-        H.pg_loss,
-        hf,
-        model=ModelConfig(hf_config=hf, seed=0, tiled_mlp_tiles=2),
-        recompute="full",
-        param_dtype="bfloat16",
-        reduce_dtype="float32",
-    )
-    # bf16/fp32 again, with MLP parameters that get their first gradient in the last micro-batch or none
+    # bf16 compute, fp32 reduction (FSDP2 accumulates the unsharded gradients in fp32), with MLP
+    # parameters that get their first gradient in the last micro-batch, or none
     _, out["late"] = _pair(
         local(75, 6),
         H.pg_loss,
@@ -245,9 +234,23 @@ def job(rank: int, world: int) -> dict[str, Any]:
         param_dtype="bfloat16",
         reduce_dtype="float32",
     )
-    # LoRA (frozen base: no gradients there) with the host-offloaded AdamW
+    if world == 1:  # the rest once, at 2 ranks (the fsdp2 suite runs the per_step default at both)
+        out["ref"] = (ref_loss, ref_norm)
+        return out
+    # bf16/fp32 LoRA (frozen base: no gradients there) with full recomputation, TiledMLP and the
+    # host-offloaded AdamW
+    hf = H.llama_config()
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
-    _, out["lora"] = _pair(local(81, 6), H.pg_loss, H.llama_config(), {"optimizer_offload": True}, lora=lora)
+    _, out["bf16_lora"] = _pair(
+        local(71, 6),
+        H.pg_loss,
+        hf,
+        {"optimizer_offload": True},
+        model=ModelConfig(hf_config=hf, seed=0, tiled_mlp_tiles=2, lora=lora),
+        recompute="full",
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+    )
     # a value model with FSDP's CPU offload (sharded gradients on the host)
     hv = H.llama_config(classifier_dropout=0.0)
     _, out["value"] = _pair(
@@ -265,7 +268,9 @@ def job(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_per_step_grad_sync_equals_per_micro_batch(world: int) -> None:
     for r in run_distributed(job, world, timeout_s=400):
-        cases = (("fp32", 1e-6), ("bf16", 1e-5), ("late", 1e-5), ("lora", 1e-6), ("value", 1e-6))
+        cases = [("fp32", 1e-6), ("late", 1e-5)]
+        if world == 2:
+            cases += [("bf16_lora", 1e-5), ("value", 1e-6)]
         for case, tol in cases:
             f = r[case]
             assert f["resolved"] == list(SYNCS), (case, f)
