@@ -51,6 +51,19 @@ def _clip(text: str) -> str:
     return f"{text[:half]}\n... [{len(text) - 2 * half} characters cut] ...\n{text[-half:]}"
 
 
+def _stop_children() -> None:
+    """Terminate (then kill) every live multiprocessing child of this process."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+
+
 def _worker(
     rank: int,
     fn: Callable[..., Any],
@@ -100,7 +113,10 @@ def _worker(
         dist.destroy_process_group()
     # The result is reported (SimpleQueue writes synchronously). Skip interpreter teardown: c10d/gloo
     # and profiler threads occasionally abort a finished child at exit (SIGABRT, "terminate called
-    # without an active exception"), which would fail a test whose work all passed.
+    # without an active exception"), which would fail a test whose work all passed. Skipping it also
+    # skips multiprocessing's exit hook, so stop this process's own children first (megatron's
+    # checkpoint writer starts a spawn Manager server; os._exit would orphan it, asleep forever).
+    _stop_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

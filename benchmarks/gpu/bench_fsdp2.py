@@ -226,7 +226,7 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         print(
             f"fsdp2/{variant}: {gib:.1f} GiB reserved by the caching allocator before the build", flush=True
         )
-    trace = bool(args.memory_trace and dev.is_accelerator)
+    trace = bool(getattr(args, "memory_trace", False) and dev.is_accelerator)
     if trace:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
     t0 = time.perf_counter()

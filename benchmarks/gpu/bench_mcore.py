@@ -169,6 +169,8 @@ def main() -> int:
     tokens = [sum(s.lens) for s in work[args.warmup :]]
     results: dict[str, Any] = {}
     results["mcore"] = bench_mcore(cfg, work, args, dev)
+    m = results["mcore"]
+    print(f"mcore  {sum(tokens) / sum(m['times']):10.0f} tokens/s (before the fsdp2 run)", flush=True)
     results["fsdp2"] = bf.bench_engine(cfg, work, args, dev, args.fsdp2_variant)
     rows = {}
     for name, r in results.items():

@@ -29,6 +29,8 @@ GRAD_TOL = 1e-4
         pytest.param("qwen3", 2, 2, 1, 4, {}, {}, id="qwen3-tp2pp2"),
         pytest.param("qwen2", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen2-tp2-sp"),
         pytest.param("qwen3_moe", 1, 1, 1, 1, {}, {}, id="qwen3moe-1rank"),
+        # the cuda default's compiled RMSNorm (incl. q/k norm), RoPE rotation and megatron's SwiGLU fusion
+        pytest.param("qwen3", 1, 1, 1, 1, {"fused_elementwise": True}, {}, id="qwen3-1rank-fused"),
         # etp unset = tp (megatron's default): experts split over TP like the dense layers
         pytest.param("qwen3_moe", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen3moe-tp2-sp-etp2"),
         # the plain DDP all-reduce: the distributed optimizer leaves each rank only its reduce-scattered shard

@@ -304,11 +304,13 @@ def transformer_config_kwargs(
     params_dtype: torch.dtype,
     recompute: str = "none",
     batch_p2p_comm: bool = True,
+    fused_elementwise: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of megatron's ``TransformerConfig`` for ``arch`` under the given sizes.
 
     Dropout is 0 and every fused kernel that needs TE/apex is off, so the mcore model computes the HF
-    model's function. ``recompute`` is ``"none"``, ``"full"`` (every layer, uniform) or
+    model's function; ``fused_elementwise`` turns on megatron's SwiGLU fusion (``bias_activation_fusion``:
+    a ``torch.compile``d kernel that saves only the MLP's input to the activation). ``recompute`` is ``"none"``, ``"full"`` (every layer, uniform) or
     ``"selective"`` (megatron's core-attention recompute)."""
     kw: dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -326,7 +328,7 @@ def transformer_config_kwargs(
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused_elementwise,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

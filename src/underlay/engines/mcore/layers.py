@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,10 +29,12 @@ __all__ = [
     "RMSNorm",
     "ValueHead",
     "block_spec",
+    "fused",
     "have_te",
     "kernel_cu_seqlens",
     "mark_tensor_parallel",
     "position_embedding_type",
+    "rms_norm",
 ]
 
 
@@ -43,23 +46,49 @@ def have_te() -> bool:
         return False
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis with the statistics in fp32, cast back
+    to ``x``'s dtype before the weight (Hugging Face's order). ``x [..., hidden]``, ``weight [hidden]``."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+_FUSED: dict[str, Callable[..., Any]] = {}
+
+
+def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled once per process with ``torch.compile(dynamic=True)`` (one graph for every
+    token count; the elementwise chain becomes one kernel forward and one or two backward). Used by the
+    layers when the engine enables ``fused_elementwise``; the numbers are ``fn``'s up to reassociation
+    inside the fused kernel."""
+    key = f"{fn.__module__}.{fn.__qualname__}"
+    compiled = _FUSED.get(key)
+    if compiled is None:
+        compiled = torch.compile(fn, dynamic=True)
+        _FUSED[key] = compiled
+    return compiled
+
+
 class RMSNorm(torch.nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` with the statistics in fp32, as Hugging Face computes it.
+    """``weight * x / sqrt(mean(x^2) + eps)`` with the statistics in fp32, as Hugging Face computes it
+    (``rms_norm``); with ``fused`` through one compiled kernel (``fused``).
 
     Megatron's norm constructor signature ``(config, hidden_size, eps)``."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5) -> None:
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, fused: bool = False) -> None:
         super().__init__()
         self.eps = float(eps)
+        self.fused = bool(fused)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., hidden]`` -> same shape and dtype."""
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        norm = fused(rms_norm) if self.fused else rms_norm
+        out: torch.Tensor = norm(x, self.weight, self.eps)
+        return out
 
 
 class ValueHead(torch.nn.Module):
@@ -152,9 +181,11 @@ def _core_attention_class() -> type:
             pg_collection: Any = None,
             kernel: str | None = None,
             rotary_base: float | None = None,
+            fused_rope: bool = False,
         ) -> None:
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
+            self.fused_rope = bool(fused_rope)
             self.kernel_name = kernel
             self._kernel: Any = None
             cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
@@ -245,7 +276,8 @@ def _core_attention_class() -> type:
             )
             cos_q, sin_q = self._packed_cos_sin(packed, cu_q, query)
             cos_k, sin_k = (cos_q, sin_q) if cu_k is cu_q else self._packed_cos_sin(packed, cu_k, key)
-            return apply_rope(query, cos_q, sin_q), apply_rope(key, cos_k, sin_k)
+            rope = fused(apply_rope) if self.fused_rope else apply_rope
+            return rope(query, cos_q, sin_q), rope(key, cos_k, sin_k)
 
         def _device_inv_freq(self, device: torch.device) -> torch.Tensor:
             """The inverse frequencies on ``device``, moved there once (a host-to-device copy per
@@ -312,10 +344,13 @@ def position_embedding_type() -> str:
     return "rope" if have_te() else "none"
 
 
-def block_spec(arch: Any, config: Any, *, attention: str | None, vp_stage: int | None) -> Any:
+def block_spec(
+    arch: Any, config: Any, *, attention: str | None, vp_stage: int | None, fused_elementwise: bool = False
+) -> Any:
     """The decoder block spec of one pipeline chunk: Transformer Engine's GPT layer spec when TE is
     installed, else megatron's local spec with ``RMSNorm`` and ``CoreAttention`` (kernel ``attention``,
-    ``None`` = the registry's choice) plugged in, and ``RMSNorm`` as the final norm."""
+    ``None`` = the registry's choice) plugged in, and ``RMSNorm`` as the final norm.
+    ``fused_elementwise``: the norms and the RoPE rotation run as compiled kernels (``fused``)."""
     global CoreAttention
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -336,18 +371,20 @@ def block_spec(arch: Any, config: Any, *, attention: str | None, vp_stage: int |
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
     sub = layer.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
+    norm = ModuleSpec(module=RMSNorm, params={"fused": fused_elementwise})
+    sub.input_layernorm = norm
+    sub.pre_mlp_layernorm = norm
     att = sub.self_attention.submodules
     rotary_base = int(arch.rope_theta) if float(arch.rope_theta).is_integer() else float(arch.rope_theta)
     att.core_attention = ModuleSpec(
-        module=CoreAttention, params={"kernel": attention, "rotary_base": rotary_base}
+        module=CoreAttention,
+        params={"kernel": attention, "rotary_base": rotary_base, "fused_rope": fused_elementwise},
     )
     if arch.qk_norm:
-        att.q_layernorm = RMSNorm
-        att.k_layernorm = RMSNorm
+        att.q_layernorm = norm
+        att.k_layernorm = norm
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=norm)
 
 
 _TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")

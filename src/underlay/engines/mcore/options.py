@@ -31,6 +31,13 @@ class MCoreOptions:
         "interleaved results",
     )
 
+    fused_elementwise: bool | None = option(
+        None,
+        "torch.compile-fused RMSNorm, RoPE rotation and SwiGLU (megatron's bias_activation_fusion); "
+        "None = on for cuda (the local spec's eager elementwise chains are a sixth of the step there), "
+        "off on other devices",
+    )
+
     @staticmethod
     def supports_recompute(policy: RecomputePolicy) -> ProbeResult:
         """``"none"``, ``"full"`` (every decoder layer, megatron's uniform full recompute) and
