@@ -17,7 +17,10 @@ for both contenders, a policy-gradient token-mean loss over the response tokens.
   Default ``none+layer@0.85``; the first row is the one the goals are judged on. ``defaults`` builds
   the engine with no options and no recompute policy at all (the engine's per-device auto choices and
   memory policy: what a user who reads nothing gets), ``tuned`` is ``none+layer@0.85``; with both in
-  one run the MFU difference is printed in points. A ``+offload`` suffix adds ``optimizer_offload``.
+  one run the MFU difference is printed in points. A ``+offload`` suffix adds ``optimizer_offload``;
+  ``+per_step`` / ``+per_mb`` set ``grad_sync`` (gradients reduced once per step / after every
+  micro-batch; without either the engine decides): with both of one variant in a run (e.g.
+  ``tuned+per_mb,tuned+per_step``) the step-time ratio and the MFU difference are printed.
   Each engine prints its repr (the resolved options), the memory policy's estimate against the measured
   peak, and the compile warm-up the engine reported.
 - ``hf``: plain transformers: the fp32 model under bf16 autocast, SDPA, padded micro-batches of the
@@ -70,6 +73,28 @@ MODELS: dict[str, tuple[str, int, int, int, int, int, int, int, bool]] = {
     "qwen3-4b": ("Qwen3Config", 2560, 36, 32, 8, 128, 9728, 151936, True),
     "qwen3-8b": ("Qwen3Config", 4096, 36, 32, 8, 128, 12288, 151936, False),
 }
+
+SUFFIXES: dict[str, tuple[str, object]] = {
+    "+offload": ("optimizer_offload", True),
+    "+per_step": ("grad_sync", "per_step"),
+    "+per_mb": ("grad_sync", "per_micro_batch"),
+}
+"""Variant suffixes (any order, at the end) and the engine option each sets."""
+
+
+def split_variant(variant: str) -> tuple[str, dict[str, object]]:
+    """``"tuned+per_step+offload"`` -> ``("tuned", {"grad_sync": "per_step", "optimizer_offload": True})``."""
+    extra: dict[str, object] = {}
+    spec = variant
+    while True:
+        for suffix, (option, value) in SUFFIXES.items():
+            if spec.endswith(suffix):
+                spec = spec.removesuffix(suffix)
+                extra[option] = value
+                break
+        else:
+            return spec, extra
+
 
 TUNED = "none+layer@0.85"
 """The hand-tuned variant: whole-layer compile, budget 0.85, no recomputation, fused AdamW, parameters
@@ -177,9 +202,9 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
         reduce_dtype="float32",
         with_entropy=False,
     )
-    spec, plus_offload = variant.removesuffix("+offload"), variant.endswith("+offload")
+    spec, extra_options = split_variant(variant)
     if spec == "defaults":  # what a user who sets nothing gets: the engine's auto options
-        ec = EngineConfig(**common, options={"optimizer_offload": True} if plus_offload else {})
+        ec = EngineConfig(**common, options=extra_options)
     else:
         spec = TUNED if spec == "tuned" else spec
         act_ckpt, _, extra = spec.partition("+")
@@ -192,7 +217,8 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
                 "reshard_after_forward": False,
                 "compile": {"": False, "compile": True}.get(extra, extra),
                 "compile_memory_budget": float(budget) if budget else None,
-                "optimizer_offload": plus_offload,
+                "optimizer_offload": False,
+                **extra_options,
             },
         )
     if dev.is_accelerator:
@@ -512,7 +538,8 @@ def main() -> int:
         f"auto choices), 'tuned' (= {TUNED}), or an activation-checkpointing mode (none, full), "
         "optionally with '+compile', '+norm_mlp' or '+layer' (engine option compile) and '@budget' "
         "(compile_memory_budget), e.g. none+layer,full+layer@0.8; a '+offload' suffix adds "
-        "optimizer_offload=True",
+        "optimizer_offload=True; '+per_step' / '+per_mb' set grad_sync (e.g. tuned+per_mb,tuned+per_step "
+        "prints their ratio)",
     )
     ap.add_argument("--baseline-act-ckpt", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one more step of every fsdp2 variant")
@@ -624,6 +651,38 @@ def main() -> int:
                 f"{args.model}: defaults {d['mfu'] * 100:.1f}% MFU vs tuned {t['mfu'] * 100:.1f}%: "
                 f"{result['defaults_minus_tuned_mfu_points']:+.1f} points (goal: within 2)"
             )
+        comparisons = {}
+        for per_step in rows:
+            spec, extra = split_variant(per_step["name"].removeprefix("fsdp2/"))
+            if not per_step["name"].startswith("fsdp2/") or extra.pop("grad_sync", None) != "per_step":
+                continue
+            twin = {**extra, "grad_sync": "per_micro_batch"}
+            per_mb = next(
+                (
+                    r
+                    for r in rows
+                    if r["name"].startswith("fsdp2/") and split_variant(r["name"][6:]) == (spec, twin)
+                ),
+                None,
+            )
+            if per_mb is None:
+                continue
+            ratio = per_step["step_s"] / per_mb["step_s"]
+            points = (per_step["mfu"] - per_mb["mfu"]) * 100 if per_step["mfu"] is not None else None
+            label = spec + "".join(k for k, (o, _) in SUFFIXES.items() if o in extra)
+            comparisons[label] = {
+                "step_time_ratio_per_step_over_per_mb": ratio,
+                "mfu_points": points,
+                "peak_gib": (per_step["peak_gib"], per_mb["peak_gib"]),
+            }
+            mfu_text = f", MFU {points:+.2f} points" if points is not None else ""
+            print(
+                f"{args.model} {label}: grad_sync per_step vs per_micro_batch: step time x{ratio:.4f} "
+                f"({per_step['step_s']:.3f} vs {per_mb['step_s']:.3f} s){mfu_text}, peak "
+                f"{per_step['peak_gib']:.1f} vs {per_mb['peak_gib']:.1f} GiB"
+            )
+        if comparisons:
+            result["grad_sync_comparison"] = comparisons
         for r in rows:
             if r.get("estimate_gib"):
                 print(

@@ -40,6 +40,7 @@ def job_defaults(rank: int, world: int) -> dict[str, Any]:
             o.compile_memory_budget,
             o.reshard_after_forward,
             o.optimizer_offload,
+            o.grad_sync,
         ),
         "recompute": engine.recompute,
         "reasons": engine.option_reasons,
@@ -54,13 +55,16 @@ def job_defaults(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_cpu_defaults_are_resolved_logged_and_shown() -> None:
     for r in run_distributed(job_defaults, 2, timeout_s=300):
-        assert r["options"] == (False, False, None, False, False), r
+        # per_step gradient sync fits (it costs no memory at one rank, little for a tiny model at two)
+        assert r["options"] == (False, False, None, False, False, "per_step"), r
         assert r["recompute"] == "none" and r["fits"]
         assert "cpu" in r["reasons"]["compile"] and "memory policy" in r["reasons"]["recompute"]
         assert "recompute='none'" in r["repr"] and "optimizer_offload=False" in r["repr"]
+        assert "grad_sync='per_step'" in r["repr"] and "memory policy" in r["reasons"]["grad_sync"]
         assert r["warmup"]["steps"] == 0
     logs = run_distributed(job_defaults, 1, timeout_s=300)[0]["logs"]
-    for name in ("compile", "fused_adamw", "reshard_after_forward", "optimizer_offload", "recompute"):
+    names = ("compile", "fused_adamw", "reshard_after_forward", "optimizer_offload", "grad_sync", "recompute")
+    for name in names:
         assert any(line.startswith(f"fsdp2 option {name}=") for line in logs), logs
 
 

@@ -71,11 +71,12 @@ def test_typed_options_are_validated_with_names() -> None:
         "compile",
         "compile_memory_budget",
         "optimizer_offload",
+        "grad_sync",
         "activation_offload",
         "activation_offload_min_bytes",
     ]
     # every speed/memory option is auto (None) by default and documents what auto means
-    for name in list(fields)[:5]:
+    for name in list(fields)[:6]:
         assert fields[name].default is None and "auto" in fields[name].doc, fields[name]
     assert "all-gathers" in fields["reshard_after_forward"].doc
     opts = resolve_options(FSDP2Options, {"compile": "layer", "compile_memory_budget": 1}, "fsdp2")
@@ -84,6 +85,10 @@ def test_typed_options_are_validated_with_names() -> None:
         resolve_options(FSDP2Options, {"fused_adam": True}, "fsdp2")
     with pytest.raises(ConfigError, match="reshard_after_forward='no': fsdp2 expects bool"):
         resolve_options(FSDP2Options, {"reshard_after_forward": "no"}, "fsdp2")
+    with pytest.raises(ConfigError, match="grad_sync='always'.*'per_step'"):
+        FSDP2Options(grad_sync="always")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="grad_sync=1: fsdp2 expects"):
+        resolve_options(FSDP2Options, {"grad_sync": 1}, "fsdp2")
     with pytest.raises(ConfigError, match="compile_memory_budget=2.0.*\\(0, 1\\]"):
         FSDP2Options(compile_memory_budget=2.0)
     for bad in (-1, 0.5, True, "1M"):

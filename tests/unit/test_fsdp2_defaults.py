@@ -12,6 +12,8 @@ import pytest
 
 from underlay.engines.fsdp2.defaults import (
     AUTO_COMPILE_BUDGET,
+    MEMORY_MARGIN_BYTES,
+    MEMORY_MARGIN_FRACTION,
     ModelShape,
     choose_memory_policy,
     device_defaults,
@@ -185,6 +187,54 @@ def test_memory_policy_choice(model: str, device: int, tokens: int, expected: tu
     )
     assert (p.recompute, p.keep_unsharded, p.optimizer_offload) == expected, p.reason
     assert p.fits and p.estimate.total <= usable_bytes(device) and "usable" in p.reason
+    # one rank: reducing once per step holds no more gradient bytes, so it is always taken
+    assert p.grad_sync == "per_step" and p.estimate.accumulated_grads == 0, p.reason
+
+
+def test_per_step_grad_sync_costs_the_unsharded_gradients_beyond_one_rank() -> None:
+    s = shape_of("qwen3-4b")
+    kw: dict[str, Any] = dict(
+        tokens=16384, recompute="none", keep_unsharded=True, optimizer_offload=False, compiled=True
+    )
+    kw["compile_memory_budget"] = 0.85
+    for dp in (1, 8):
+        per_mb = estimate_memory(s, dp=dp, **kw)
+        per_step = estimate_memory(s, dp=dp, grad_sync="per_step", **kw)
+        assert per_mb.accumulated_grads == 0 and per_mb.grads == 4 * s.trainable // dp
+        # the fp32 unsharded gradients of the whole model (4 B per trainable parameter) in place of
+        # the sharded ones until the last backward
+        assert per_step.grads + per_step.accumulated_grads == 4 * s.trainable
+        assert per_step.total == per_mb.total + per_step.accumulated_grads
+    assert estimate_memory(s, grad_sync="per_step", **kw).accumulated_grads == 0
+    host = estimate_memory(s, grad_sync="per_step", cpu_offload=True, **kw)
+    assert host.grads == 0 and host.accumulated_grads == 4 * s.trainable  # sharded grads on the host
+    assert "accumulated_grads" in host.describe()
+
+
+def test_memory_policy_gives_up_per_step_sync_first() -> None:
+    s = shape_of("qwen3-8b")
+    kw: dict[str, Any] = dict(tokens=8192, compiled=True, compile_memory_budget=0.85, dp=8)
+    fixed: dict[str, Any] = dict(recompute="none", keep_unsharded=True, optimizer_offload=False)
+    per_mb = estimate_memory(s, **fixed, **kw)
+    per_step = estimate_memory(s, grad_sync="per_step", **fixed, **kw)
+    assert per_step.accumulated_grads == 4 * s.trainable - 4 * s.trainable // 8
+    # a device whose usable bytes lie between the two estimates: the other choices stay the fastest
+    usable = (per_mb.total + per_step.total) // 2
+    device = int((usable + MEMORY_MARGIN_BYTES) / (1 - MEMORY_MARGIN_FRACTION)) + 1
+    assert per_mb.total <= usable_bytes(device) < per_step.total
+    p = choose_memory_policy(s, device_total=device, **kw)
+    assert (p.recompute, p.keep_unsharded, p.optimizer_offload, p.grad_sync) == (
+        "none",
+        True,
+        False,
+        "per_micro_batch",
+    ), p.reason
+    assert "grad_sync=per_micro_batch" in p.reason
+    roomy = choose_memory_policy(s, device_total=2 * device, **kw)
+    assert (roomy.recompute, roomy.grad_sync) == ("none", "per_step"), roomy.reason
+    # the user's grad_sync is kept: something else gives way
+    given = choose_memory_policy(s, device_total=device, grad_sync="per_step", **kw)
+    assert given.grad_sync == "per_step" and given.fits and given.recompute == "full", given.reason
 
 
 def test_memory_policy_obeys_the_user_and_reports_what_does_not_fit() -> None:
@@ -222,6 +272,7 @@ def test_resolve_fills_only_the_auto_fields() -> None:
         compile="layer",
         compile_memory_budget=0.85,
         optimizer_offload=False,
+        grad_sync="per_step",
     )
     assert r.recompute == "none" and r.memory is not None and r.memory.fits
     assert set(r.reasons) == {
@@ -230,17 +281,19 @@ def test_resolve_fills_only_the_auto_fields() -> None:
         "compile_memory_budget",
         "reshard_after_forward",
         "optimizer_offload",
+        "grad_sync",
         "recompute",
     }
-    given = FSDP2Options(compile=False, fused_adamw=False, reshard_after_forward=True, optimizer_offload=True)
-    r = resolve(given, device_type="cuda", recompute="full", single_node=True, **kw)
-    assert r.options == FSDP2Options(
-        reshard_after_forward=True,
-        fused_adamw=False,
+    assert "memory policy" in r.reasons["grad_sync"] and "grad_sync=per_step" in r.reasons["grad_sync"]
+    given = FSDP2Options(
         compile=False,
-        compile_memory_budget=None,
+        fused_adamw=False,
+        reshard_after_forward=True,
         optimizer_offload=True,
+        grad_sync="per_micro_batch",
     )
+    r = resolve(given, device_type="cuda", recompute="full", single_node=True, **kw)
+    assert r.options == given
     assert (
         r.recompute == "full" and r.memory is None and set(r.reasons.values()) <= {"given", "not compiling"}
     )

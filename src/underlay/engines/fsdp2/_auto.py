@@ -123,6 +123,7 @@ def resolve_for(
             "fused_adamw": o.fused_adamw,
             "reshard_after_forward": o.reshard_after_forward,
             "optimizer_offload": o.optimizer_offload,
+            "grad_sync": o.grad_sync,
             "recompute": resolved.recompute,
         }
         for name, value in values.items():

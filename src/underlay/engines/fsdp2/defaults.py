@@ -11,7 +11,17 @@ Two parts, both unit-tested with made-up device sizes:
 - ``estimate_memory`` and ``choose_memory_policy``: device bytes of one training step from the model's
   shape and ``micro_batch_max_tokens``, and the first configuration in a fixed order that fits the
   device: no recomputation -> full recomputation -> parameters resharded after forward; when none of
-  those fits, the same order again with the AdamW state in host memory (``optimizer_offload``).
+  those fits, the same order again with the AdamW state in host memory (``optimizer_offload``). Each
+  configuration is tried with gradients reduced once per step (``grad_sync="per_step"``) before once
+  per micro-batch: it is the cheapest gain, so the first one given up.
+
+Gradient sync and memory: with ``grad_sync="per_step"`` FSDP2 keeps each micro-batch's unsharded
+gradient, accumulated in the reduce dtype (fp32: 4 bytes per trainable parameter, over the whole model),
+until the last micro-batch's backward reduce-scatters it into the sharded gradient (4/dp bytes). The
+engine syncs per step only while the sharded gradients are empty (its first ``forward_backward`` after
+``zero_grad``/``optimizer_step``; a later call before the optimizer step syncs per micro-batch), so the
+two never coexist beyond one layer at a time: the gradient bytes of a step are ``4 x trainable`` instead
+of ``4 x trainable / dp``: the same at one rank, ``dp`` times more at ``dp`` ranks.
 
 The activation model (bytes saved per token per decoder layer, bf16 compute; ``h`` hidden, ``q`` =
 heads x head_dim, ``kv`` = kv heads x head_dim, ``f`` ffn width):
@@ -38,12 +48,15 @@ from typing import Literal
 
 from underlay.engines.fsdp2.options import FSDP2Options
 
+GradSync = Literal["per_micro_batch", "per_step"]
+
 OFFLOAD_CHUNK_BYTES = 1 << 30
 """State bytes per streamed chunk of ``HostOffloadAdamW`` (``optimizer_offload``)."""
 
 __all__ = [
     "AUTO_COMPILE_BUDGET",
     "DeviceDefaults",
+    "GradSync",
     "MemoryEstimate",
     "MemoryPolicy",
     "ModelShape",
@@ -156,7 +169,9 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Device bytes of one training step, by part (``total`` is their sum)."""
+    """Device bytes of one training step, by part (``total`` is their sum). ``accumulated_grads``: what
+    the unsharded reduce-dtype gradients of ``grad_sync="per_step"`` hold beyond ``grads`` (0 when
+    syncing per micro-batch, and at one rank)."""
 
     master_params: int
     grads: int
@@ -165,6 +180,7 @@ class MemoryEstimate:
     transient: int
     activations: int
     head: int
+    accumulated_grads: int = 0
 
     @property
     def total(self) -> int:
@@ -172,6 +188,7 @@ class MemoryEstimate:
         return (
             self.master_params
             + self.grads
+            + self.accumulated_grads
             + self.optimizer_state
             + self.unsharded_params
             + self.transient
@@ -189,6 +206,7 @@ class MemoryEstimate:
         parts = (
             "master_params",
             "grads",
+            "accumulated_grads",
             "optimizer_state",
             "unsharded_params",
             "transient",
@@ -232,12 +250,15 @@ def estimate_memory(
     param_bytes: int = 2,
     cpu_offload: bool = False,
     activation_offload: bool = False,
+    grad_sync: GradSync = "per_micro_batch",
 ) -> MemoryEstimate:
     """Device bytes of a training step on one rank.
 
     Model state: fp32 master parameters, fp32 gradients of the trainable ones and AdamW's two fp32
     states, each sharded over ``dp`` ranks (``optimizer_offload``: the AdamW state lives on the host;
-    ``cpu_offload``: all three do). Unsharded ``param_bytes`` parameters: the whole model when
+    ``cpu_offload``: all three do). ``grad_sync="per_step"``: the unsharded fp32 gradients of every
+    trainable parameter are on the device until the step's last backward, ``accumulated_grads`` counts
+    what they hold beyond the sharded ``grads`` (see the module docstring). Unsharded ``param_bytes`` parameters: the whole model when
     ``keep_unsharded`` (``reshard_after_forward=False``), else the root and two layers (one prefetched).
     With ``optimizer_offload`` the device holds three streamed chunks of the state (at least one
     parameter's each). Transient: the unsharded gradient of the largest FSDP unit (a decoder layer or
@@ -277,7 +298,8 @@ def estimate_memory(
     else:
         acts = n * shape.layers * per_layer
     head = n * (12 * shape.hidden + 65536)
-    return MemoryEstimate(master, grads, optim, unsharded, transient, int(acts), head)
+    accumulated = max(0, 4 * t - grads) if grad_sync == "per_step" else 0
+    return MemoryEstimate(master, grads, optim, unsharded, transient, int(acts), head, accumulated)
 
 
 @dataclass(frozen=True)
@@ -291,6 +313,7 @@ class MemoryPolicy:
     usable: int
     fits: bool
     reason: str
+    grad_sync: GradSync = "per_micro_batch"
 
 
 def usable_bytes(device_total: int) -> int:
@@ -314,18 +337,20 @@ def choose_memory_policy(
     param_bytes: int = 2,
     cpu_offload: bool = False,
     activation_offload: bool = False,
+    grad_sync: GradSync | None = None,
 ) -> MemoryPolicy:
     """The first configuration that fits ``usable_bytes(device_total)``, trying in order: no
     recomputation, full recomputation, then parameters resharded after forward (each with the
-    parameters kept unsharded first when ``unsharded_allowed``). ``recompute``, ``keep_unsharded`` and
-    ``optimizer_offload`` given (not ``None``) are the user's and are never changed. ``optimizer_offload``
+    parameters kept unsharded first when ``unsharded_allowed``; each with ``grad_sync="per_step"``
+    before ``"per_micro_batch"``). ``recompute``, ``keep_unsharded``, ``optimizer_offload`` and
+    ``grad_sync`` given (not ``None``) are the user's and are never changed. ``optimizer_offload``
     left open is set only when no configuration fits without it (then the same order is tried with it).
     When nothing fits, the configuration with the smallest estimate, ``fits=False`` and a reason naming
     the shortfall (the caller logs it; the estimate may be pessimistic, so the run is still tried).
     Never raises."""
     usable = usable_bytes(device_total)
 
-    def est(rc: Literal["none", "full"], keep: bool, off: bool) -> MemoryEstimate:
+    def est(rc: Literal["none", "full"], keep: bool, off: bool, sync: GradSync) -> MemoryEstimate:
         return estimate_memory(
             shape,
             tokens=tokens,
@@ -339,6 +364,7 @@ def choose_memory_policy(
             param_bytes=param_bytes,
             cpu_offload=cpu_offload,
             activation_offload=activation_offload,
+            grad_sync=sync,
         )
 
     offloads = [optimizer_offload] if optimizer_offload is not None else [False, True]
@@ -346,23 +372,26 @@ def choose_memory_policy(
     keeps = (
         [keep_unsharded] if keep_unsharded is not None else ([True, False] if unsharded_allowed else [False])
     )
-    # keeping parameters unsharded costs less time than recomputing, which costs less than resharding
-    # every layer (an all-gather per layer in backward); the host optimizer step costs the most
-    candidates = [(rc, keep) for keep in keeps for rc in rcs]
+    syncs: list[GradSync] = [grad_sync] if grad_sync is not None else ["per_step", "per_micro_batch"]
+    # reducing gradients once per step saves a few percent (copies, communication), keeping parameters
+    # unsharded costs less time than recomputing, which costs less than resharding every layer (an
+    # all-gather per layer in backward); the host optimizer step costs the most
+    candidates = [(rc, keep, sync) for keep in keeps for rc in rcs for sync in syncs]
     best: MemoryPolicy | None = None
     for off in offloads:
         if off and optimizer_offload is None:
             off_reason = "set: the model state does not fit with any recompute/reshard choice"
         else:
             off_reason = "given" if optimizer_offload is not None else "not needed"
-        for rc, keep in candidates:
-            e = est(rc, keep, off)
+        for rc, keep, sync in candidates:
+            e = est(rc, keep, off, sync)
             fits = e.total <= usable
             why = (
-                f"recompute={rc}, keep_unsharded={keep}, optimizer_offload={off} ({off_reason}): "
-                f"estimate {e.describe()} {'<=' if fits else '>'} usable {usable / GiB:.1f} GiB"
+                f"recompute={rc}, keep_unsharded={keep}, grad_sync={sync}, optimizer_offload={off} "
+                f"({off_reason}): estimate {e.describe()} {'<=' if fits else '>'} usable "
+                f"{usable / GiB:.1f} GiB"
             )
-            policy = MemoryPolicy(rc, keep, off, e, usable, fits, why)
+            policy = MemoryPolicy(rc, keep, off, e, usable, fits, why, sync)
             if fits:
                 return policy
             if best is None or e.total < best.estimate.total:
@@ -375,7 +404,7 @@ def choose_memory_policy(
 class Resolved:
     """Every auto option of an fsdp2 engine decided: concrete ``options`` (no ``None`` left in the
     auto fields), the recompute policy, one reason per decided field, and the memory policy (``None``
-    when the user fixed recompute, resharding and optimizer offload)."""
+    when the user fixed recompute, resharding, optimizer offload and gradient sync)."""
 
     options: FSDP2Options
     recompute: Literal["none", "full"]
@@ -401,8 +430,8 @@ def resolve(
 ) -> Resolved:
     """Decide the auto fields of ``options`` (``None``) and ``recompute="auto"`` for an engine on
     ``device_type`` with ``device_total`` bytes of memory: the speed fields from ``device_defaults``,
-    then resharding, recomputation and optimizer offload from ``choose_memory_policy`` (parameters may
-    stay unsharded only when ``single_node``). Fields the user set are kept as given, with the reason
+    then resharding, recomputation, gradient sync and optimizer offload from ``choose_memory_policy``
+    (parameters may stay unsharded only when ``single_node``). Fields the user set are kept as given, with the reason
     "given". ``recompute`` must be ``"auto"``, ``"none"`` or ``"full"`` (the engine refused the rest).
     Never raises."""
     dd = device_defaults(device_type, inductor_ok=inductor_ok, fused_adamw_ok=fused_adamw_ok)
@@ -427,9 +456,15 @@ def resolve(
     given_rc: Literal["none", "full"] | None = None if recompute == "auto" else recompute  # type: ignore[assignment]
     given_keep = None if options.reshard_after_forward is None else not options.reshard_after_forward
     memory: MemoryPolicy | None = None
-    if given_rc is not None and given_keep is not None and options.optimizer_offload is not None:
-        rc, keep, offload = given_rc, given_keep, options.optimizer_offload
-        reasons["recompute"] = reasons["reshard_after_forward"] = reasons["optimizer_offload"] = "given"
+    if (
+        given_rc is not None
+        and given_keep is not None
+        and options.optimizer_offload is not None
+        and options.grad_sync is not None
+    ):
+        rc, keep, offload, sync = given_rc, given_keep, options.optimizer_offload, options.grad_sync
+        for name in ("recompute", "reshard_after_forward", "optimizer_offload", "grad_sync"):
+            reasons[name] = "given"
     else:
         memory = choose_memory_policy(
             shape,
@@ -446,8 +481,10 @@ def resolve(
             param_bytes=param_bytes,
             cpu_offload=cpu_offload,
             activation_offload=options.activation_offload,
+            grad_sync=options.grad_sync,
         )
         rc, keep, offload = memory.recompute, memory.keep_unsharded, memory.optimizer_offload
+        sync = memory.grad_sync
         policy = "memory policy: " + memory.reason
         reasons["recompute"] = "given" if given_rc is not None else policy
         if given_keep is not None:
@@ -457,6 +494,7 @@ def resolve(
         else:
             reasons["reshard_after_forward"] = policy
         reasons["optimizer_offload"] = "given" if options.optimizer_offload is not None else policy
+        reasons["grad_sync"] = "given" if options.grad_sync is not None else policy
     concrete = replace(
         options,
         compile=compile_,  # type: ignore[arg-type]
@@ -464,5 +502,6 @@ def resolve(
         compile_memory_budget=budget,  # type: ignore[arg-type]
         reshard_after_forward=not keep,
         optimizer_offload=offload,
+        grad_sync=sync,
     )
     return Resolved(concrete, rc, reasons, memory)

@@ -12,6 +12,8 @@ mapping of its fields or an instance). Its speed and memory fields default to ``
 ``EngineConfig.recompute`` to ``"auto"``: right after the meta model is built they are decided once
 (``_auto.resolve_for`` -> the pure ``defaults.resolve``: per-device speed settings, then the memory
 policy), logged with their reasons and kept in ``resolved_options``/``option_reasons``/``recompute``.
+``grad_sync="per_step"`` reduces a ``forward_backward``'s gradients once, at its last micro-batch
+(FSDP2's ``set_requires_gradient_sync``; see ``forward_backward``).
 Recompute policies: ``"auto"``, ``"none"`` and ``"full"`` (``"selective"`` is refused with the reason,
 see ``FSDP2Options.supports_recompute``). ``compile_memory_budget`` is applied
 only around this engine's own forward/backward calls (``torch._functorch.config.patch``), where its
@@ -194,6 +196,8 @@ class FSDP2Engine:
 
         self._scheduler = build_lr_scheduler(self._optimizer, optim)
         self._global_step = 0
+        # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
+        self._grads_pending = False
         self._offloaded: dict[str, Any] = {}
         self._logprob_kernel = self._pick_logprob_kernel()
 
@@ -323,7 +327,7 @@ class FSDP2Engine:
     def memory_estimate(self) -> Any:
         """The memory policy's decision (``underlay.engines.fsdp2.defaults.MemoryPolicy``: the chosen
         configuration, its estimated device bytes by part, the usable bytes), or ``None`` when the
-        user fixed recompute, resharding and optimizer offload."""
+        user fixed recompute, resharding, optimizer offload and gradient sync."""
         return self._resolved.memory
 
     @property
@@ -340,7 +344,8 @@ class FSDP2Engine:
             f"FSDP2Engine(world={self._layout.world_size}, dp_shard={self._layout.dp_shard}, "
             f"device={self._device.device_type}, recompute={self._recompute!r}, compile={o.compile!r}, "
             f"compile_memory_budget={o.compile_memory_budget!r}, fused_adamw={o.fused_adamw!r}, "
-            f"reshard_after_forward={o.reshard_after_forward!r}, optimizer_offload={o.optimizer_offload!r})"
+            f"reshard_after_forward={o.reshard_after_forward!r}, grad_sync={o.grad_sync!r}, "
+            f"optimizer_offload={o.optimizer_offload!r})"
         )
 
     @property
@@ -470,7 +475,15 @@ class FSDP2Engine:
         ``loss_sum`` is scaled by ``world_size / N`` (``N``: loss tokens of the whole global batch,
         counted once per Ulysses group) before backward, which with FSDP's mean over ranks gives the
         gradient of ``sum(loss) / N``. Metrics are summed over micro-batches and dp ranks and divided
-        by ``N``; ``"loss"`` is always reported."""
+        by ``N``; ``"loss"`` is always reported.
+
+        Gradient sync (``options.grad_sync``): ``"per_micro_batch"`` reduce-scatters each micro-batch's
+        gradients into the sharded ones; ``"per_step"`` only at the last micro-batch (FSDP2 accumulates
+        the unsharded gradients in the reduce dtype until then), when the plan has more than one
+        micro-batch and no gradients are pending from an earlier call before the optimizer step (that
+        call then syncs per micro-batch, so unsharded and sharded gradients never add up). The same
+        gradients up to floating-point summation order. An exception leaves no gradient behind (the
+        earlier calls' included), resets FSDP's per-iteration state and restores gradient sync."""
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         dp_group = self._dp_group
@@ -481,14 +494,23 @@ class FSDP2Engine:
         scale = self._layout.world_size / denom
         plan = self._plan(batch)
         self._model.train()
+        # the same on every rank: the plan has as many micro-batches on every dp rank, and the
+        # pending flag follows the calls, which are collective
+        sync_once = self._options.grad_sync == "per_step" and len(plan) > 1 and not self._grads_pending
         sums: dict[str, torch.Tensor] = {}
         completed = False
+        filled: list[_ZeroFilled] = []
         warm = self._compile_warmup.start() if self._options.compile else None
         try:
             for i, idx in enumerate(plan):
+                last = i == len(plan) - 1
                 # with reshard_after_forward=False the parameters are unsharded for the whole
                 # micro-batch anyway: keep them so until the last backward (no all-gather per micro-batch)
-                self._set_reshard_after_backward(not self._keep_unsharded or i == len(plan) - 1)
+                self._set_reshard_after_backward(not self._keep_unsharded or last)
+                if sync_once:
+                    self._set_requires_gradient_sync(last)
+                    if last:
+                        filled = _fill_late_accumulators(self._model)
                 if not idx:
                     self._dummy_backward(batch)
                     continue
@@ -501,12 +523,17 @@ class FSDP2Engine:
                     _accumulate(sums, key, torch.as_tensor(value, device=self._torch_device).detach())
             completed = True
         finally:
+            _unfill(filled, completed)
+            if sync_once:
+                self._set_requires_gradient_sync(True)  # after a failure too: the next call syncs
             if not completed:
                 # a failed micro-batch must not leak the earlier ones' gradients into the next step
+                self._drop_unreduced_grads()
                 self.zero_grad()
             if self._keep_unsharded:
                 self._set_reshard_after_backward(True)
                 self._reshard()  # after a failed micro-batch too: the optimizer works on the shards
+        self._grads_pending = True
         if warm is not None:
             self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         keys = sorted(sums)
@@ -573,6 +600,31 @@ class FSDP2Engine:
         if callable(setter):
             setter(value)
 
+    def _set_requires_gradient_sync(self, value: bool) -> None:
+        """Whether the next backward reduce-scatters gradients, for the root and every layer."""
+        setter = getattr(self._model, "set_requires_gradient_sync", None)
+        if callable(setter):
+            setter(value)
+
+    def _drop_unreduced_grads(self) -> None:
+        """After a failed ``forward_backward``: reset FSDP's per-iteration state (in-flight collectives
+        waited on, parameters resharded, the backward bookkeeping of an interrupted backward cleared)
+        and drop the unsharded gradients FSDP holds between backward passes: the reduce-dtype
+        accumulation of ``grad_sync="per_step"`` and a layer's gradient whose reduction never ran
+        (``reset_iter_state`` keeps both, and the next backward would add to them). These live on
+        FSDP2's internal ``FSDPParam`` objects (torch 2.13: ``unsharded_accumulated_grad`` and
+        ``_unsharded_param``); ``tests/distributed/test_fsdp2_grad_sync.py`` checks that the step after
+        a failure equals a clean one."""
+        reset = getattr(self._model, "reset_iter_state", None)
+        if callable(reset):
+            reset()
+        for fsdp_param in _fsdp_params(self._model):
+            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+                fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
     def _reshard(self) -> None:
         """Free every unsharded parameter: ``FSDPModule.reshard`` acts on its own module's parameters
         only, so each decoder layer is resharded too (with ``reshard_after_forward=False`` a forward
@@ -586,6 +638,7 @@ class FSDP2Engine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (set to ``None``)."""
         self._optimizer.zero_grad(set_to_none=True)
+        self._grads_pending = False
 
     def optimizer_step(self) -> OptimizerStepResult:
         """Clip to ``optim.grad_clip`` by the global L2 norm over all shards, then step AdamW; a
@@ -989,6 +1042,74 @@ def _to_device(saved: Any) -> Any:
         return local
     mesh, placements, shape, stride = saved.dtensor
     return DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)
+
+
+def _fsdp_param_groups(model: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's parameter groups (``FSDPParamGroup``: one reduce-scatter each) of every ``FSDPModule``
+    in ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch before the list of groups per module
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        yield from groups
+
+
+def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's per-parameter state objects (``FSDPParam``) of every ``FSDPModule`` in ``model``."""
+    for group in _fsdp_param_groups(model):
+        yield from group.fsdp_params
+
+
+@dataclass
+class _ZeroFilled:
+    """An accumulator ``_fill_late_accumulators`` created, and whether a gradient reached it."""
+
+    fsdp_param: Any
+    handle: Any
+    used: bool = False
+
+
+def _fill_late_accumulators(model: torch.nn.Module) -> list[_ZeroFilled]:
+    """Before the syncing (last) micro-batch of ``grad_sync="per_step"``: FSDP2 reduce-scatters one
+    parameter group in one dtype, so a parameter whose first gradient of the step comes in that
+    micro-batch (compute dtype) next to group members holding a reduce-dtype accumulation (a vision
+    tower's merger on the first image micro-batch, a module skipped until then) would fail the reduce.
+    Such parameters get a zero accumulation in the reduce dtype, and a hook that records whether
+    autograd gives them a gradient; ``_unfill`` drops the sharded gradient of those that got none, so
+    they stay without a gradient as with per-micro-batch sync."""
+    filled: list[_ZeroFilled] = []
+    for group in _fsdp_param_groups(model):
+        params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        held = [fp.unsharded_accumulated_grad for fp in params if fp.unsharded_accumulated_grad is not None]
+        if not held or len(held) == len(params):
+            continue
+        for fp in params:
+            if fp.unsharded_accumulated_grad is not None:
+                continue
+            fp.unsharded_accumulated_grad = torch.zeros_like(fp.unsharded_param, dtype=held[0].dtype)
+            entry = _ZeroFilled(fp, None)
+
+            def mark(_param: torch.Tensor, entry: _ZeroFilled = entry) -> None:
+                entry.used = True
+
+            entry.handle = fp.unsharded_param.register_post_accumulate_grad_hook(mark)
+            filled.append(entry)
+    return filled
+
+
+def _unfill(filled: list[_ZeroFilled], completed: bool) -> None:
+    """Remove ``_fill_late_accumulators``'s hooks; after a completed step, drop the (zero) sharded
+    gradient of each filled parameter that no micro-batch gave a gradient."""
+    for entry in filled:
+        entry.handle.remove()
+        if completed and not entry.used:
+            entry.fsdp_param.sharded_param.grad = None
 
 
 def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:

@@ -11,13 +11,19 @@ from typing import Literal
 from underlay.interfaces import ConfigError, ProbeResult, RecomputePolicy
 from underlay.interfaces.options import option
 
-__all__ = ["COMPILE_SCOPES", "FSDP2Options", "supports_recompute"]
+__all__ = ["COMPILE_SCOPES", "GRAD_SYNC_MODES", "FSDP2Options", "supports_recompute"]
 
 COMPILE_SCOPES = ("norm_mlp", "layer_parts", "layer")
 """What ``compile`` compiles: the norms and dense MLPs (``"norm_mlp"``), or those and the attention
 modules (``"layer_parts"``: projections, rotary and the attention call, which graph-breaks where the
 kernel needs host values), or the whole ``forward`` of each decoder layer (``"layer"``: residual adds
 included; the FSDP hooks around it stay eager)."""
+
+GRAD_SYNC_MODES = ("per_micro_batch", "per_step")
+"""When the gradients of a ``forward_backward`` are reduced (reduce-scattered) into the sharded
+gradients: after every micro-batch (``"per_micro_batch"``), or once, at its last micro-batch
+(``"per_step"``: FSDP2's ``set_requires_gradient_sync(False)`` for the others; the unsharded gradients
+are accumulated in the reduce dtype in between)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,15 @@ class FSDP2Options:
         "(copies overlap the fused step); None = auto: only when the memory estimate does not fit "
         "otherwise",
     )
+    grad_sync: Literal["per_micro_batch", "per_step"] | None = option(
+        None,
+        "when gradients are reduced into the sharded gradients: 'per_micro_batch' (after every "
+        "micro-batch's backward) or 'per_step' (once per forward_backward, at its last micro-batch: no "
+        "reduce-scatter, copies and accumulation for the other micro-batches, but the unsharded "
+        "gradients of the whole model, in the reduce dtype, stay on the device until then; a second "
+        "forward_backward before the optimizer step syncs per micro-batch); None = auto: "
+        "'per_step' when the memory estimate fits it, else 'per_micro_batch'",
+    )
 
     activation_offload: bool = option(
         False,
@@ -71,6 +86,11 @@ class FSDP2Options:
             raise ConfigError(
                 f"EngineConfig.options compile={self.compile!r}: use None (auto), False, True or one of "
                 f"{COMPILE_SCOPES}"
+            )
+        if self.grad_sync not in (None, *GRAD_SYNC_MODES):
+            raise ConfigError(
+                f"EngineConfig.options grad_sync={self.grad_sync!r}: use None (auto), 'per_micro_batch' or "
+                "'per_step'"
             )
         budget = self.compile_memory_budget
         if budget is not None and (
@@ -91,8 +111,8 @@ class FSDP2Options:
     def auto_defaults(device_type: str) -> dict[str, tuple[object, str]]:
         """What the auto (``None``) speed options become on ``device_type`` (``"cuda"``, ``"npu"``,
         ``"cpu"``), with the reason: ``{option: (value, reason)}`` (``underlay info`` prints it).
-        ``reshard_after_forward``, ``optimizer_offload`` and ``recompute="auto"`` depend on the model
-        and the memory, so they are described, not valued."""
+        ``reshard_after_forward``, ``optimizer_offload``, ``grad_sync`` and ``recompute="auto"`` depend
+        on the model and the memory, so they are described, not valued."""
         from underlay.engines.fsdp2.defaults import device_defaults
 
         d = device_defaults(device_type)
@@ -103,6 +123,11 @@ class FSDP2Options:
             "compile_memory_budget": (d.compile_memory_budget, d.reasons["compile_memory_budget"]),
             "reshard_after_forward": ("auto", "False on one node when the estimate fits; " + memory),
             "optimizer_offload": ("auto", "True only when nothing fits without it; " + memory),
+            "grad_sync": (
+                "auto",
+                "'per_step' when the estimate fits the unsharded reduce-dtype gradients it keeps (no "
+                "extra bytes at one rank), else 'per_micro_batch'; " + memory,
+            ),
             "recompute": ("auto", "'none' when the estimate fits, else 'full'; " + memory),
         }
 
