@@ -55,12 +55,12 @@ def job_defaults(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_cpu_defaults_are_resolved_logged_and_shown() -> None:
     for r in run_distributed(job_defaults, 2, timeout_s=300):
-        # per_step gradient sync fits (it costs no memory at one rank, little for a tiny model at two)
-        assert r["options"] == (False, False, None, False, False, "per_step"), r
+        # per-step gradient sync is opt-in
+        assert r["options"] == (False, False, None, False, False, "per_micro_batch"), r
         assert r["recompute"] == "none" and r["fits"]
         assert "cpu" in r["reasons"]["compile"] and "memory policy" in r["reasons"]["recompute"]
         assert "recompute='none'" in r["repr"] and "optimizer_offload=False" in r["repr"]
-        assert "grad_sync='per_step'" in r["repr"] and "memory policy" in r["reasons"]["grad_sync"]
+        assert "grad_sync='per_micro_batch'" in r["repr"] and "memory policy" in r["reasons"]["grad_sync"]
         assert r["warmup"]["steps"] == 0
     logs = run_distributed(job_defaults, 1, timeout_s=300)[0]["logs"]
     names = ("compile", "fused_adamw", "reshard_after_forward", "optimizer_offload", "grad_sync", "recompute")

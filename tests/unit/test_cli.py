@@ -55,7 +55,7 @@ def test_info_shows_the_fsdp2_auto_defaults_per_device(capsys: object) -> None:
     assert "compile = 'layer': cuda: whole decoder layers compiled" in cuda
     assert "fused_adamw = True" in cuda and "compile_memory_budget = 0.85" in cuda
     assert "optimizer_offload = 'auto'" in cuda and "recompute = 'auto'" in cuda
-    assert "grad_sync = 'auto': 'per_step' when the estimate fits" in cuda
+    assert "grad_sync = 'auto': 'per_micro_batch'; 'per_step' is opt-in" in cuda
     cpu = fsdp2[fsdp2.index("auto defaults on cpu:") :]
     assert "compile = False: cpu" in cpu and "fused_adamw = False" in cpu
     assert "option optimizer_offload (bool | None, default None)" in fsdp2

@@ -187,8 +187,8 @@ def test_memory_policy_choice(model: str, device: int, tokens: int, expected: tu
     )
     assert (p.recompute, p.keep_unsharded, p.optimizer_offload) == expected, p.reason
     assert p.fits and p.estimate.total <= usable_bytes(device) and "usable" in p.reason
-    # one rank: reducing once per step holds no more gradient bytes, so it is always taken
-    assert p.grad_sync == "per_step" and p.estimate.accumulated_grads == 0, p.reason
+    # per-step gradient sync is opt-in: the policy keeps one reduce per micro-batch
+    assert p.grad_sync == "per_micro_batch" and p.estimate.accumulated_grads == 0, p.reason
 
 
 def test_per_step_grad_sync_costs_the_unsharded_gradients_beyond_one_rank() -> None:
@@ -211,14 +211,14 @@ def test_per_step_grad_sync_costs_the_unsharded_gradients_beyond_one_rank() -> N
     assert "accumulated_grads" in host.describe()
 
 
-def test_memory_policy_gives_up_per_step_sync_first() -> None:
+def test_memory_policy_counts_per_step_sync_when_asked() -> None:
     s = shape_of("qwen3-8b")
     kw: dict[str, Any] = dict(tokens=8192, compiled=True, compile_memory_budget=0.85, dp=8)
     fixed: dict[str, Any] = dict(recompute="none", keep_unsharded=True, optimizer_offload=False)
     per_mb = estimate_memory(s, **fixed, **kw)
     per_step = estimate_memory(s, grad_sync="per_step", **fixed, **kw)
     assert per_step.accumulated_grads == 4 * s.trainable - 4 * s.trainable // 8
-    # a device whose usable bytes lie between the two estimates: the other choices stay the fastest
+    # a device whose usable bytes lie between the two estimates
     usable = (per_mb.total + per_step.total) // 2
     device = int((usable + MEMORY_MARGIN_BYTES) / (1 - MEMORY_MARGIN_FRACTION)) + 1
     assert per_mb.total <= usable_bytes(device) < per_step.total
@@ -231,8 +231,8 @@ def test_memory_policy_gives_up_per_step_sync_first() -> None:
     ), p.reason
     assert "grad_sync=per_micro_batch" in p.reason
     roomy = choose_memory_policy(s, device_total=2 * device, **kw)
-    assert (roomy.recompute, roomy.grad_sync) == ("none", "per_step"), roomy.reason
-    # the user's grad_sync is kept: something else gives way
+    assert (roomy.recompute, roomy.grad_sync) == ("none", "per_micro_batch"), roomy.reason  # opt-in
+    # the user's per_step is kept and its unsharded gradients counted: recomputation gives way
     given = choose_memory_policy(s, device_total=device, grad_sync="per_step", **kw)
     assert given.grad_sync == "per_step" and given.fits and given.recompute == "full", given.reason
 
@@ -272,7 +272,7 @@ def test_resolve_fills_only_the_auto_fields() -> None:
         compile="layer",
         compile_memory_budget=0.85,
         optimizer_offload=False,
-        grad_sync="per_step",
+        grad_sync="per_micro_batch",
     )
     assert r.recompute == "none" and r.memory is not None and r.memory.fits
     assert set(r.reasons) == {
@@ -284,7 +284,7 @@ def test_resolve_fills_only_the_auto_fields() -> None:
         "grad_sync",
         "recompute",
     }
-    assert "memory policy" in r.reasons["grad_sync"] and "grad_sync=per_step" in r.reasons["grad_sync"]
+    assert "memory policy" in r.reasons["grad_sync"] and "grad_sync=per_micro_batch" in r.reasons["grad_sync"]
     given = FSDP2Options(
         compile=False,
         fused_adamw=False,

@@ -11,9 +11,10 @@ Two parts, both unit-tested with made-up device sizes:
 - ``estimate_memory`` and ``choose_memory_policy``: device bytes of one training step from the model's
   shape and ``micro_batch_max_tokens``, and the first configuration in a fixed order that fits the
   device: no recomputation -> full recomputation -> parameters resharded after forward; when none of
-  those fits, the same order again with the AdamW state in host memory (``optimizer_offload``). Each
-  configuration is tried with gradients reduced once per step (``grad_sync="per_step"``) before once
-  per micro-batch: it is the cheapest gain, so the first one given up.
+  those fits, the same order again with the AdamW state in host memory (``optimizer_offload``).
+  Gradients are reduced once per micro-batch unless the user asks for ``grad_sync="per_step"`` (its
+  speed on one GPU is not measured yet, so the policy does not choose it); the estimate counts what
+  ``"per_step"`` keeps when it is asked for.
 
 Gradient sync and memory: with ``grad_sync="per_step"`` FSDP2 keeps each micro-batch's unsharded
 gradient, accumulated in the reduce dtype (fp32: 4 bytes per trainable parameter, over the whole model),
@@ -341,8 +342,8 @@ def choose_memory_policy(
 ) -> MemoryPolicy:
     """The first configuration that fits ``usable_bytes(device_total)``, trying in order: no
     recomputation, full recomputation, then parameters resharded after forward (each with the
-    parameters kept unsharded first when ``unsharded_allowed``; each with ``grad_sync="per_step"``
-    before ``"per_micro_batch"``). ``recompute``, ``keep_unsharded``, ``optimizer_offload`` and
+    parameters kept unsharded first when ``unsharded_allowed``; ``grad_sync`` left open is
+    ``"per_micro_batch"``). ``recompute``, ``keep_unsharded``, ``optimizer_offload`` and
     ``grad_sync`` given (not ``None``) are the user's and are never changed. ``optimizer_offload``
     left open is set only when no configuration fits without it (then the same order is tried with it).
     When nothing fits, the configuration with the smallest estimate, ``fits=False`` and a reason naming
@@ -372,9 +373,8 @@ def choose_memory_policy(
     keeps = (
         [keep_unsharded] if keep_unsharded is not None else ([True, False] if unsharded_allowed else [False])
     )
-    syncs: list[GradSync] = [grad_sync] if grad_sync is not None else ["per_step", "per_micro_batch"]
-    # reducing gradients once per step saves a few percent (copies, communication), keeping parameters
-    # unsharded costs less time than recomputing, which costs less than resharding every layer (an
+    syncs: list[GradSync] = [grad_sync] if grad_sync is not None else ["per_micro_batch"]
+    # keeping parameters unsharded costs less time than recomputing, which costs less than resharding every layer (an
     # all-gather per layer in backward); the host optimizer step costs the most
     candidates = [(rc, keep, sync) for keep in keeps for rc in rcs for sync in syncs]
     best: MemoryPolicy | None = None

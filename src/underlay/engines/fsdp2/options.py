@@ -67,7 +67,7 @@ class FSDP2Options:
         "reduce-scatter, copies and accumulation for the other micro-batches, but the unsharded "
         "gradients of the whole model, in the reduce dtype, stay on the device until then; a second "
         "forward_backward before the optimizer step syncs per micro-batch); None = auto: "
-        "'per_step' when the memory estimate fits it, else 'per_micro_batch'",
+        "'per_micro_batch' (the memory estimate counts 'per_step' when it is asked for)",
     )
 
     activation_offload: bool = option(
@@ -125,8 +125,8 @@ class FSDP2Options:
             "optimizer_offload": ("auto", "True only when nothing fits without it; " + memory),
             "grad_sync": (
                 "auto",
-                "'per_step' when the estimate fits the unsharded reduce-dtype gradients it keeps (no "
-                "extra bytes at one rank), else 'per_micro_batch'; " + memory,
+                "'per_micro_batch'; 'per_step' is opt-in (its gain on one GPU is not measured yet); "
+                + memory,
             ),
             "recompute": ("auto", "'none' when the estimate fits, else 'full'; " + memory),
         }
