@@ -167,7 +167,12 @@ def _step(hf_config: Any, batch: TokenBatch, max_tokens: int, compiled: bool) ->
     torch.set_num_threads(_BASE_THREADS[0])
     st = engine.optimizer_step()
     params = {n: t.detach().clone() for n, t in engine.named_full_parameters()}
-    return {"loss": res.metrics["loss"], "micro": res.num_micro_batches, "norm": st.grad_norm, "params": params}
+    return {
+        "loss": res.metrics["loss"],
+        "micro": res.num_micro_batches,
+        "norm": st.grad_norm,
+        "params": params,
+    }
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
