@@ -217,7 +217,7 @@ def compile_layer_parts(
             # transformers' checkpoint (around __call__ or the class forward, by version) stays off;
             # the compiled function checkpoints instead
             layer.gradient_checkpointing = False
-            target: Any = functools.partial(_checkpointed_class_forward, layer)
+            target: Any = functools.partial(_checkpointed_class_forward, layer, _attention_routes(layer))
         elif scope == "layer":
             target = functools.partial(_class_forward, layer)
         else:
@@ -273,12 +273,36 @@ def _class_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(layer).forward(layer, *args, **kwargs)
 
 
-def _checkpointed_class_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _attention_routes(layer: torch.nn.Module) -> list[Any]:
+    """The ``AttentionRoute`` objects ``underlay.models.prepare_model`` attached inside ``layer``."""
+    from underlay.models.attention import ROUTE_ATTR, AttentionRoute
+
+    routes = (getattr(module, ROUTE_ATTR, None) for module in layer.modules())
+    return [route for route in routes if isinstance(route, AttentionRoute)]
+
+
+def _checkpointed_class_forward(layer: torch.nn.Module, routes: list[Any], *args: Any, **kwargs: Any) -> Any:
     """``layer``'s class forward under non-reentrant ``torch.utils.checkpoint`` while training with
-    gradients (traced by dynamo as one checkpointed region), plain otherwise."""
-    if layer.training and torch.is_grad_enabled():
-        return torch_checkpoint(_class_forward, layer, *args, use_reentrant=False, **kwargs)
-    return _class_forward(layer, *args, **kwargs)
+    gradients, plain otherwise; compiled by ``compile_layer_parts``.
+
+    Dynamo captures the checkpoint as one region only when nothing inside breaks the graph; otherwise
+    it runs the checkpoint eagerly, with guards only on what it traced before the checkpoint call. So
+    the routes' ``traceable_count`` is read here first (guarded): while an attention route has no
+    traceable kernel call yet (its first, eager call resolves one; Ulysses never has one) the layer
+    runs eagerly on purpose, and once one is activated the guard fails and the layer recompiles whole.
+    """
+    if not (layer.training and torch.is_grad_enabled()):
+        return _class_forward(layer, *args, **kwargs)
+    if not all(route.traceable_count() for route in routes):
+        return _eager_checkpoint(layer, *args, **kwargs)
+    return torch_checkpoint(_class_forward, layer, *args, use_reentrant=False, **kwargs)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _eager_checkpoint(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The eager non-reentrant checkpoint of ``layer``'s class forward (forward and recomputation both
+    eager, so they run the same code)."""
+    return torch_checkpoint(_class_forward, layer, *args, use_reentrant=False, **kwargs)
 
 
 def apply_fsdp(
