@@ -216,7 +216,7 @@ def compile_layer_parts(
         if id(layer) in checkpointed:
             # transformers' checkpoint (around __call__ or the class forward, by version) stays off;
             # the compiled function checkpoints instead
-            layer.gradient_checkpointing = False
+            setattr(layer, "gradient_checkpointing", False)  # noqa: B010 (an nn.Module attribute mypy types as Tensor | Module)
             target: Any = functools.partial(_checkpointed_class_forward, layer, _attention_routes(layer))
         elif scope == "layer":
             target = functools.partial(_class_forward, layer)
