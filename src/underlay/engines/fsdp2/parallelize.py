@@ -195,9 +195,10 @@ def compile_layer_parts(
     graph than the forward ran (its cache reorders entries shared by every layer; a guard on global state
     such as the intra-op thread count fails on the CUDA autograd thread; a recompile there runs without
     the engine's ``compile_memory_budget``), and ``torch.utils.checkpoint`` then refuses the different
-    saved tensors (``CheckpointError``). A layer whose forward dynamo cannot capture whole (a graph
-    break, e.g. the attention kernel's first, eager call) runs its checkpoint eagerly: forward and
-    recomputation both eager, so they agree. Vision-tower blocks of vision-language models are left
+    saved tensors (``CheckpointError``). A layer whose attention has no traceable kernel call yet (its
+    first, eager call resolves one; Ulysses has none) or whose forward otherwise breaks the graph runs
+    its checkpoint eagerly: forward and recomputation both eager, so they agree (see
+    ``_checkpointed_class_forward``). Vision-tower blocks of vision-language models are left
     eager (see ``_vision_tower_modules``). Raises ``ConfigError`` for another scope."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope {scope!r}: use one of {COMPILE_SCOPES}")
