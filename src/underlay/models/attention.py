@@ -112,6 +112,12 @@ class AttentionRoute:
             self._traceable.update(self._pending)
             self._pending.clear()
 
+    def traceable_count(self) -> int:
+        """How many kernel calls compiled graphs may trace now (0 until the first :meth:`activate_traceable`
+        that had something to add; Ulysses routes stay at 0). Code compiled by ``torch.compile`` that
+        reads it is guarded on the value, so it recompiles when a call becomes traceable."""
+        return len(self._traceable)
+
     def boundaries(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``(cu_seqlens int32 [B + 1], max_seqlen)`` of the (full, gathered over the sp group) packed
         sequence whose per-token positions are ``position_ids``; cached for the last tensor seen, so a

@@ -8,6 +8,7 @@ then shard with ``fully_shard`` per decoder layer and finally the root (``apply_
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from underlay.engines.fsdp2.options import COMPILE_SCOPES
 from underlay.interfaces import ConfigError, ParallelConfig, ParallelLayout
@@ -33,6 +35,8 @@ __all__ = [
     "torch_dtype",
     "validate_ulysses",
 ]
+
+_log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,43 +180,77 @@ def compile_layer_parts(
     offers a traceable call, see ``AttentionRoute``; the FSDP hooks, registered later, stay eager around
     it); the other scopes compile modules inside the layer (``nn.Module.compile``) and leave the residual
     adds eager. Sequence lengths vary between micro-batches, so shapes become dynamic after the first
-    recompile. Returns how many layers or modules were compiled (in the module scopes ``TiledMLP`` is
-    left alone: it loops over tiles by design); ``backend`` is passed to ``torch.compile`` (tests use
-    ``"aot_eager"``). ``dynamic`` is passed to ``torch.compile``: use ``True`` under recomputation, so
-    each layer has one graph with symbolic sizes from the start; otherwise the first static graph and the
-    dynamic one compiled at the next length both match a later input, the recomputation may pick the
-    other graph than the forward did (dynamo reorders its cache entries), and ``torch.utils.checkpoint``
-    refuses the different saved tensors. Vision-tower blocks of vision-language models are left eager
-    (see ``_vision_tower_modules``). Raises ``ConfigError`` for another scope."""
+    recompile (``dynamic=True``: symbolic from the first graph; passed to ``torch.compile``). Returns how
+    many layers or modules were compiled (in the module scopes ``TiledMLP`` is left alone: it loops over
+    tiles by design); ``backend`` is passed to ``torch.compile`` (tests use ``"aot_eager"``).
+
+    Recomputation: a layer whose activation checkpointing is on (``apply_activation_checkpointing``,
+    i.e. transformers' ``gradient_checkpointing`` flag) is compiled *with the checkpoint inside*, in every
+    scope: the compiled function is ``torch.utils.checkpoint.checkpoint`` (non-reentrant) of the layer's
+    forward, which dynamo captures as one checkpointed region, so AOTAutograd recomputes the layer inside
+    the compiled backward and no compiled graph is looked up again at recomputation time; the module
+    scopes become ``"layer"`` for such layers (logged). Transformers' own checkpoint of the layer is
+    turned off (``layer.gradient_checkpointing = False``). Compiled code inside a runtime checkpoint is
+    not safe: the recomputation calls it again in backward, where dynamo may pick or compile another
+    graph than the forward ran (its cache reorders entries shared by every layer; a guard on global state
+    such as the intra-op thread count fails on the CUDA autograd thread; a recompile there runs without
+    the engine's ``compile_memory_budget``), and ``torch.utils.checkpoint`` then refuses the different
+    saved tensors (``CheckpointError``). A layer whose attention has no traceable kernel call yet (its
+    first, eager call resolves one; Ulysses has none) or whose forward otherwise breaks the graph runs
+    its checkpoint eagerly: forward and recomputation both eager, so they agree (see
+    ``_checkpointed_class_forward``). Vision-tower blocks of vision-language models are left
+    eager (see ``_vision_tower_modules``). Raises ``ConfigError`` for another scope."""
     if scope not in COMPILE_SCOPES:
         raise ConfigError(f"compile scope {scope!r}: use one of {COMPILE_SCOPES}")
     tower = _vision_tower_modules(model)
     text_layers = [layer for layer in decoder_layers(model) if id(layer) not in tower]
-    if scope == "layer":
-        layers = text_layers
-        for layer in layers:
-            # an instance attribute, so that hooks registered later (fully_shard) run eagerly around
-            # it; the class's forward is looked up at call time because fully_shard swaps the class
-            # for a subclass, and transformers checkpoints (recompute="full") only when that class's
-            # forward is the one called (a bound method taken now would silently skip recomputation)
-            layer.forward = torch.compile(
-                functools.partial(_class_forward, layer), backend=backend, dynamic=dynamic
-            )
-        return len(layers)
-    suffixes: tuple[str, ...] = ("RMSNorm", "MLP") + (("Attention",) if scope == "layer_parts" else ())
+    checkpointed = {id(layer) for layer in text_layers if _checkpointing_on(layer)}
+    if checkpointed and scope != "layer":
+        _log.warning(
+            "compile scope %r under recomputation compiles the whole checkpointed layer (%d layers): "
+            "compiled modules inside an eager checkpoint may recompute with another graph",
+            scope,
+            len(checkpointed),
+        )
     count = 0
     for layer in text_layers:
-        inside_compiled: list[torch.nn.Module] = []
-        for module in layer.modules():
-            cls = type(module).__name__
-            if module is layer or cls == "TiledMLP" or not cls.endswith(suffixes):
-                continue
-            if any(any(m is module for m in outer.modules()) for outer in inside_compiled):
-                continue  # e.g. q_norm inside a compiled attention module
-            module.compile(backend=backend, dynamic=dynamic)
-            inside_compiled.append(module)
-            count += 1
+        if id(layer) in checkpointed:
+            # transformers' checkpoint (around __call__ or the class forward, by version) stays off;
+            # the compiled function checkpoints instead
+            setattr(layer, "gradient_checkpointing", False)  # noqa: B010 (an nn.Module attribute mypy types as Tensor | Module)
+            target: Any = functools.partial(_checkpointed_class_forward, layer, _attention_routes(layer))
+        elif scope == "layer":
+            target = functools.partial(_class_forward, layer)
+        else:
+            count += _compile_modules(layer, backend, scope, dynamic)
+            continue
+        # an instance attribute, so that hooks registered later (fully_shard) run eagerly around it;
+        # the class's forward is looked up at call time because fully_shard swaps the class for a
+        # subclass
+        layer.forward = torch.compile(target, backend=backend, dynamic=dynamic)
+        count += 1
     return count
+
+
+def _compile_modules(layer: torch.nn.Module, backend: str, scope: str, dynamic: bool | None) -> int:
+    """The module scopes: ``nn.Module.compile`` the norms and MLPs (and attention for
+    ``"layer_parts"``) of ``layer``, outermost matching modules only; returns how many."""
+    suffixes: tuple[str, ...] = ("RMSNorm", "MLP") + (("Attention",) if scope == "layer_parts" else ())
+    inside_compiled: list[torch.nn.Module] = []
+    for module in layer.modules():
+        cls = type(module).__name__
+        if module is layer or cls == "TiledMLP" or not cls.endswith(suffixes):
+            continue
+        if any(any(m is module for m in outer.modules()) for outer in inside_compiled):
+            continue  # e.g. q_norm inside a compiled attention module
+        module.compile(backend=backend, dynamic=dynamic)
+        inside_compiled.append(module)
+    return len(inside_compiled)
+
+
+def _checkpointing_on(layer: torch.nn.Module) -> bool:
+    """Whether transformers' activation checkpointing is enabled on ``layer``."""
+    return getattr(layer, "gradient_checkpointing", False) is True
 
 
 # Submodule names of vision towers in transformers' vision-language models.
@@ -234,6 +272,38 @@ def _vision_tower_modules(model: torch.nn.Module) -> set[int]:
 
 def _class_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(layer).forward(layer, *args, **kwargs)
+
+
+def _attention_routes(layer: torch.nn.Module) -> list[Any]:
+    """The ``AttentionRoute`` objects ``underlay.models.prepare_model`` attached inside ``layer``."""
+    from underlay.models.attention import ROUTE_ATTR, AttentionRoute
+
+    routes = (getattr(module, ROUTE_ATTR, None) for module in layer.modules())
+    return [route for route in routes if isinstance(route, AttentionRoute)]
+
+
+def _checkpointed_class_forward(layer: torch.nn.Module, routes: list[Any], *args: Any, **kwargs: Any) -> Any:
+    """``layer``'s class forward under non-reentrant ``torch.utils.checkpoint`` while training with
+    gradients, plain otherwise; compiled by ``compile_layer_parts``.
+
+    Dynamo captures the checkpoint as one region only when nothing inside breaks the graph; otherwise
+    it runs the checkpoint eagerly, with guards only on what it traced before the checkpoint call. So
+    the routes' ``traceable_count`` is read here first (guarded): while an attention route has no
+    traceable kernel call yet (its first, eager call resolves one; Ulysses never has one) the layer
+    runs eagerly on purpose, and once one is activated the guard fails and the layer recompiles whole.
+    """
+    if not (layer.training and torch.is_grad_enabled()):
+        return _class_forward(layer, *args, **kwargs)
+    if not all(route.traceable_count() for route in routes):
+        return _eager_checkpoint(layer, *args, **kwargs)
+    return torch_checkpoint(_class_forward, layer, *args, use_reentrant=False, **kwargs)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _eager_checkpoint(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The eager non-reentrant checkpoint of ``layer``'s class forward (forward and recomputation both
+    eager, so they run the same code)."""
+    return torch_checkpoint(_class_forward, layer, *args, use_reentrant=False, **kwargs)
 
 
 def apply_fsdp(
