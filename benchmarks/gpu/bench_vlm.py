@@ -139,6 +139,17 @@ def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dic
     return (-(adv * outputs.log_probs) * mask).sum(), {}
 
 
+def compile_counts() -> str:
+    """torch.compile's running totals (graph breaks, unique graphs, recompilations): a figure that
+    grows from step to step after warm-up means the timed steps pay for compilation."""
+    from torch._dynamo.utils import counters
+
+    return (
+        f"dynamo: graph breaks {sum(counters['graph_break'].values())}, unique graphs "
+        f"{counters['stats'].get('unique_graphs', 0)}, recompiles {sum(counters['recompiles'].values())}"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench_vlm_"))
@@ -150,6 +161,9 @@ def main() -> int:
     ap.add_argument("--image-share", type=float, default=0.75)
     ap.add_argument("--max-tokens", type=int, default=16384, help="micro_batch_max_tokens")
     ap.add_argument("--recompute", default="full", choices=("none", "full"))
+    ap.add_argument(
+        "--compile", default=None, help="fsdp2 option compile (default: the device's, 'layer' on cuda)"
+    )
     args = ap.parse_args()
 
     from underlay.ops import FlopsCounter
@@ -167,7 +181,7 @@ def main() -> int:
         reduce_dtype="float32",
         recompute=args.recompute,  # type: ignore[arg-type]
         with_entropy=False,
-        options={"fused_adamw": dev.is_accelerator},
+        options={"fused_adamw": dev.is_accelerator, **({"compile": args.compile} if args.compile else {})},
     )
     t0 = time.perf_counter()
     engine = get_engine(ec)
@@ -188,6 +202,7 @@ def main() -> int:
         engine.optimizer_step()
         dev.synchronize()
         dt = time.perf_counter() - t
+        print(f"step {i}: {dt:.2f} s, {res.num_micro_batches} micro-batches; {compile_counts()}", flush=True)
         if i >= args.warmup:
             n_img = 0 if batch.images is None else batch.images.count
             rows.append({
