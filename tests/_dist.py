@@ -1,7 +1,7 @@
 """Helpers for tests that run real multi-process gloo groups.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with
-``torch.multiprocessing`` (spawn start method), initialises a gloo (or ``backend``) process group on a free localhost
+``torch.multiprocessing`` (forkserver start method, see ``START_METHOD``), initialises a gloo (or ``backend``) process group on a free localhost
 port in each, calls ``fn(rank, world_size, *args)``, destroys the group and returns the per-rank return
 values (in rank order). ``fn`` and ``args`` must be picklable: define ``fn`` at module level of a test
 module. An exception in any child is re-raised in the parent (same type when it pickles) with the
@@ -26,7 +26,43 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-__all__ = ["ChildFailure", "free_port", "run_distributed"]
+__all__ = ["START_METHOD", "ChildFailure", "free_port", "run_distributed"]
+
+START_METHOD = os.environ.get("UNDERLAY_TEST_START_METHOD", "forkserver")
+"""How ranks start: ``"forkserver"`` (default) forks each rank from a server process that imported
+``_PRELOAD`` once per pytest session, so a rank does not pay the imports of torch, transformers and
+megatron-core again (seconds of CPU per rank, most of a small multi-process test's cost);
+``"spawn"`` (``UNDERLAY_TEST_START_METHOD=spawn``) starts a fresh interpreter per rank. Either way a
+rank gets the parent's environment as it is at the call (``_worker`` installs it) and nothing that a
+test process did to torch's global state: the server imports modules only, never the CPU fixture of
+the mcore tests, and starts no threads."""
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "safetensors.torch",
+    "underlay",
+    "underlay.engines.fsdp2.engine",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.dist_checkpointing",
+]
+"""Modules the forkserver imports before forking ranks (a missing one is skipped by multiprocessing)."""
+
+if START_METHOD == "forkserver":
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
 
 
 class ChildFailure(RuntimeError):
@@ -73,7 +109,11 @@ def _worker(
     args: tuple[Any, ...],
     timeout_s: float,
     backend: str = "gloo",
+    env: dict[str, str] | None = None,
 ) -> None:
+    if env is not None:  # the parent's environment at the call (a forkserver rank has the server's)
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -134,17 +174,17 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size={world_size} must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
     queue = ctx.SimpleQueue()
     port = free_port()
     reports: list[tuple[str, int, bytes, str, float]] = []
     try:
         procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _worker,
-            args=(fn, world_size, port, queue, args, timeout_s, backend),
+            args=(fn, world_size, port, queue, args, timeout_s, backend, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
         # drain the reports while waiting: a child blocks in put() once the pipe is full
         while not procs.join(timeout=0.2):
