@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -55,19 +56,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-_FUSED: dict[str, Callable[..., Any]] = {}
-
-
+@functools.cache
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` compiled once per process with ``torch.compile(dynamic=True)`` (one graph for every
     token count; the elementwise chain becomes one kernel forward and one or two backward). Used by the
     layers when the engine enables ``fused_elementwise``; the numbers are ``fn``'s up to reassociation
     inside the fused kernel."""
-    key = f"{fn.__module__}.{fn.__qualname__}"
-    compiled = _FUSED.get(key)
-    if compiled is None:
-        compiled = torch.compile(fn, dynamic=True)
-        _FUSED[key] = compiled
+    compiled: Callable[..., Any] = torch.compile(fn, dynamic=True)
     return compiled
 
 
@@ -265,11 +260,12 @@ def _core_attention_class() -> type:
             from underlay.engines.mcore.rope import apply_rope, rope_cos_sin
 
             assert self._inv_freq is not None
+            rope = fused(apply_rope) if self.fused_rope else apply_rope
             if packed is None:
                 pos = torch.arange(query.shape[0], device=query.device)
                 cos, sin = rope_cos_sin(pos, self._device_inv_freq(query.device), query.dtype)
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [s, 1, 1, d]
-                return apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+                return rope(query, cos, sin), rope(key, cos, sin)
             cu_q = (
                 packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
             )
@@ -280,7 +276,6 @@ def _core_attention_class() -> type:
             )
             cos_q, sin_q = self._packed_cos_sin(packed, cu_q, query)
             cos_k, sin_k = (cos_q, sin_q) if cu_k is cu_q else self._packed_cos_sin(packed, cu_k, key)
-            rope = fused(apply_rope) if self.fused_rope else apply_rope
             return rope(query, cos_q, sin_q), rope(key, cos_k, sin_k)
 
         def _device_inv_freq(self, device: torch.device) -> torch.Tensor:

@@ -34,8 +34,8 @@ class MCoreOptions:
     fused_elementwise: bool | None = option(
         None,
         "torch.compile-fused RMSNorm, RoPE rotation and SwiGLU (megatron's bias_activation_fusion); "
-        "None = on for cuda (the local spec's eager elementwise chains are a sixth of the step there), "
-        "off on other devices",
+        "None = on for cuda when triton imports (the local spec's eager elementwise chains are a sixth "
+        "of the step there), off elsewhere",
     )
 
     @staticmethod
