@@ -393,9 +393,10 @@ def dynamo_counts() -> str:
     return text
 
 
-def profile_step(engine: Any, batch: TokenBatch, label: str) -> None:
-    """One step under torch.profiler: its wall time, the 30 costliest device ops and the idle-gap
-    attribution of ``trace_gaps.py``, printed and written to ``$OUT/fsdp2_profile_<label>.txt``."""
+def profile_step(engine: Any, batch: TokenBatch, label: str, loss: Any = None) -> None:
+    """One step under torch.profiler (``loss``: the loss function, default :func:`pg_loss`): its wall
+    time, the 30 costliest device ops and the idle-gap attribution of ``trace_gaps.py``, printed and
+    written to ``$OUT/fsdp2_profile_<label>.txt``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -404,7 +405,7 @@ def profile_step(engine: Any, batch: TokenBatch, label: str) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         with record_function("bench.forward_backward"):
-            engine.forward_backward(batch, pg_loss)
+            engine.forward_backward(batch, loss or pg_loss)
         with record_function("bench.optimizer_step"):
             engine.optimizer_step()
         torch.cuda.synchronize()

@@ -161,6 +161,7 @@ def main() -> int:
     ap.add_argument("--image-share", type=float, default=0.75)
     ap.add_argument("--max-tokens", type=int, default=16384, help="micro_batch_max_tokens")
     ap.add_argument("--recompute", default="full", choices=("none", "full"))
+    ap.add_argument("--profile", action="store_true", help="profile one more step (bench_fsdp2.profile_step)")
     ap.add_argument(
         "--compile", default=None, help="fsdp2 option compile (default: the device's, 'layer' on cuda)"
     )
@@ -213,6 +214,12 @@ def main() -> int:
                 "vision_flop_share": (flops - text_flops) / flops,
                 "micro_batches": float(res.num_micro_batches),
             })  # fmt: skip
+    if args.profile and dev.is_accelerator:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_fsdp2 import profile_step
+
+        profile_step(engine, make_batch(cfg, args.sequences, rank + 7919 * (i + 1), args.image_share, args.quick),
+                     "vlm", loss=pg_loss)  # fmt: skip
     secs = sum(r["seconds"] for r in rows)
     result = {
         "benchmark": "bench_vlm",

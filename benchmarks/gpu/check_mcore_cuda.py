@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +116,17 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=5, help="bf16 batches to compare the engines on")
     args = p.parse_args()
     dev = torch.device("cuda")
+    t0 = time.perf_counter()
     cfg = tiny("qwen3")
     b = batch(dev)
     ref_lp, ref_loss, ref_norm = reference(cfg, b)
     report: dict[str, Any] = {"ref_loss": ref_loss, "ref_grad_norm": ref_norm}
     ok = True
+    # (each part is printed as it completes: a run cut short by its time limit still reports the parts done)
+    moe = step("mcore", tiny("qwen3_moe"), "bfloat16", b)
+    report["moe"] = {"loss": moe["loss"], "grad_norm": moe["grad_norm"], "skipped": moe["skipped"]}
+    ok &= math.isfinite(moe["loss"]) and math.isfinite(moe["grad_norm"]) and not moe["skipped"]
+    print(f"moe step ({time.perf_counter() - t0:.0f} s): {report['moe']}", flush=True)
     m32 = step("mcore", cfg, "float32", b)
     lp_err = float((m32["lp"].double() - ref_lp).abs().max())
     report["fp32"] = {
@@ -128,6 +135,7 @@ def main() -> int:
         "norm_rel": abs(m32["grad_norm"] - ref_norm) / ref_norm,
     }
     ok &= lp_err < 2e-4 and report["fp32"]["loss_err"] < 1e-4 and report["fp32"]["norm_rel"] < 1e-3
+    print(f"fp32 vs float64 ({time.perf_counter() - t0:.0f} s): {report['fp32']}", flush=True)
     per_seed: dict[str, dict[str, list[float]]] = {
         n: {"loss_err": [], "norm_rel": []} for n in ("mcore", "fsdp2")
     }
@@ -138,6 +146,11 @@ def main() -> int:
             r = step(name, cfg, "bfloat16", bs)
             per_seed[name]["loss_err"].append(abs(r["loss"] - s_loss))
             per_seed[name]["norm_rel"].append(abs(r["grad_norm"] - s_norm) / s_norm)
+            print(
+                f"bf16 seed {seed} {name} ({time.perf_counter() - t0:.0f} s): loss error "
+                f"{per_seed[name]['loss_err'][-1]:.3g}, grad-norm relative error {per_seed[name]['norm_rel'][-1]:.3g}",
+                flush=True,
+            )
     errs = {
         name: {key: math.sqrt(sum(x * x for x in xs) / len(xs)) for key, xs in d.items()}
         for name, d in per_seed.items()
@@ -146,9 +159,6 @@ def main() -> int:
     report["bf16_per_seed"] = per_seed
     for key, floor in (("loss_err", 1e-4), ("norm_rel", 1e-4)):
         ok &= errs["mcore"][key] <= 1.5 * errs["fsdp2"][key] + floor
-    moe = step("mcore", tiny("qwen3_moe"), "bfloat16", b)
-    report["moe"] = {"loss": moe["loss"], "grad_norm": moe["grad_norm"], "skipped": moe["skipped"]}
-    ok &= math.isfinite(moe["loss"]) and math.isfinite(moe["grad_norm"]) and not moe["skipped"]
     report["ok"] = bool(ok)
     print(json.dumps(report, indent=1), flush=True)
     if args.out:

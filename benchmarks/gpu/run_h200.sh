@@ -13,6 +13,7 @@
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # 'mcorecheck': the engine and weight-loader conformance suites against mcore (nccl, world size 1) and
 # check_mcore_cuda.py (fp32 vs float64, bf16 vs fsdp2's bf16 error, a Qwen3-MoE step; carry .whl)
+# 'mcorecuda' / MCORECUDA_SECS: check_mcore_cuda.py alone (its parts print as they finish; carry .whl)
 # MCORE_ARGS / MCORE_SECS: extra arguments (e.g. --profile) and time limit of the mcore step (bench_mcore.py: mcore vs fsdp2 at TP=1; carry .whl)
 # WEIGHTSIO_ARGS / WEIGHTSIO_SECS: extra arguments (e.g. "--cache cold") and time limit of the weightsio step
 # (e.g. FSDP2_ARGS="--act-ckpt none+layer,full+layer --profile", FP8_ARGS="--variants div-sw-t1,rcp-ptx-t2").
@@ -81,6 +82,7 @@ for s in "${steps[@]}"; do
     longseq) step longseq "${LONGSEQ_SECS:-200}" python3 benchmarks/gpu/bench_long_seq.py --out "$OUT/longseq" ${LONGSEQ_ARGS:-} ;;
     weightsync) step weightsync 300 python3 benchmarks/gpu/bench_weight_sync.py ${WEIGHTSYNC_ARGS:-} ;;
     mcorecheck) step mcorecheck "${MCORECHECK_SECS:-240}" bash -c 'UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider tests/conformance/test_engine_contract.py tests/conformance/test_weight_loader_contract.py -k mcore; python3 benchmarks/gpu/check_mcore_cuda.py --out "$OUT/mcore"' ;;
+    mcorecuda) step mcorecuda "${MCORECUDA_SECS:-300}" python3 benchmarks/gpu/check_mcore_cuda.py --out "$OUT/mcore" ;;
     mcore) step mcore "${MCORE_SECS:-240}" python3 benchmarks/gpu/bench_mcore.py --out "$OUT/mcore" ${MCORE_ARGS:-} ;;
     weightsio) step weightsio "${WEIGHTSIO_SECS:-150}" python3 benchmarks/gpu/bench_weights_io.py ${WEIGHTSIO_ARGS:-} ;;
     *) echo "unknown step $s" | tee -a "$summary" ;;

@@ -16,6 +16,12 @@ padding mask (or ``None``), as flash-attention does. A model whose ``config._att
 The per-layer settings (kernel name, sp group) live in an :class:`AttentionRoute` attached to each
 attention module by :func:`underlay.models.prepare_model`; the module's ``scaling``, ``is_causal``,
 ``sliding_window`` and softcap (keyword arguments first, module attributes second) are respected.
+
+Vision towers use a second name, :data:`VARLEN_ATTN_IMPLEMENTATION`, for the same function: transformers'
+Qwen-VL vision attention hands all windows and images of a forward pass to the attention function in
+one varlen call (``cu_seq_lens_q``) only when the implementation's name contains ``"flash"``; under any
+other name it splits the patches on the host and calls the function once per window, which is hundreds
+of small kernel launches and a device sync per vision block.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from underlay.registry import get_attention
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ROUTE_ATTR",
+    "VARLEN_ATTN_IMPLEMENTATION",
     "AttentionRoute",
     "cu_seqlens_from_position_ids",
     "register_attention",
@@ -55,6 +62,12 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "underlay"
 """The name registered with ``transformers.AttentionInterface``."""
+
+VARLEN_ATTN_IMPLEMENTATION = "underlay_flash_varlen"
+"""The same function under a name that makes transformers' vision attention pass its patches packed, with
+their boundaries (transformers tests ``"flash" in name``; see the module docstring). Only the vision towers'
+configs use it: a text model keeps :data:`ATTN_IMPLEMENTATION`, so no flash-attention-only code path of
+transformers runs there."""
 
 ROUTE_ATTR = "_underlay_attention_route"
 """Attribute of an attention module that holds its :class:`AttentionRoute`."""
@@ -396,9 +409,11 @@ def _padding_mask(
 
 
 def register_attention() -> None:
-    """Register ``"underlay"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"underlay"`` and :data:`VARLEN_ATTN_IMPLEMENTATION` with transformers' attention and
+    mask interfaces (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, underlay_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
+    for name in (ATTN_IMPLEMENTATION, VARLEN_ATTN_IMPLEMENTATION):
+        AttentionInterface.register(name, underlay_attention_forward)
+        AttentionMaskInterface.register(name, _padding_mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ from underlay.models._compat import (
 from underlay.models.attention import (
     ATTN_IMPLEMENTATION,
     ROUTE_ATTR,
+    VARLEN_ATTN_IMPLEMENTATION,
     AttentionRoute,
     register_attention,
 )
@@ -76,7 +78,9 @@ def prepare_model(
     - ``sp_group``: Ulysses sequence parallelism over that process group (checked with
       :func:`underlay.parallel.ulysses.validate_sp` against the head counts). For Qwen2.5-VL the
       sequence is split after the vision features are merged into the embeddings (the vision tower's
-      attention runs unsplit); Qwen3-VL (deepstack) is refused.
+      attention runs unsplit); Qwen3-VL (deepstack) is refused. A vision tower's config is switched to
+      ``VARLEN_ATTN_IMPLEMENTATION``, so each vision block makes one varlen call over all its images
+      and windows.
     - ``tiled_mlp_tiles``: compute every decoder MLP (or MoE block) in that many token tiles with
       recomputation in backward (:class:`underlay.models.TiledMLP`); ``None`` leaves MLPs plain (and
       removes tiling installed by an earlier call). MLPs that return a tuple (gpt-oss) are refused.
@@ -130,11 +134,29 @@ def prepare_model(
         group = None if name.startswith(vision) else sp_group
         setattr(named[name], ROUTE_ATTR, AttentionRoute(attention, group))
     tower = named.get(vision.rstrip("."))
+    if tower is not None:
+        _vision_varlen(tower)
     if tower is not None and not getattr(tower, _TEXT_PACKING_FILTER, False):
         tower.register_forward_pre_hook(_drop_text_packing, with_kwargs=True)
         setattr(tower, _TEXT_PACKING_FILTER, True)
     apply_tiled_mlp(inner, tiled_mlp_tiles)
     return model
+
+
+def _vision_varlen(tower: nn.Module) -> None:
+    """Give the vision tower (and every module of it that shares its config) a private copy of its
+    config whose attention implementation is ``VARLEN_ATTN_IMPLEMENTATION``, so each vision block makes
+    one varlen call. A copy, because transformers checks a ``"flash"``-named implementation for a flash
+    library when a model is built: the model's own ``config.vision_config``, which exports save and from
+    which models are built, keeps ``"underlay"``."""
+    shared = getattr(tower, "config", None)
+    if shared is None or getattr(shared, "_attn_implementation", None) == VARLEN_ATTN_IMPLEMENTATION:
+        return
+    own = copy.deepcopy(shared)
+    own._attn_implementation = VARLEN_ATTN_IMPLEMENTATION
+    for module in tower.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = own
 
 
 TEXT_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

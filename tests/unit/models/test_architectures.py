@@ -263,6 +263,23 @@ def test_flops_counter_counts_windows_mla_and_moe(arch: str) -> None:
         assert {(layer.qk_dim, layer.v_dim) for layer in counter._layers} == {(16, 12)}
 
 
+def _spy_vision_kernel_calls(model: torch.nn.Module) -> list[Any]:
+    """The ``AttentionSpec`` of every kernel call the vision tower's attention makes from now on."""
+    specs: list[Any] = []
+    for name, module in model.named_modules():
+        route = getattr(module, ROUTE_ATTR, None)
+        if route is None or ".visual." not in f".{name}.":
+            continue
+        kernel = route.kernel
+
+        def spy(spec: Any, kernel: Any = kernel) -> Any:
+            specs.append(spec)
+            return kernel(spec)
+
+        route.kernel = spy
+    return specs
+
+
 @pytest.mark.parametrize("arch", VL_ARCHS)
 def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> None:
     """Qwen2.5-VL and Qwen3-VL: the vision tower runs inside the packed forward (its attention routed too), the text
@@ -277,10 +294,18 @@ def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> No
     if arch == "qwen3_vl_moe":
         assert caps.moe_blocks
     model = prepare_model(clone(ref), attention="eager")
+    specs = _spy_vision_kernel_calls(model)
     ids, mask, mm = vl_batch()
     packed = unpad(ids, mask)
     out = packed_forward(model, packed, temperature=0.9, logprob_kernel=logprob_kernel(), multimodal=mm)
     assert out.log_probs is not None and out.entropy is not None
+    # each vision block attends over all images (and windows) in one non-causal varlen call, not one
+    # call per image or window
+    assert [(s.layout, s.causal) for s in specs] == [("varlen", False)] * 2, specs
+    # ... through the tower's private config: the model's config (what exports save and new models are
+    # built from) keeps "underlay", whose name sends transformers looking for no flash library
+    assert model.config.vision_config._attn_implementation == "underlay"
+    assert type(ref)._from_config(model.config) is not None
     kinds = (ids == ref.config.image_token_id).int()
     pos = ref.model.get_rope_index(ids, kinds, image_grid_thw=mm["image_grid_thw"], attention_mask=mask)[0]
     got_pos = multimodal_position_ids(model.model, packed, mm)
