@@ -137,13 +137,14 @@ def resolve_for(
 class CompileWarmup:
     """The engine calls (``forward_backward``, ``infer``) in which torch.compile compiled graphs
     (one-time cost), their host wall time and the graph count; each such call is logged once at INFO.
-    A compile the engine chose itself that compiled no graph in its first call is logged as a fallback
-    to eager (WARNING)."""
+    A compile the engine chose itself that compiled no graph in its first two calls is logged as a
+    fallback to eager (WARNING). Two, because a layer's first forward runs eagerly to resolve its
+    attention kernel: a first call of one micro-batch compiles nothing by design."""
 
     steps: int = 0
     seconds: float = 0.0
     graphs: int = 0
-    _checked: bool = False
+    _calls: int = 0
 
     @staticmethod
     def _graphs() -> int:
@@ -174,14 +175,13 @@ class CompileWarmup:
                     self.seconds,
                     self.steps,
                 )
-        if not self._checked:
-            self._checked = True
-            if auto and self.graphs == 0 and current_rank() == 0:
-                log.warning(
-                    "fsdp2: compile was chosen automatically but torch.compile compiled no graph in the "
-                    "first step (see torch's log for why): the layers run eagerly; set "
-                    "options compile=False to skip the attempt"
-                )
+        self._calls += 1
+        if self._calls == 2 and auto and self.graphs == 0 and current_rank() == 0:
+            log.warning(
+                "fsdp2: compile was chosen automatically but torch.compile compiled no graph in the "
+                "first two calls (see torch's log for why): the layers run eagerly; set "
+                "options compile=False to skip the attempt"
+            )
 
     def as_dict(self) -> dict[str, float]:
         """``{"steps", "seconds", "graphs"}``."""
