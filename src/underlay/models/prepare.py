@@ -78,9 +78,9 @@ def prepare_model(
     - ``sp_group``: Ulysses sequence parallelism over that process group (checked with
       :func:`underlay.parallel.ulysses.validate_sp` against the head counts). For Qwen2.5-VL the
       sequence is split after the vision features are merged into the embeddings (the vision tower's
-      attention runs unsplit); Qwen3-VL (deepstack) is refused. A vision tower's config is switched to
-      ``VARLEN_ATTN_IMPLEMENTATION``, so each vision block makes one varlen call over all its images
-      and windows.
+      attention runs unsplit); Qwen3-VL (deepstack) is refused. A vision tower gets a private copy of its config
+      whose attention implementation is ``VARLEN_ATTN_IMPLEMENTATION``, so each vision block makes one
+      varlen call over all its images and windows (the model's own config is not changed).
     - ``tiled_mlp_tiles``: compute every decoder MLP (or MoE block) in that many token tiles with
       recomputation in backward (:class:`underlay.models.TiledMLP`); ``None`` leaves MLPs plain (and
       removes tiling installed by an earlier call). MLPs that return a tuple (gpt-oss) are refused.
@@ -136,9 +136,9 @@ def prepare_model(
     tower = named.get(vision.rstrip("."))
     if tower is not None:
         _vision_varlen(tower)
-    if tower is not None and not getattr(tower, _TEXT_PACKING_FILTER, False):
-        tower.register_forward_pre_hook(_drop_text_packing, with_kwargs=True)
-        setattr(tower, _TEXT_PACKING_FILTER, True)
+        if not getattr(tower, _TEXT_PACKING_FILTER, False):
+            tower.register_forward_pre_hook(_drop_text_packing, with_kwargs=True)
+            setattr(tower, _TEXT_PACKING_FILTER, True)
     apply_tiled_mlp(inner, tiled_mlp_tiles)
     return model
 
