@@ -13,6 +13,7 @@
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # 'mcorecheck': the engine and weight-loader conformance suites against mcore (nccl, world size 1) and
 # check_mcore_cuda.py (fp32 vs float64, bf16 vs fsdp2's bf16 error, a Qwen3-MoE step; carry .whl)
+# 'processor': check_processor.py (the full Qwen-VL AutoProcessor where torchvision loads)
 # 'modelscheck' / MODELSCHECK_SECS: check_models_bf16.py alone (the 'models' step without the memory benchmark)
 # 'mcorecuda' / MCORECUDA_SECS: check_mcore_cuda.py alone (its parts print as they finish; carry .whl)
 # MCORE_ARGS / MCORE_SECS: extra arguments (e.g. --profile) and time limit of the mcore step (bench_mcore.py: mcore vs fsdp2 at TP=1; carry .whl)
@@ -57,6 +58,7 @@ for s in "${steps[@]}"; do
     gputests) step gputests 240 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests ;;
     attention) step attention 180 python3 benchmarks/gpu/bench_attention.py ;;
     models) step models 240 bash -c 'python3 benchmarks/gpu/check_models_bf16.py; python3 benchmarks/gpu/bench_models_memory.py' ;;
+    processor) step processor 90 python3 benchmarks/gpu/check_processor.py ;;
     modelscheck) step modelscheck "${MODELSCHECK_SECS:-200}" python3 benchmarks/gpu/check_models_bf16.py ;;
     logprobbench) step logprobbench 150 python3 benchmarks/gpu/bench_logprob.py ;;
     logprob) step logprob "${LOGPROB_SECS:-300}" bash -c "python3 benchmarks/gpu/check_logprob.py ${LOGPROB_CHECK_ARGS:-}; python3 benchmarks/gpu/bench_logprob.py" ;;
