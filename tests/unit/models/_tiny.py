@@ -278,6 +278,9 @@ def save_vl_source(src: Path) -> Path:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t1", eos_token="t1")
+    # the vision tokens stay whole in text (as in the released tokenizers), so a processor's expanded
+    # placeholders tokenize to IMAGE_TOKEN
+    tok.add_tokens([t for t in vocab if t.startswith("<|")], special_tokens=True)
     tok.save_pretrained(str(src))
     Qwen2VLImageProcessorPil(
         patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=16, max_pixels=4096
