@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import time
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from underlay.engines._inductor import inductor_ok
 from underlay.engines.fsdp2.defaults import ModelShape, Resolved, resolve
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import decoder_layers, torch_dtype
@@ -97,9 +97,6 @@ def resolve_for(
     memory estimate over the usable bytes as a WARNING). Collective when ``LOCAL_WORLD_SIZE`` is unset
     and the world has more than one rank (host names are gathered)."""
     dtype = device.device_type
-    inductor_ok: bool | None = None
-    if dtype == "cuda":
-        inductor_ok = importlib.util.find_spec("triton") is not None
     resolved = resolve(
         options,
         device_type=dtype,
@@ -112,7 +109,7 @@ def resolve_for(
         ulysses=layout.ulysses,
         param_bytes=torch.empty((), dtype=torch_dtype(config.param_dtype)).element_size(),
         cpu_offload=config.cpu_offload,
-        inductor_ok=inductor_ok,
+        inductor_ok=inductor_ok(dtype),
         fused_adamw_ok=_fused_adamw_ok(dtype),
     )
     if current_rank() == 0:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
+from underlay.engines._inductor import inductor_ok
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
@@ -194,7 +194,7 @@ class MCoreEngine:
         # cuda when inductor can generate code there (triton imports), as fsdp2's default compile;
         # their eager kernels cost about a sixth of the step on the H200
         self._fused_elementwise = (
-            device.device_type == "cuda" and importlib.util.find_spec("triton") is not None
+            inductor_ok(device.device_type) is True
             if opts.fused_elementwise is None
             else bool(opts.fused_elementwise)
         )
