@@ -13,6 +13,8 @@
 # LOGPROB_CHECK_ARGS / LOGPROB_SECS: arguments of check_logprob.py (e.g. --both-modes) and the logprob step's limit
 # 'mcorecheck': the engine and weight-loader conformance suites against mcore (nccl, world size 1) and
 # check_mcore_cuda.py (fp32 vs float64, bf16 vs fsdp2's bf16 error, a Qwen3-MoE step; carry .whl)
+# 'fa4probe' / FA4PROBE_ARGS: probe_fa4.py (FA4 against torch's flash kernel); 'fa4conformance': the attention
+# contract on the fa4 backend. Both need .fa4/fa4site.tar.xz (carry .fa4): the unpacked flash-attn-4 wheels.
 # 'processor': check_processor.py (the full Qwen-VL AutoProcessor where torchvision loads)
 # 'modelscheck' / MODELSCHECK_SECS: check_models_bf16.py alone (the 'models' step without the memory benchmark)
 # 'mcorecuda' / MCORECUDA_SECS: check_mcore_cuda.py alone (its parts print as they finish; carry .whl)
@@ -31,6 +33,10 @@ LOGS="$OUT/logs"
 mkdir -p "$FINAL" "$LOGS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+if ls .fa4/*.tar.xz >/dev/null 2>&1; then  # flash-attn-4 and its CuTe DSL (cu13), unpacked wheels: see probe_fa4.py
+  [ -d /tmp/fa4/site ] || { mkdir -p /tmp/fa4 && for a in .fa4/*.tar.xz; do tar xJf "$a" -C /tmp/fa4; done; }
+  export PYTHONPATH="/tmp/fa4/site:/tmp/fa4/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 fi
 summary="$FINAL/summary.txt"
 : > "$summary"
@@ -57,6 +63,8 @@ for s in "${steps[@]}"; do
     conformance) step conformance 240 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider tests/conformance ;;
     gputests) step gputests 240 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests ;;
     attention) step attention 180 python3 benchmarks/gpu/bench_attention.py ;;
+    fa4probe) step fa4probe "${FA4PROBE_SECS:-200}" python3 benchmarks/gpu/probe_fa4.py ${FA4PROBE_ARGS:-} ;;
+    fa4conformance) step fa4conformance 150 env UNDERLAY_DEVICE=cuda python3 -m pytest -q -rs -p no:cacheprovider tests/conformance/test_attention_contract.py -k fa4 ;;
     models) step models 240 bash -c 'python3 benchmarks/gpu/check_models_bf16.py; python3 benchmarks/gpu/bench_models_memory.py' ;;
     processor) step processor 90 python3 benchmarks/gpu/check_processor.py ;;
     modelscheck) step modelscheck "${MODELSCHECK_SECS:-200}" python3 benchmarks/gpu/check_models_bf16.py ;;

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -174,6 +175,44 @@ def _requires(module: str, extra: str) -> Callable[[], ProbeResult]:
     return probe
 
 
+def _package_dir_with(package: str, relative: str) -> bool:
+    """Whether an installed ``package`` (regular or namespace) holds the file ``relative``, found
+    without importing it (``find_spec`` of a top-level name imports nothing)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return False
+    roots = (spec.submodule_search_locations or []) if spec is not None else []
+    return any((Path(root) / relative).is_file() for root in roots)
+
+
+def _probe_flash_attn2() -> ProbeResult:
+    """flash-attn 2 proper: ``flash_attn/flash_attn_interface.py``. flash-attn-4 installs a bare
+    ``flash_attn`` namespace (``flash_attn/cute``) that has none of flash-attn 2's functions."""
+    if _package_dir_with("flash_attn", "flash_attn_interface.py"):
+        return ProbeResult.ok()
+    return ProbeResult.fail(
+        "the Python package 'flash-attn' (2.x, flash_attn.flash_attn_interface) is not installed",
+        "install it with `pip install flash-attn --no-build-isolation` on a CUDA host",
+    )
+
+
+def _probe_fa4() -> ProbeResult:
+    """flash-attn-4 installed (``flash_attn/cute/interface.py``) and a torch that can register it
+    (``torch/nn/attention/_fa4.py``). The compute capability is checked when the kernel is built."""
+    if not _package_dir_with("flash_attn", "cute/interface.py"):
+        return ProbeResult.fail(
+            "the Python package 'flash-attn-4' (flash_attn.cute) is not installed",
+            "install it with `pip install underlay[fa4]` on a CUDA host",
+        )
+    if not _package_dir_with("torch", "nn/attention/_fa4.py"):
+        return ProbeResult.fail(
+            f"torch {torch.__version__} cannot register FA4 (no torch.nn.attention._fa4)",
+            "use a torch that has torch.nn.attention.activate_flash_attention_impl('FA4')",
+        )
+    return ProbeResult.ok()
+
+
 def _current_accelerator() -> str | None:
     acc = getattr(torch, "accelerator", None)
     if acc is None:  # torch < 2.6
@@ -259,11 +298,20 @@ def _builtin_specs() -> list[BackendSpec]:
         BackendSpec("device", "cpu", f"{b}.cpu.device:CpuDevice", 0, "host CPU (gloo; always available)"),
         BackendSpec(
             "attention",
+            "fa4",
+            f"{b}.portable.fa4_attention:FA4Attention",
+            40,
+            "FlashAttention-4 (flash-attn-4) behind torch's varlen_attn/SDPA; compute capability 9.x/10.x",
+            _all(_probe_cuda, _probe_fa4),
+            ("cuda",),
+        ),
+        BackendSpec(
+            "attention",
             "flash_attn",
             f"{b}.cuda.flash_attention:FlashAttnKernel",
             30,
             "flash-attn 2/3 varlen and padded kernels",
-            _requires("flash_attn", "cuda"),
+            _probe_flash_attn2,
             ("cuda",),
         ),
         BackendSpec(
@@ -629,8 +677,9 @@ def _auto(kind: str, device: str | None, attn: AttentionSpec | None) -> Selectio
         if device is not None and not spec.works_with(device):
             skipped.append(f"{spec.name}: needs device {list(spec.devices)}")
             continue
-        if kind == "device" or attn is not None:
-            # Building is the deeper check (an extension that fails to import, no visible hardware).
+        if kind in ("device", "attention"):
+            # Building is the deeper check (an extension that fails to import, no visible hardware,
+            # a kernel for other GPU generations); attention kernels are cheap to build.
             try:
                 built = _build(kind, spec.name, None)
             except BackendUnavailable as exc:
@@ -663,12 +712,19 @@ def _build(kind: str, name: str, *args: Any) -> Any:
             f"importing {spec.target} from {where} failed: {type(exc).__name__}: {exc}",
             [n for n in _available(kind, None if kind == "device" else resolve("device").name) if n != name],
         ) from exc
-    if kind == "device":
-        obj = factory()
-    elif kind in ("attention", "logprob", "quant", "weight_loader"):
-        obj = factory(get_device())
-    else:
-        obj = factory(*args)
+    try:
+        if kind == "device":
+            obj = factory()
+        elif kind in ("attention", "logprob", "quant", "weight_loader"):
+            obj = factory(get_device())
+        else:
+            obj = factory(*args)
+    except BackendUnavailable as exc:
+        if exc.available or kind == "device":
+            raise
+        # a backend's constructor does not know its alternatives: name them here
+        others = [n for n in _available(kind, resolve("device").name) if n != name]
+        raise BackendUnavailable(exc.kind, exc.name, exc.reason, others, exc.hint) from exc
     if cacheable:
         _state.instances[key] = obj
     return obj

@@ -46,6 +46,7 @@ class BackendUnavailable(UnderlayError, RuntimeError):
 
     def __init__(self, kind: str, name: str, reason: str, available: list[str], hint: str = "") -> None:
         self.kind, self.name, self.reason, self.available = kind, name, reason, list(available)
+        self.hint = hint
         text = f"{kind} backend {name!r} is unavailable: {reason}."
         if hint:
             text += f" {hint}."
