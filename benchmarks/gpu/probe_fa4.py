@@ -27,22 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_attention import long_tailed_lengths  # this directory is sys.path[0]
 
 HQ, HK, D = 32, 8, 128
-
-
-def long_tailed_lengths(total: int, seed: int = 0, max_len: int = 8192) -> list[int]:
-    """Log-normal lengths (median ~600, tail to ``max_len``) summing exactly to ``total``."""
-    gen = torch.Generator().manual_seed(seed)
-    lens: list[int] = []
-    while sum(lens) < total:
-        x = math.exp(math.log(600) + 1.1 * float(torch.randn((), generator=gen)))
-        lens.append(int(min(max_len, max(16, x))))
-    lens[-1] -= sum(lens) - total
-    if lens[-1] < 1:
-        lens.pop(-1)
-        lens[-1] += total - sum(lens)
-    return lens
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int) -> torch.Tensor:
@@ -87,7 +74,7 @@ def fwd_bwd_ms(fn: Callable[[], torch.Tensor], dout: torch.Tensor, grads: list[t
 
 def errors(dev: torch.device) -> dict[str, tuple[float, float]]:
     """Max and RMS error of out, dq, dk, dv against the float32 reference, for the active impl."""
-    lens = long_tailed_lengths(4096, seed=1, max_len=2048)
+    lens = long_tailed_lengths(4096, seed=1)
     total = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     gen = torch.Generator(device=dev).manual_seed(3)
