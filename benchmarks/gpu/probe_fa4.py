@@ -2,8 +2,8 @@
 
 Three questions, each answered in the same run:
 
-1. Does torch's FA4 registration (``torch.nn.attention.activate_flash_attention_impl("FA4")``, which
-   routes ``aten::_flash_attention_forward/backward`` and so ``varlen_attn`` to FA4) work on this
+1. Does the ``fa4`` backend's activation (torch's FA4 glue over ``underlay.backends.portable._fa4_glue``,
+   registered with ``torch.nn.attention.register_flash_attention_impl``), which routes ``aten::_flash_attention_forward/backward`` and so ``varlen_attn`` to FA4) work on this
    torch, and how long does the first call take (CuTe DSL compiles its kernels on first use)?
 2. Accuracy: packed causal GQA attention, bf16, forward output and q/k/v gradients of the default
    kernel and of FA4, each against a float32 per-sequence reference (max and RMS error).
@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 from bench_attention import long_tailed_lengths  # this directory is sys.path[0]
+
+from underlay.backends.portable.fa4_attention import _activate as activate_fa4
 
 HQ, HK, D = 32, 8, 128
 
@@ -114,7 +116,7 @@ def main() -> None:
     try:
         import flash_attn.cute.interface  # noqa: F401
 
-        tna.activate_flash_attention_impl("FA4")
+        activate_fa4()
     except Exception as exc:  # report and stop: the rest needs FA4
         print(f"FA4 activation failed: {type(exc).__name__}: {exc}")
         print(results)
@@ -133,7 +135,6 @@ def main() -> None:
 
 def time_case(dev: torch.device, total: int, compile_too: bool) -> None:
     """Interleaved fwd+bwd timings of the default kernel, FA4 and FA4 under torch.compile."""
-    import torch.nn.attention as tna
 
     lens = long_tailed_lengths(total)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
@@ -152,7 +153,7 @@ def time_case(dev: torch.device, total: int, compile_too: bool) -> None:
     for _ in range(3):  # interleaved rounds
         _deactivate()
         times["default"].append(fwd_bwd_ms(eager, dout, [q, k, v]))
-        tna.activate_flash_attention_impl("FA4")
+        activate_fa4()
         times["fa4"].append(fwd_bwd_ms(eager, dout, [q, k, v]))
         if compile_too:
             times["fa4 compiled"].append(fwd_bwd_ms(compiled, dout, [q, k, v]))

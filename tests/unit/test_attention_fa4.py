@@ -120,3 +120,52 @@ def test_registry_names_the_alternatives_when_building_fails(site: Path) -> None
         BackendUnavailable, match=r"compute capability.*Available attention backends here: .*torch"
     ):
         registry._build("attention", "fa4")
+
+
+def test_activation_overrides_aten_flash_kernels_and_restores(site: Path) -> None:
+    """Activation registers ``_fa4_glue.register`` with torch's registry and activates it; the glue maps
+    aten's arguments to FA4's (``varlen_attn``'s causal window ``(-1, 0)`` is ``causal=True``) and keeps
+    the values aten's ops return. The FA4 functions here record their arguments (the kernels need a GPU:
+    ``benchmarks/gpu/probe_fa4.py`` runs them)."""
+    _install(site, ["flash_attn/cute/__init__.py"])
+    (site / "flash_attn" / "cute" / "interface.py").write_text(
+        "calls = []\n"
+        "def _flash_attn_fwd(q, k, v, **kw):\n    calls.append(kw)\n    return q, k.t(), None, None, None\n"
+        "def _flash_attn_bwd(*a, **kw):\n    calls.append(kw)\n    return a[0], a[1], a[2]\n"
+    )
+    from torch.nn import attention
+    from torch.nn.attention import _registry
+
+    from underlay.backends.portable import fa4_attention
+
+    assert attention.current_flash_attention_impl() is None
+    try:
+        fa4_attention._activate()
+        assert attention.current_flash_attention_impl() == "underlay_fa4"
+        fa4_attention._activate()  # idempotent
+        from flash_attn.cute import interface
+
+        from underlay.backends.portable import _fa4_glue
+
+        q, k = torch.ones(4, 2, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        out, lse, rng, _, debug = _fa4_glue._forward(
+            q, k, k, cu, cu, 4, 4, 0.0, True, False, scale=0.5, window_size_left=-1, window_size_right=0
+        )
+        assert out is q and lse.shape == (2, 4) and rng.shape == (2,) and debug.numel() == 0
+        kw = interface.calls[-1]
+        assert kw["causal"] is True and kw["window_size_left"] is None and kw["window_size_right"] is None
+        assert kw["softmax_scale"] == 0.5 and kw["cu_seqlens_q"] is cu and kw["max_seqlen_q"] == 4
+        _fa4_glue._forward(q, k, k, cu, cu, 4, 4, 0.0, False, False, window_size_left=3, window_size_right=0)
+        kw = interface.calls[-1]
+        assert kw["causal"] is False and (kw["window_size_left"], kw["window_size_right"]) == (3, 0)
+        dq, *_ = _fa4_glue._backward(q, q, k, k, q, lse, cu, cu, 4, 4, 0.0, True, rng, rng, scale=0.5)
+        assert dq is q and interface.calls[-1]["causal"] is True
+        with pytest.raises(RuntimeError, match="dropout_p=0.1"):
+            _fa4_glue._forward(q, k, k, cu, cu, 4, 4, 0.1, True, False)
+        with pytest.raises(RuntimeError, match="seqused_k"):
+            _fa4_glue._forward(q, k, k, cu, cu, 4, 4, 0.0, True, False, seqused_k=cu)
+    finally:
+        _registry.restore_flash_attention_impl(_raise_warn=False)
+        sys.modules.pop("underlay.backends.portable._fa4_glue", None)
+    assert attention.current_flash_attention_impl() is None

@@ -1,19 +1,21 @@
 """``fa4`` attention backend: FlashAttention-4 (the ``flash-attn-4`` package, CuTe DSL kernels) on Hopper
 (sm90) and Blackwell (sm100) GPUs, through torch's own flash-attention dispatch.
 
-torch registers FA4 as an implementation of ``aten::_flash_attention_forward/backward`` (and SDPA's
-flash path): ``torch.nn.attention.activate_flash_attention_impl("FA4")``. This backend activates it once
-and then runs exactly the ``torch`` backend's code (``varlen_attn`` for packed input, SDPA for padded
-input), so everything the ``torch`` backend does under ``torch.compile`` holds unchanged: the compiled
-layer calls the same custom op, and the dispatcher sends it to FA4 at run time.
+torch lets a flash-attention implementation replace the CUDA kernels of
+``aten::_flash_attention_forward/backward`` (``torch.nn.attention.register_flash_attention_impl`` and
+``activate_flash_attention_impl``). This backend registers ``_fa4_glue``'s FA4 kernels as
+``"underlay_fa4"``, activates them once, and then runs exactly the ``torch`` backend's code: packed input
+through ``varlen_attn`` (FA4), padded input through SDPA (torch's own kernels: SDPA's flash op is not
+overridden). Under ``torch.compile`` the compiled layer calls the same custom op as with ``torch``, and
+the dispatcher sends it to FA4 at run time.
 
 The activation is process-wide (that is how torch's registry works): from this kernel's first call (or
-its first traceable function) on, every flash-attention call of the process, the ``torch`` backend's
-included, runs FA4. CuTe DSL compiles each
-kernel variant (dtype, head dim, causal, GQA packing) on its first call, seconds each, once per process.
+its first traceable function) on, every packed flash-attention call of the process, the ``torch``
+backend's included, runs FA4. CuTe DSL compiles each kernel variant (dtype, head dim, causal, GQA
+packing) on its first call, seconds each, once per process.
 
-It lives with the portable kernels because its code is torch's API only (the FA4 package is imported by
-name, and torch's glue calls it); ``supports`` confines it to cuda devices of those generations.
+It lives with the portable kernels because its code is torch's API only (the FA4 package is imported
+by name, by ``_fa4_glue``); ``supports`` confines it to cuda devices of those generations.
 """
 
 from __future__ import annotations
@@ -105,16 +107,21 @@ class FA4Attention(TorchAttention):
         return fn
 
 
+_IMPL = "underlay_fa4"  # aten's flash kernels overridden by ``_fa4_glue`` (see that module)
+
+
 def _activate() -> None:
     """Route torch's flash-attention ops to FA4 in this process (once; idempotent)."""
     from torch.nn import attention
 
-    current = getattr(attention, "current_flash_attention_impl", None)
-    if callable(current) and current() == "FA4":
+    if attention.current_flash_attention_impl() == _IMPL:
         return
     try:
-        attention.activate_flash_attention_impl("FA4")
-    except Exception as exc:  # a registration error of torch's FA4 glue
+        if _IMPL not in attention.list_flash_attention_impls():
+            glue = importlib.import_module("underlay.backends.portable._fa4_glue")
+            attention.register_flash_attention_impl(_IMPL, register_fn=glue.register)
+        attention.activate_flash_attention_impl(_IMPL)
+    except Exception as exc:  # an import or registration error of the optional package
         raise BackendUnavailable(
             "attention", "fa4", f"activating FA4 failed: {type(exc).__name__}: {exc}", [], _INSTALL
         ) from exc
