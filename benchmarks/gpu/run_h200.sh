@@ -14,7 +14,7 @@
 # 'mcorecheck': the engine and weight-loader conformance suites against mcore (nccl, world size 1) and
 # check_mcore_cuda.py (fp32 vs float64, bf16 vs fsdp2's bf16 error, a Qwen3-MoE step; carry .whl)
 # 'fa4probe' / FA4PROBE_ARGS: probe_fa4.py (FA4 against torch's flash kernel); 'fa4conformance': the attention
-# contract on the fa4 backend. Both need .fa4/fa4site.tar.xz (carry .fa4): the unpacked flash-attn-4 wheels.
+# contract on the fa4 backend. Both need .fa4/fa4site.tar.xz (carry .fa4), made by benchmarks/gpu/pack_fa4.sh.
 # 'processor': check_processor.py (the full Qwen-VL AutoProcessor where torchvision loads)
 # 'modelscheck' / MODELSCHECK_SECS: check_models_bf16.py alone (the 'models' step without the memory benchmark)
 # 'mcorecuda' / MCORECUDA_SECS: check_mcore_cuda.py alone (its parts print as they finish; carry .whl)

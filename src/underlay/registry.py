@@ -301,7 +301,7 @@ def _builtin_specs() -> list[BackendSpec]:
             "fa4",
             f"{b}.portable.fa4_attention:FA4Attention",
             40,
-            "FlashAttention-4 (flash-attn-4) behind torch's varlen_attn/SDPA; compute capability 9.x/10.x",
+            "FlashAttention-4 (flash-attn-4) behind torch's varlen_attn; compute capability 9.x/10.x",
             _all(_probe_cuda, _probe_fa4),
             ("cuda",),
         ),

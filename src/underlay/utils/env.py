@@ -46,7 +46,7 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "UNDERLAY_ATTENTION",
-            "auto, flash_attn, npu, torch, eager",
+            "auto, fa4, flash_attn, npu, torch, eager",
             "auto",
             "the AttentionKernel (auto: the fastest that supports the case)",
         ),

@@ -32,14 +32,32 @@ class _Handle:
         self.library = None
 
 
-def _fa4_mask(is_causal: bool, left: int | None, right: int | None) -> dict[str, Any]:
-    """aten's ``(is_causal, window_size_left, window_size_right)`` (``-1``/``None``: unbounded) as FA4's
-    keywords. ``varlen_attn`` spells plain causal as the window ``(-1, 0)``: that is ``causal=True``."""
+def _fa4_kwargs(
+    cum_seq_q: torch.Tensor | None,
+    cum_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    scale: float | None,
+    is_causal: bool,
+    left: int | None,
+    right: int | None,
+) -> dict[str, Any]:
+    """aten's packing, scale and mask arguments as FA4's keywords. Windows: ``-1``/``None`` is
+    unbounded; ``varlen_attn`` spells plain causal as the window ``(-1, 0)``, which is ``causal=True``."""
     lo = None if left is None or left < 0 else int(left)
     hi = None if right is None or right < 0 else int(right)
-    if is_causal and lo is None and hi in (None, 0):
-        return {"causal": True, "window_size_left": None, "window_size_right": None}
-    return {"causal": bool(is_causal), "window_size_left": lo, "window_size_right": hi}
+    if is_causal and lo is None and hi == 0:
+        hi = None
+    return {
+        "cu_seqlens_q": cum_seq_q,
+        "cu_seqlens_k": cum_seq_k,
+        "max_seqlen_q": max_q if cum_seq_q is not None else None,
+        "max_seqlen_k": max_k if cum_seq_k is not None else None,
+        "softmax_scale": scale,
+        "causal": bool(is_causal),
+        "window_size_left": lo,
+        "window_size_right": hi,
+    }
 
 
 def _check(query: torch.Tensor, dropout_p: float, **unsupported: Any) -> None:
@@ -88,13 +106,10 @@ def _forward(
         query,
         key,
         value,
-        cu_seqlens_q=cum_seq_q,
-        cu_seqlens_k=cum_seq_k,
-        max_seqlen_q=max_q if cum_seq_q is not None else None,
-        max_seqlen_k=max_k if cum_seq_k is not None else None,
-        softmax_scale=scale,
         return_lse=True,
-        **_fa4_mask(is_causal, window_size_left, window_size_right),
+        **_fa4_kwargs(
+            cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal, window_size_left, window_size_right
+        ),
     )[:2]
     device = query.device
     rng_state = torch.zeros((2,), dtype=torch.uint64, device=device)
@@ -131,13 +146,10 @@ def _backward(
         out,
         grad_out,
         logsumexp.contiguous(),
-        softmax_scale=scale,
-        cu_seqlens_q=cum_seq_q,
-        cu_seqlens_k=cum_seq_k,
-        max_seqlen_q=max_q if cum_seq_q is not None else None,
-        max_seqlen_k=max_k if cum_seq_k is not None else None,
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        **_fa4_mask(is_causal, window_size_left, window_size_right),
+        **_fa4_kwargs(
+            cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal, window_size_left, window_size_right
+        ),
     )[:3]
     return dq, dk, dv
 
