@@ -42,8 +42,9 @@ class FA4Attention(TorchAttention):
     ``8 <= D, Dv <= 256``; on 10.x ``D, Dv <= 128`` or ``(D, Dv)`` in ``{(192, 128), (256, 256)}``; both
     multiples of 8. No softcap, sinks or dropout (as ``torch``).
 
-    Raises ``BackendUnavailable`` at construction when flash-attn-4 cannot be imported, this torch has
-    no FA4 registration, or the device is not a CUDA GPU of compute capability 9.x or 10.x.
+    Raises ``BackendUnavailable`` at construction when the device is not a CUDA GPU of compute
+    capability 9.x or 10.x or flash-attn-4 cannot be imported, and at first use when this torch cannot
+    register a flash-attention implementation (the registry's probe checks both packages first).
     """
 
     def __init__(self, device: Device) -> None:
