@@ -198,17 +198,19 @@ def _probe_flash_attn2() -> ProbeResult:
 
 
 def _probe_fa4() -> ProbeResult:
-    """flash-attn-4 installed (``flash_attn/cute/interface.py``) and a torch that can register it
-    (``torch/nn/attention/_fa4.py``). The compute capability is checked when the kernel is built."""
+    """flash-attn-4 installed (``flash_attn/cute/interface.py``) and a torch whose flash-attention
+    kernels can be replaced (``torch/nn/attention/_registry.py``: ``register_flash_attention_impl``).
+    The compute capability is checked when the kernel is built."""
     if not _package_dir_with("flash_attn", "cute/interface.py"):
         return ProbeResult.fail(
             "the Python package 'flash-attn-4' (flash_attn.cute) is not installed",
             "install it with `pip install underlay[fa4]` on a CUDA host",
         )
-    if not _package_dir_with("torch", "nn/attention/_fa4.py"):
+    if not _package_dir_with("torch", "nn/attention/_registry.py"):
         return ProbeResult.fail(
-            f"torch {torch.__version__} cannot register FA4 (no torch.nn.attention._fa4)",
-            "use a torch that has torch.nn.attention.activate_flash_attention_impl('FA4')",
+            f"torch {torch.__version__} cannot replace its flash-attention kernels "
+            "(no torch.nn.attention.register_flash_attention_impl)",
+            "use a torch that has torch.nn.attention.register_flash_attention_impl",
         )
     return ProbeResult.ok()
 

@@ -47,7 +47,7 @@ def test_fa4_namespace_is_not_flash_attn_2(site: Path) -> None:
     fa2 = registry._probe_flash_attn2()
     assert not fa2.available and "flash_attn_interface" in fa2.reason
     fa4 = registry._probe_fa4()
-    # torch 2.13 ships torch/nn/attention/_fa4.py, so only the package decides here
+    # torch 2.13 has torch.nn.attention.register_flash_attention_impl, so only the package decides here
     assert fa4.available, fa4.reason
 
 
