@@ -163,6 +163,10 @@ def test_activation_overrides_aten_flash_kernels_and_restores(site: Path) -> Non
         assert dq is q and interface.calls[-1]["causal"] is True
         with pytest.raises(RuntimeError, match="dropout_p=0.1"):
             _fa4_glue._forward(q, k, k, cu, cu, 4, 4, 0.1, True, False)
+        with pytest.raises(RuntimeError, match="return_debug_mask"):
+            _fa4_glue._forward(q, k, k, cu, cu, 4, 4, 0.0, True, True)
+        with pytest.raises(RuntimeError, match="num_splits=4"):
+            _fa4_glue._forward(q, k, k, cu, cu, 4, 4, 0.0, True, False, num_splits=4)
         with pytest.raises(RuntimeError, match="seqused_k"):
             _fa4_glue._forward(q, k, k, cu, cu, 4, 4, 0.0, True, False, seqused_k=cu)
     finally:

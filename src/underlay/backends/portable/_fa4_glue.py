@@ -60,10 +60,23 @@ def _fa4_kwargs(
     }
 
 
-def _check(query: torch.Tensor, dropout_p: float, **unsupported: Any) -> None:
+def _check(
+    query: torch.Tensor,
+    dropout_p: float,
+    *,
+    return_debug_mask: bool = False,
+    tensors: dict[str, torch.Tensor | None] | None = None,
+    num_splits: int | None = None,
+) -> None:
+    """Refuse what FA4 does not do here (dropout, debug masks, ALiBi, paged or ``seqused_k`` KV,
+    split-KV) and dtypes other than bf16/fp16, naming the argument."""
     if dropout_p != 0.0:
         raise RuntimeError(f"fa4: dropout_p={dropout_p} is not supported (FA4 has no dropout)")
-    given = [n for n, v in unsupported.items() if isinstance(v, torch.Tensor) or v not in (None, False, 0, 1)]
+    given = [name for name, t in (tensors or {}).items() if t is not None]
+    if return_debug_mask:
+        given.append("return_debug_mask=True")
+    if num_splits not in (None, 0, 1):
+        given.append(f"num_splits={num_splits}")
     if given:
         raise RuntimeError(
             f"fa4: {given} are not supported by underlay's FA4 override; use UNDERLAY_ATTENTION=torch"
@@ -97,9 +110,7 @@ def _forward(
         query,
         dropout_p,
         return_debug_mask=return_debug_mask,
-        alibi_slopes=alibi_slopes,
-        seqused_k=seqused_k,
-        block_table=block_table,
+        tensors={"alibi_slopes": alibi_slopes, "seqused_k": seqused_k, "block_table": block_table},
         num_splits=num_splits,
     )
     out, lse = _fa4._flash_attn_fwd(
