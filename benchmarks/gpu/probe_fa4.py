@@ -27,27 +27,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_attention import long_tailed_lengths  # this directory is sys.path[0]
+from bench_attention import HK, HQ, D, direct_varlen, long_tailed_lengths  # this directory is sys.path[0]
 
 from underlay.backends.portable.fa4_attention import _activate as activate_fa4
 
-HQ, HK, D = 32, 8, 128
+_varlen = direct_varlen("torch")  # varlen_attn, causal, native GQA where this torch has it
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, m: int) -> torch.Tensor:
-    """``varlen_attn``, causal, native GQA when this torch has it."""
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kw: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = True
-    else:
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    return varlen_attn(q, k, v, cu, cu, m, m, **kw)
+    """Packed causal attention through torch's ``varlen_attn`` (whichever flash kernel is active)."""
+    if _varlen is None:
+        sys.exit(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
+    return _varlen(q, k, v, cu, m)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
