@@ -1,8 +1,10 @@
 """Helpers for tests that run real multi-process gloo groups.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with
-``torch.multiprocessing`` (forkserver start method, see ``START_METHOD``), initialises a gloo (or ``backend``) process group on a free localhost
-port in each, calls ``fn(rank, world_size, *args)``, destroys the group and returns the per-rank return
+``torch.multiprocessing`` (forkserver start method, see ``START_METHOD``), initialises a gloo (or
+``backend``) process group in each through a TCP store that the parent holds (bound before the ranks
+start, so no other process can take its port in between: the suite runs two pytest processes at once,
+and their ranks' ephemeral ports come from the same range), calls ``fn(rank, world_size, *args)``, destroys the group and returns the per-rank return
 values (in rank order). ``fn`` and ``args`` must be picklable: define ``fn`` at module level of a test
 module. An exception in any child is re-raised in the parent (same type when it pickles) with the
 child's formatted traceback attached as its ``__cause__``; the remaining children are terminated.
@@ -10,6 +12,7 @@ child's formatted traceback attached as its ``__cause__``; the remaining childre
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -114,6 +117,9 @@ def _worker(
     if env is not None:  # the parent's environment at the call (a forkserver rank has the server's)
         os.environ.clear()
         os.environ.update(env)
+    # a rank killed by a signal (SIGSEGV, SIGABRT) prints every thread's Python stack to stderr, which
+    # pytest shows with the failing test; without it the parent only learns the signal's name
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -122,13 +128,9 @@ def _worker(
     os.environ["LOCAL_RANK"] = str(rank)
     if backend != "gloo" and torch.cuda.is_available():
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
         try:
@@ -176,7 +178,16 @@ def run_distributed(
         raise ValueError(f"run_distributed: world_size={world_size} must be >= 1")
     ctx = mp.get_context(START_METHOD)
     queue = ctx.SimpleQueue()
-    port = free_port()
+    # the rendezvous server lives here, already listening, until every rank has exited
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    port = store.port
     reports: list[tuple[str, int, bytes, str, float]] = []
     try:
         procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
@@ -196,6 +207,7 @@ def run_distributed(
         failure = None
     while not queue.empty():
         reports.append(queue.get())
+    del store  # every rank has exited: stop listening
     results: dict[int, Any] = {}
     errors: list[tuple[float, int, BaseException, str]] = []
     for status, rank, blob, tb, when in reports:
