@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-__all__ = ["START_METHOD", "ChildFailure", "free_port", "run_distributed"]
+__all__ = ["START_METHOD", "ChildFailure", "free_port", "join_group", "rendezvous_store", "run_distributed"]
 
 START_METHOD = os.environ.get("UNDERLAY_TEST_START_METHOD", "forkserver")
 """How ranks start: ``"forkserver"`` (default) forks each rank from a server process that imported
@@ -77,6 +77,29 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def rendezvous_store(world_size: int, timeout_s: float = 120.0) -> dist.TCPStore:
+    """A TCP store listening on 127.0.0.1 at a port the kernel chose (``.port``), for ``world_size``
+    ranks to join with ``join_group``. Hold it in the parent until the ranks exit. Unlike a port from
+    ``free_port`` handed to rank 0, no other process can take it between choosing and listening."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def join_group(
+    port: int, rank: int, world_size: int, timeout_s: float = 120.0, backend: str = "gloo"
+) -> None:
+    """Initialise the default process group through the ``rendezvous_store`` listening on ``port``."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 _REPORT_CHARS = 16000
@@ -128,9 +151,7 @@ def _worker(
     os.environ["LOCAL_RANK"] = str(rank)
     if backend != "gloo" and torch.cuda.is_available():
         torch.cuda.set_device(rank)
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    join_group(port, rank, world_size, timeout_s, backend)
     try:
         result = fn(rank, world_size, *args)
         try:
@@ -179,14 +200,7 @@ def run_distributed(
     ctx = mp.get_context(START_METHOD)
     queue = ctx.SimpleQueue()
     # the rendezvous server lives here, already listening, until every rank has exited
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    store = rendezvous_store(world_size, timeout_s)
     port = store.port
     reports: list[tuple[str, int, bytes, str, float]] = []
     try:

@@ -188,7 +188,9 @@ def _child(rank: int, port: int, out: Path) -> None:
     """One of two gloo ranks: the vocab-parallel check on both, then rank 0 runs the single-process cases."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # the parent holds the listening store (tests._dist.rendezvous_store); this script is run by path
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         res: dict[str, Any] = {"tp": _tp_check(rank, 2)}
     finally:
@@ -204,12 +206,13 @@ def _child(rank: int, port: int, out: Path) -> None:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Error figures from two interpreted child processes (gloo ranks 0 and 1), run once per module."""
-    from underlay.parallel.distributed import free_port
+    from tests._dist import rendezvous_store
 
     out = tmp_path_factory.mktemp("logprob_triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([_SRC, env.get("PYTHONPATH", "")])
-    port = str(free_port())
+    store = rendezvous_store(2, timeout_s=300)
+    port = str(store.port)
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(rank), port, str(out)],

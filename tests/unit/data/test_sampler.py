@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import free_port, run_distributed
+from tests._dist import join_group, rendezvous_store, run_distributed
 from underlay.data.sampler import ResumableSampler
 from underlay.interfaces import CheckpointError, ConfigError
 
@@ -107,16 +107,18 @@ def _killed_run(world: int, run_dir: Path, kill_after: int) -> None:
     import importlib
 
     spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
-    port = free_port()
+    store = rendezvous_store(world)
     with pytest.raises(spawn.ProcessExitedException, match="signal"):
         spawn.start_processes(
-            _killed_entry, args=(world, str(run_dir), port, kill_after), nprocs=world, start_method="spawn"
+            _killed_entry,
+            args=(world, str(run_dir), store.port, kill_after),
+            nprocs=world,
+            start_method="spawn",
         )
 
 
 def _killed_entry(rank: int, world: int, run_dir: str, port: int, kill_after: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(port, rank, world)
     _train(rank, world, run_dir, steps=100, kill_after=kill_after)
 
 
