@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._dynamo import dynamo_report, ran_in_fresh_interpreter
+from tests._dynamo import dynamo_report
 from tests.unit.models._tiny import clone, logprob_kernel, padded_batch, tiny_model, tiny_vl_model, vl_batch
 from underlay.engines.fsdp2.parallelize import apply_activation_checkpointing, compile_layer_parts
 from underlay.models import packed_forward, prepare_model
@@ -150,12 +150,8 @@ def _check(model: torch.nn.Module, batches: list[tuple[Any, Any]], old_structure
         torch.testing.assert_close(g, expected[name], rtol=1e-9, atol=1e-9, msg=name)
 
 
-def test_compiled_recomputed_text_layers_never_compile_in_backward(
-    request: pytest.FixtureRequest, traceable_attention: None
-) -> None:
+def test_compiled_recomputed_text_layers_never_compile_in_backward(traceable_attention: None) -> None:
     """Ten micro-batches of distinct token counts (more than dynamo's recompile limit)."""
-    if ran_in_fresh_interpreter(request):
-        return
     batches = []
     for n in range(10):
         ids, mask = padded_batch([3 + n, 2 + (n % 3)], 3 + n)
@@ -164,11 +160,9 @@ def test_compiled_recomputed_text_layers_never_compile_in_backward(
 
 
 def test_compiled_recomputed_vision_language_layers_never_compile_in_backward(
-    request: pytest.FixtureRequest, traceable_attention: None
+    traceable_attention: None,
 ) -> None:
     """Qwen2.5-VL with images in some micro-batches (3-D rotary positions), old transformers structure."""
-    if ran_in_fresh_interpreter(request):
-        return
     ids, mask, mm = vl_batch()
     with_images = (
         unpad(ids[:2], mask[:2]),

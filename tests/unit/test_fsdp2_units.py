@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._dynamo import dynamo_report, ran_in_fresh_interpreter
+from tests._dynamo import dynamo_report
 from underlay.engines._hf_export import StreamingShardWriter
 from underlay.engines.fsdp2 import _build
 from underlay.engines.fsdp2.engine import signature_diff
@@ -300,14 +300,10 @@ def test_compile_leaves_the_vision_tower_eager() -> None:
 
 
 @pytest.mark.parametrize(("dynamic", "graphs"), [(None, 2), (True, 1)])
-def test_recompute_compiles_one_dynamic_graph_per_layer(
-    request: pytest.FixtureRequest, dynamic: bool | None, graphs: int
-) -> None:
+def test_recompute_compiles_one_dynamic_graph_per_layer(dynamic: bool | None, graphs: int) -> None:
     """Under recomputation the engine compiles with ``dynamic=True``: one graph (the checkpointed layer)
     serves every length from the first call (by default a first static graph is followed by a dynamic
     one)."""
-    if ran_in_fresh_interpreter(request):
-        return
     from transformers import AutoModelForCausalLM
 
     from underlay.engines.fsdp2.parallelize import apply_activation_checkpointing, compile_layer_parts

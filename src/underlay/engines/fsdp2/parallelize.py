@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +228,8 @@ def compile_layer_parts(
         # an instance attribute, so that hooks registered later (fully_shard) run eagerly around it;
         # the class's forward is looked up at call time because fully_shard swaps the class for a
         # subclass
-        layer.forward = torch.compile(target, backend=backend, dynamic=dynamic)
+        compiled = torch.compile(target, backend=backend, dynamic=dynamic)
+        layer.forward = _tracing_checkpoint_side_effects(compiled) if id(layer) in checkpointed else compiled
         count += 1
     return count
 
@@ -280,6 +282,23 @@ def _attention_routes(layer: torch.nn.Module) -> list[Any]:
 
     routes = (getattr(module, ROUTE_ATTR, None) for module in layer.modules())
     return [route for route in routes if isinstance(route, AttentionRoute)]
+
+
+def _tracing_checkpoint_side_effects(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` called with dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` on (read
+    while dynamo traces, so only for the calls that compile). Without it, a forward that mutates state
+    outside the checkpoint breaks the graph at the checkpoint and the whole layer runs eagerly: since
+    transformers 5.25 with the ``kernels`` package installed (a dependency of it), every attention
+    module's forward sets and resets a module-level ``CompileableContextVar`` (``use_kernelized_func``).
+    Such side effects then run once, in the forward; the recomputation in backward does not repeat
+    them (a set-then-reset like that one leaves nothing to repeat)."""
+    import torch._dynamo.config as dynamo_config
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _checkpointed_class_forward(layer: torch.nn.Module, routes: list[Any], *args: Any, **kwargs: Any) -> Any:
