@@ -4,10 +4,11 @@
 ``torch.multiprocessing`` (forkserver start method, see ``START_METHOD``), initialises a gloo (or
 ``backend``) process group in each through a TCP store that the parent holds (bound before the ranks
 start, so no other process can take its port in between: the suite runs two pytest processes at once,
-and their ranks' ephemeral ports come from the same range), calls ``fn(rank, world_size, *args)``, destroys the group and returns the per-rank return
-values (in rank order). ``fn`` and ``args`` must be picklable: define ``fn`` at module level of a test
-module. An exception in any child is re-raised in the parent (same type when it pickles) with the
-child's formatted traceback attached as its ``__cause__``; the remaining children are terminated.
+and their ranks' ephemeral ports come from the same range), calls ``fn(rank, world_size, *args)``,
+destroys the group and returns the per-rank return values (in rank order). ``fn`` and ``args`` must be
+picklable: define ``fn`` at module level of a test module. An exception in any child is re-raised in
+the parent (same type when it pickles) with the child's formatted traceback attached as its
+``__cause__``; the remaining children are terminated.
 """
 
 from __future__ import annotations

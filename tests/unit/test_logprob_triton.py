@@ -20,7 +20,8 @@ import torch
 
 from underlay.interfaces import IGNORE_INDEX, BackendUnavailable, InvalidInput, LogprobKernel
 
-_SRC = str(Path(__file__).resolve().parents[2] / "src")
+_ROOT = Path(__file__).resolve().parents[2]
+_SRC = str(_ROOT / "src")
 
 
 def _reference(
@@ -188,9 +189,9 @@ def _child(rank: int, port: int, out: Path) -> None:
     """One of two gloo ranks: the vocab-parallel check on both, then rank 0 runs the single-process cases."""
     import torch.distributed as dist
 
-    # the parent holds the listening store (tests._dist.rendezvous_store); this script is run by path
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    from tests._dist import join_group
+
+    join_group(port, rank, 2)
     try:
         res: dict[str, Any] = {"tp": _tp_check(rank, 2)}
     finally:
@@ -210,7 +211,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
 
     out = tmp_path_factory.mktemp("logprob_triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([_SRC, env.get("PYTHONPATH", "")])
+    # the child imports underlay and tests._dist (it runs by path, so neither is on its sys.path)
+    env["PYTHONPATH"] = os.pathsep.join([_SRC, str(_ROOT), env.get("PYTHONPATH", "")])
     store = rendezvous_store(2, timeout_s=300)
     port = str(store.port)
     procs = [
