@@ -251,8 +251,25 @@ def _torchrun_step(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def test_rank_threads_follow_the_cpu_reservation_not_the_inherited_env() -> None:
+    # OMP_NUM_THREADS of the environment Ray was started from (here: set at process start) reaches
+    # the actors; a rank must still compute with the CPUs it reserved, or its CPU kernels reduce in
+    # another order than a torchrun rank's (the Ray-vs-torchrun comparison below then differs)
+    with WorkerGroup(2, device="cpu", name="threads", env={"OMP_NUM_THREADS": "3"}) as g:
+        assert g.run(_threads) == [1, 1]
+    with WorkerGroup(2, device="cpu", name="threads2", resources=RankResources(None, None, 2.0)) as g:
+        assert g.run(_threads) == [2, 2]
+    assert _all_free() and not _live_placement_groups()
+
+
 @pytest.mark.slow
 def test_fsdp2_step_through_ray_equals_torchrun_processes() -> None:
+    # both sides compute with one intra-op thread per rank (run_distributed sets 1; a Ray rank takes
+    # its one reserved CPU), so the comparison is exact
     ref = run_distributed(_torchrun_step, 2, timeout_s=240)
     batch = global_batch(seed=11, n=STEP_ROWS)
     with WorkerGroup(2, device="cpu", engines={"actor": engine_config(llama_config())}) as g:

@@ -116,6 +116,11 @@ class RankResources:
     ``None`` for cpu ranks. ``visible_devices_env``: the variable that restricts a process to devices
     (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``), or ``None``. ``cpus_per_rank``: CPUs
     reserved per rank (host work: data, tokenisation, the optimizer with cpu offload).
+
+    A rank computes on the host with ``threads`` intra-op threads (``torch.set_num_threads``), set when
+    it starts: the whole CPUs it reserved, at least 1. The thread count decides how CPU kernels split
+    reductions, so tying it to the reservation (rather than to ``OMP_NUM_THREADS`` inherited from the
+    driver) keeps a rank's numbers the same whatever environment started Ray.
     """
 
     accelerator: str | None = None
@@ -137,6 +142,11 @@ class RankResources:
     def from_device(cls, device: Device, cpus_per_rank: float = 1.0) -> RankResources:
         """The device backend's ``ray_resource`` and ``visible_devices_env`` (cpu: ``None`` for both)."""
         return cls(device.ray_resource, device.visible_devices_env, cpus_per_rank)
+
+    @property
+    def threads(self) -> int:
+        """Intra-op threads of a rank: ``int(cpus_per_rank)``, at least 1."""
+        return max(1, int(self.cpus_per_rank))
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle of one rank."""
@@ -431,8 +441,9 @@ class _RankWorker:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def setup(self, env: dict[str, str], device_name: str | None, timeout_s: float) -> None:
+    def setup(self, env: dict[str, str], device_name: str | None, timeout_s: float, threads: int) -> None:
         os.environ.update(env)
+        torch.set_num_threads(threads)
         from underlay.parallel.distributed import init_distributed
         from underlay.registry import get_device
 
@@ -672,7 +683,7 @@ class WorkerGroup:
             }
             if info.visible_devices is not None and res.visible_devices_env:
                 rank_env[res.visible_devices_env] = info.visible_devices
-            setups.append(actor.setup.remote(rank_env, self._device_name, collective_timeout_s))
+            setups.append(actor.setup.remote(rank_env, self._device_name, collective_timeout_s, res.threads))
         self._wait(setups, "init_distributed", ready_timeout_s)
 
     # -------------------------------------------------------------------------------- waiting
