@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Set up .venv for underlay on a fresh machine. Usage: scripts/setup.sh [EXTRAS]  (default: hf,config,tracking,mcore)
+# Set up a virtual environment for underlay on a fresh machine.
+#   scripts/setup.sh [EXTRAS]     EXTRAS default: hf,config,tracking,mcore   ("dev": everything the tests need)
 # torch is installed first and pinned (the CPU build on local disk); an unpinned torch would pull a CUDA build.
+# Versions come from the committed lock, constraints/cpu.txt (the set the suite passed with), when this is
+# the Python it was made for (3.11); UNDERLAY_LOCK=0 installs the newest releases instead
+# (scripts/test_latest.sh). UNDERLAY_VENV names the environment's directory (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-hf,config,tracking,mcore}"
 py="${PYTHON:-python3}"
-[ -x .venv/bin/python ] || "$py" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==${UNDERLAY_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[${extras}]"
-.venv/bin/python -c "import torch, underlay; print('underlay', underlay.__version__, 'torch', torch.__version__)"
+venv="${UNDERLAY_VENV:-.venv}"
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+lock=()
+pyver=$("$venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if [ "${UNDERLAY_LOCK:-1}" = "1" ]; then
+  if [ "$pyver" = "3.11" ]; then
+    lock=(-c constraints/cpu.txt)
+  else
+    echo "setup.sh: constraints/cpu.txt is the lock for Python 3.11; Python $pyver installs unlocked versions" >&2
+  fi
+fi
+"$venv/bin/python" -m pip install -q --upgrade "${lock[@]}" pip
+"$venv/bin/python" -m pip install -q "torch==${UNDERLAY_TORCH_VERSION:-2.13.0}"
+"$venv/bin/python" -m pip install -q "${lock[@]}" -e ".[${extras}]"
+"$venv/bin/python" -c "import torch, underlay; print('underlay', underlay.__version__, 'torch', torch.__version__)"

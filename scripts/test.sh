@@ -8,9 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-echo "== ruff"; .venv/bin/ruff check src tests benchmarks examples
-echo "== mypy --strict src"; .venv/bin/mypy --strict src
-echo "== import contracts"; .venv/bin/lint-imports
+venv="${UNDERLAY_VENV:-.venv}"
+echo "== ruff"; "$venv"/bin/ruff check src tests benchmarks examples
+echo "== mypy --strict src"; "$venv"/bin/mypy --strict src
+echo "== import contracts"; "$venv"/bin/lint-imports
 
 # pytest's exit code, with 5 ("no tests collected") turned into a failure
 pytest_rc() {
@@ -22,16 +23,16 @@ pytest_rc() {
 set +e
 if [ "$#" -gt 0 ] || [ "${UNDERLAY_TEST_GROUPS:-2}" = "1" ]; then
   echo "== pytest"
-  .venv/bin/python -m pytest -q "$@"
+  "$venv"/bin/python -m pytest -q "$@"
   pytest_rc $? "all"
   exit $?
 fi
 logs=$(mktemp -d)
 echo "== pytest: the mcore group and the rest, in parallel (logs in $logs)"
 start=$(date +%s)
-.venv/bin/python -m pytest -q -m mcore -p no:cacheprovider --durations=15 > "$logs/mcore.log" 2>&1 &
+"$venv"/bin/python -m pytest -q -m mcore -p no:cacheprovider --durations=15 > "$logs/mcore.log" 2>&1 &
 mcore_pid=$!
-.venv/bin/python -m pytest -q -m "not mcore" -p no:cacheprovider --durations=30 > "$logs/rest.log" 2>&1
+"$venv"/bin/python -m pytest -q -m "not mcore" -p no:cacheprovider --durations=30 > "$logs/rest.log" 2>&1
 rest_rc=$?
 wait "$mcore_pid"
 mcore_rc=$?
