@@ -35,12 +35,12 @@ def test_registry_kind_variables_are_in_the_table() -> None:
 
 
 def test_env_get_and_describe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("UNDERLAY_TRITON_LOGPROB_MODE", raising=False)
-    assert env.get("UNDERLAY_TRITON_LOGPROB_MODE") == "fused"
-    monkeypatch.setenv("UNDERLAY_TRITON_LOGPROB_MODE", " hybrid ")
-    assert env.get("UNDERLAY_TRITON_LOGPROB_MODE") == "hybrid"
+    monkeypatch.delenv("UNDERLAY_LOG_LEVEL", raising=False)
+    assert env.get("UNDERLAY_LOG_LEVEL") == "INFO"
+    monkeypatch.setenv("UNDERLAY_LOG_LEVEL", " debug ")
+    assert env.get("UNDERLAY_LOG_LEVEL") == "debug"
     rows = {r["name"]: r for r in env.describe()}
-    assert rows["UNDERLAY_TRITON_LOGPROB_MODE"]["value"] == " hybrid "
+    assert rows["UNDERLAY_LOG_LEVEL"]["value"] == " debug "
     assert rows["UNDERLAY_DEVICE"]["means"] and set(rows) == set(env.ENV_VARS)
     with pytest.raises(ConfigError, match="UNDERLAY_NOPE"):
         env.get("UNDERLAY_NOPE")
@@ -51,12 +51,12 @@ def test_info_lists_the_environment(
 ) -> None:
     from underlay.cli import main
 
-    monkeypatch.setenv("UNDERLAY_FP8_AUTOTUNE", "0")
+    monkeypatch.setenv("UNDERLAY_CACHE", "/tmp/underlay-cache")
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     for name in env.ENV_VARS:
         assert name in out
-    assert re.search(r"UNDERLAY_FP8_AUTOTUNE\s+'0'", out)
+    assert re.search(r"UNDERLAY_CACHE\s+'/tmp/underlay-cache'", out)
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:

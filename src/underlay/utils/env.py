@@ -77,25 +77,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "backend of the fsdp2 engine option compile",
         ),
         EnvVar(
-            "UNDERLAY_TRITON_LOGPROB_MODE",
-            "fused, hybrid",
-            "fused",
-            "triton log-prob kernel: logits tiles by tl.dot in Triton, or cuBLAS fp32 blocks read by Triton",
-        ),
-        EnvVar(
-            "UNDERLAY_TRITON_LOGPROB_TMA",
-            "store, load, off",
-            "store",
-            "triton log-prob kernel on sm90+: GEMM tiles loaded and the dlogits tiles stored through TMA "
-            "descriptors (store), only the loads (load), or pointer loads and stores (off); read at each call",
-        ),
-        EnvVar(
-            "UNDERLAY_FP8_AUTOTUNE",
-            "1, 0",
-            "1",
-            "autotune the triton FP8 kernels' warps per shape (0: 8 warps, no tuning); read at each call",
-        ),
-        EnvVar(
             "UNDERLAY_LOG_LEVEL",
             "DEBUG, INFO, WARNING, ERROR or a number",
             "INFO",
