@@ -33,7 +33,6 @@ CPU tensors (slow; small shapes only) with one small tile configuration instead 
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
@@ -46,6 +45,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 from underlay.interfaces import ConfigError
+from underlay.utils import env
 
 __all__ = [
     "DEFAULT_MODE",
@@ -77,9 +77,10 @@ can only win at large hidden sizes; fused is the one that does not lose inside a
 hidden sizes RL actors use (figures: ``benchmarks/results/logprob_h200_2026-12-02.md`` and
 ``h200_2026-12-02.md``, fourth session)."""
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether the kernels were built for Triton's CPU interpreter. Read at import on purpose: Triton decides
-this when the kernels below are defined, so a later change cannot take effect in this process."""
+INTERPRET = env.get("TRITON_INTERPRET").lower() in ("1", "true", "on")
+"""Whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET`` as Triton reads it).
+Read at import on purpose: Triton decides this when the kernels below are defined, so a later change
+cannot take effect in this process."""
 
 _UPCAST = tl.constexpr(INTERPRET)
 """The interpreter's ``tl.dot`` mishandles 16-bit floats: upcast operands to fp32 there (exact products)."""

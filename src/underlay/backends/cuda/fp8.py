@@ -18,7 +18,6 @@ measurements that chose this one live beside the benchmark: ``benchmarks/gpu/fp8
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -27,12 +26,14 @@ import triton.language as tl
 
 from underlay.interfaces import ConfigError, Device, InvalidInput
 from underlay.ops.quant import E4M3_MAX, check_dequant_args, check_quant_args
+from underlay.utils import env
 
 __all__ = ["TritonFp8Quantizer"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether Triton runs its CPU interpreter. Read at import on purpose: Triton itself decides this when the
-kernels below are defined, so a later change of the variable cannot take effect in this process."""
+_INTERPRET = env.get("TRITON_INTERPRET").lower() in ("1", "true", "on")
+"""Whether Triton runs its CPU interpreter (``TRITON_INTERPRET`` as Triton reads it). Read at import on
+purpose: Triton itself decides this when the kernels below are defined, so a later change of the
+variable cannot take effect in this process."""
 
 _SW, _CAST = 0, 1  # how fp32 is rounded to e4m3: exact arithmetic (interpreter) or the hardware cast
 
