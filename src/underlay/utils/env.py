@@ -171,7 +171,7 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "TRITON_INTERPRET",
-            "1, true, on (any case): interpret; anything else: compile",
+            "as Triton reads it: 1, true, on, yes (any case) interpret; anything else compiles",
             "0",
             "Triton kernels run in Triton's CPU interpreter (tests); the triton backends accept CPU tensors "
             "then; decided when the kernels are defined (at import)",

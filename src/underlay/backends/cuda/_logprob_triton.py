@@ -44,8 +44,8 @@ try:  # Triton >= 3.3: host-side descriptors for Hopper's tensor-memory accelera
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
+from underlay.backends.cuda._interpret import triton_interprets
 from underlay.interfaces import ConfigError
-from underlay.utils import env
 
 __all__ = [
     "DEFAULT_MODE",
@@ -77,7 +77,7 @@ can only win at large hidden sizes; fused is the one that does not lose inside a
 hidden sizes RL actors use (figures: ``benchmarks/results/logprob_h200_2026-12-02.md`` and
 ``h200_2026-12-02.md``, fourth session)."""
 
-INTERPRET = env.get("TRITON_INTERPRET").lower() in ("1", "true", "on")
+INTERPRET = triton_interprets()
 """Whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET`` as Triton reads it).
 Read at import on purpose: Triton decides this when the kernels below are defined, so a later change
 cannot take effect in this process."""

@@ -24,13 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from underlay.backends.cuda._interpret import triton_interprets
 from underlay.interfaces import ConfigError, Device, InvalidInput
 from underlay.ops.quant import E4M3_MAX, check_dequant_args, check_quant_args
-from underlay.utils import env
 
 __all__ = ["TritonFp8Quantizer"]
 
-_INTERPRET = env.get("TRITON_INTERPRET").lower() in ("1", "true", "on")
+_INTERPRET = triton_interprets()
 """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET`` as Triton reads it). Read at import on
 purpose: Triton itself decides this when the kernels below are defined, so a later change of the
 variable cannot take effect in this process."""
