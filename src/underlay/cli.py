@@ -30,7 +30,7 @@ def _print_info(data: dict[str, Any]) -> None:
         value = "<unset>" if row["value"] is None else repr(row["value"])
         default = f"default {row['default']!r}" if row["default"] else "no default"
         print(
-            f"  {row['name']:<29} {value:<12} {default:<27} {row['owner']:<9} {row['means']} "
+            f"  {row['name']:<29} {value:<12} {default:<34} {row['owner']:<9} {row['means']} "
             f"[{row['values']}]"
         )
     for kind, rows in data["backends"].items():
