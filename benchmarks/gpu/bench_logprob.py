@@ -4,8 +4,8 @@ Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as a
 - ``triton``: underlay's TritonLogprobKernel in its default mode (``_logprob_triton.DEFAULT_MODE``),
   log-prob + entropy, both with upstream gradients; ``triton_fwd_only``: its forward alone;
 - ``triton_no_ent``: the same kernel with ``with_entropy=False``;
-- ``triton_pointer`` / ``triton_tma_store``: the default mode with ``UNDERLAY_TRITON_LOGPROB_TMA=off`` (pointer
-  tile loads and stores) / ``=store`` (dlogits tiles stored through TMA too);
+- ``triton_pointer`` / ``triton_tma_store``: the default mode with ``TritonLogprobKernel(tma="off")`` (pointer
+  tile loads and stores) / ``tma="store"`` (dlogits tiles stored through TMA too);
 - ``triton_fused`` / ``triton_hybrid`` (whichever is not the default): logits by ``tl.dot`` inside Triton,
   or cuBLAS logits blocks with fp32 output read by the same Triton statistics / dlogits kernels;
 - ``chunked_torch``: ``underlay.ops.linear_logprobs`` (log-prob + entropy);
@@ -98,15 +98,15 @@ def main() -> None:
         return fn
 
     def with_tma(setting: str) -> Callable[[], None]:
-        """The default mode with ``UNDERLAY_TRITON_LOGPROB_TMA=setting`` (``off``: the kernel before TMA,
-        the same-run baseline; ``store``: dlogits stored through TMA too)."""
+        """The default mode with ``tma=setting`` (``off``: the kernel before TMA, the same-run baseline;
+        ``store``: dlogits stored through TMA too)."""
+        kernel = TritonLogprobKernel(registry.get_device(), tma=setting)  # type: ignore[arg-type]
 
         def fn() -> None:
-            os.environ["UNDERLAY_TRITON_LOGPROB_TMA"] = setting
-            try:
-                ours()()
-            finally:
-                os.environ.pop("UNDERLAY_TRITON_LOGPROB_TMA", None)
+            clear()
+            out = kernel(hh, ww, labels)
+            assert out.entropy is not None
+            ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
 
         return fn
 

@@ -281,7 +281,9 @@ def main() -> int:
         record(
             f"lib _forward_stats tma={tma} (autotuned)",
             event_ms(
-                lambda tma=tma: impl._forward_stats(hidden, weight, labels, 0, 1.0, True, "fused", tma=tma)
+                lambda tma=tma: impl._forward_stats(
+                    hidden, weight, labels, 0, 1.0, True, "fused", tma="load" if tma else "off"
+                )
             ),
             flop,
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -26,11 +25,14 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"hardware: {hw['count']} x {hw['model']} ({hw['device']}; peak {peak})")
     if data["plugins_allowed"]:
         print(f"plugins allowed: {data['plugins_allowed']}")
-    print("\nenvironment (UNDERLAY_* variables underlay reads):")
+    print("\nenvironment (every variable underlay reads; owner: who defines it):")
     for row in data["environment"]:
         value = "<unset>" if row["value"] is None else repr(row["value"])
         default = f"default {row['default']!r}" if row["default"] else "no default"
-        print(f"  {row['name']:<29} {value:<12} {default:<20} {row['means']} [{row['values']}]")
+        print(
+            f"  {row['name']:<29} {value:<12} {default:<34} {row['owner']:<9} {row['means']} "
+            f"[{row['values']}]"
+        )
     for kind, rows in data["backends"].items():
         sel = data["selected"].get(kind, {})
         chosen = sel.get("name")
@@ -87,9 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         from underlay.parallel.logging import setup_logging
+        from underlay.utils import env
 
         # warnings and up unless UNDERLAY_LOG_LEVEL asks for more; the commands print their own output
-        setup_logging(level=None if os.environ.get("UNDERLAY_LOG_LEVEL", "").strip() else "WARNING")
+        setup_logging(level=None if env.get_optional("UNDERLAY_LOG_LEVEL") else "WARNING")
         return int(args.func(args))
     except UnderlayError as exc:
         print(f"underlay: error: {exc}", file=sys.stderr)

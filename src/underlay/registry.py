@@ -20,7 +20,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -248,7 +247,7 @@ def _probe_mcore() -> ProbeResult:
         )
     # UNDERLAY_MCORE_CPU_FIXTURE=1 is set only by the test fixture tests/mcore/_cpu_fixture.py, which
     # maps megatron's CUDA calls to the CPU in its own processes (the engine checks the same variable)
-    if _current_accelerator() is None and os.environ.get("UNDERLAY_MCORE_CPU_FIXTURE") != "1":
+    if _current_accelerator() is None and not _env.get_bool("UNDERLAY_MCORE_CPU_FIXTURE"):
         return ProbeResult.fail(
             "megatron-core calls CUDA directly and needs an accelerator device; none is available",
             "use UNDERLAY_ENGINE=fsdp2 on the CPU (tests run mcore on the CPU only under the test-only "
@@ -613,7 +612,7 @@ def _requested(kind: str) -> tuple[str | None, str]:
             return layer[kind], "override"
     env = ENV_VARS.get(kind)
     if env:
-        value = os.environ.get(env, "").strip()
+        value = _env.get_optional(env)
         if value:
             return value, "environment"
     return None, ""
@@ -892,7 +891,7 @@ def info() -> dict[str, Any]:
             try:
                 out["selected"][kind] = resolve(kind).__dict__
             except (BackendUnavailable, IncompatibleBackends, UnknownBackend) as exc:
-                if ENV_VARS.get(kind) and os.environ.get(ENV_VARS[kind]):
+                if ENV_VARS.get(kind) and _env.get_optional(ENV_VARS[kind]):
                     raise
                 out["selected"][kind] = {"kind": kind, "name": None, "source": "error", "reason": str(exc)}
     return out

@@ -32,10 +32,17 @@ def _reference(
         (torch.bfloat16, 211, 320, 4099, True),
     ],
 )
-def test_triton_logprobs_match_float64(dtype: torch.dtype, n: int, h: int, v: int, strided: bool) -> None:
+@pytest.mark.parametrize(
+    ("mode", "tma"), [("fused", "store"), ("fused", "load"), ("fused", "off"), ("hybrid", "store")]
+)
+def test_triton_logprobs_match_float64(
+    dtype: torch.dtype, n: int, h: int, v: int, strided: bool, mode: str, tma: str
+) -> None:
     from underlay import registry
+    from underlay.backends.cuda.logprob import TritonLogprobKernel
 
-    kernel = registry.get_logprob_kernel("triton")
+    registry.get_logprob_kernel("triton")  # the registry can build it on this host
+    kernel = TritonLogprobKernel(registry.get_device(), mode=mode, tma=tma)  # type: ignore[arg-type]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n)
     if strided:
@@ -65,10 +72,11 @@ def test_triton_logprobs_match_float64(dtype: torch.dtype, n: int, h: int, v: in
     assert (hh.grad[labels == IGNORE_INDEX] == 0).all()
 
 
+@pytest.mark.parametrize("autotune", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(("shape", "block"), [((1000, 3000), (128, 128)), ((300, 500), (64, 96))])
 def test_fp8_triton_bit_identical_to_torch(
-    dtype: torch.dtype, shape: tuple[int, int], block: tuple[int, int]
+    dtype: torch.dtype, shape: tuple[int, int], block: tuple[int, int], autotune: bool
 ) -> None:
     from underlay.backends.cuda.device import CudaDevice
     from underlay.backends.cuda.fp8 import TritonFp8Quantizer
@@ -78,7 +86,11 @@ def test_fp8_triton_bit_identical_to_torch(
     w = torch.randn(shape, device=dev) * torch.logspace(-5, 2, shape[1], device=dev)
     w[: block[0], : block[1]] = 0
     w = w.to(dtype)
-    tq = TritonFp8Quantizer(CudaDevice())
+    from underlay.backends.cuda import fp8
+
+    tuners = (fp8._quant_kernel, fp8._dequant_kernel)
+    tuned = [dict(getattr(k, "cache", {})) for k in tuners]
+    tq = TritonFp8Quantizer(CudaDevice(), autotune=autotune)
     q1, s1 = tq.quantize(w, block)
     q2, s2 = quantize_fp8_blockwise(w, block)
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
@@ -87,3 +99,5 @@ def test_fp8_triton_bit_identical_to_torch(
         assert torch.equal(
             tq.dequantize(q1, s1, block, out_dtype), dequantize_fp8_blockwise(q2, s2, block, out_dtype)
         )
+    if not autotune:  # launched directly: the autotuners saw nothing new
+        assert [dict(getattr(k, "cache", {})) for k in tuners] == tuned

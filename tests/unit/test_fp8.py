@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from underlay import registry
-from underlay.interfaces import Fp8Quantizer, InvalidInput
+from underlay.interfaces import ConfigError, Fp8Quantizer, InvalidInput
 from underlay.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
 _SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -324,27 +324,27 @@ def test_library_kernel_has_no_variant_switches() -> None:
         fp8.TritonFp8Quantizer(None, variant="div-cast-t1")  # type: ignore[arg-type, call-arg]
 
 
-def test_autotune_switch_is_read_at_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_autotune_is_a_constructor_option() -> None:
+    """``autotune`` is fixed per quantiser (default on); off, every tile launches the one configuration
+    ``_untuned`` picks; on, the autotuner chooses among the fitting ones."""
+    from underlay.backends.cpu.device import CpuDevice
     from underlay.backends.cuda import fp8
 
     configs = fp8._CONFIGS
-    warps = lambda cs: sorted({c.num_warps for c in cs})  # noqa: E731
-    monkeypatch.delenv("UNDERLAY_FP8_AUTOTUNE", raising=False)
-    assert fp8.autotune_enabled()
-    assert warps(fp8._prune(configs, {}, BM=128, BK=128)) in ([8], [4, 8, 16])
-    monkeypatch.setenv("UNDERLAY_FP8_AUTOTUNE", "0")
-    assert not fp8.autotune_enabled()
-    assert [(c.num_warps, c.maxnreg) for c in fp8._prune(configs, {}, BM=128, BK=128)] == [(8, None)]
-    assert [c.num_warps for c in fp8._prune(configs, {}, BM=16, BK=16)] == [2]  # 256 elements: 4 each
-    assert [c.num_warps for c in fp8._prune(configs, {}, BM=4, BK=8)] == [1]
-    monkeypatch.setenv("UNDERLAY_FP8_AUTOTUNE", "1")
-    assert fp8.autotune_enabled()
+    assert fp8.TritonFp8Quantizer(CpuDevice()).autotune is True
+    assert fp8.TritonFp8Quantizer(CpuDevice(), autotune=False).autotune is False
+    with pytest.raises(ConfigError, match=r"TritonFp8Quantizer\(autotune=...\).*'0'"):
+        fp8.TritonFp8Quantizer(CpuDevice(), autotune="0")  # type: ignore[arg-type]
+    assert (lambda c: (c.num_warps, fp8._maxnreg(c)))(fp8._untuned(configs, BM=128, BK=128)) == (8, None)
+    assert fp8._untuned(configs, BM=16, BK=16).num_warps == 2  # 256 elements: 4 each
+    assert fp8._untuned(configs, BM=4, BK=8).num_warps == 1
     for bm, bk in ((128, 128), (64, 128), (16, 32), (8, 8)):
-        for c in fp8._prune(configs, {}, BM=bm, BK=bk):
+        fit = fp8._fitting(configs, bm, bk)
+        assert fp8._untuned(configs, BM=bm, BK=bk) in fit
+        for c in fit:
             assert c.num_warps * 32 * 4 <= max(bm * bk, 128)
-    monkeypatch.setenv("UNDERLAY_FP8_AUTOTUNE", "yes")
-    with pytest.raises(InvalidInput, match="UNDERLAY_FP8_AUTOTUNE='yes'"):
-        fp8.autotune_enabled()
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the autotuner's candidates: every fitting one
+        assert sorted({c.num_warps for c in fp8._prune(configs, {}, BM=128, BK=128)}) == [4, 8, 16]
 
 
 # ---- the Triton kernels under the interpreter (child process) ------------------------------------------

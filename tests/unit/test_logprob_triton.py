@@ -49,7 +49,7 @@ def _case(
     **plan: Any,
 ) -> dict[str, Any]:
     """Run the fused kernel and the float64 reference on fresh inputs; return error figures."""
-    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs, tma_setting, tma_usable
+    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs, tma_usable
 
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     if strided:  # hidden as a transposed view, weight as every other row of a larger tensor
@@ -80,8 +80,8 @@ def _case(
     assert hid.grad is not None and wt.grad is not None and hd.grad is not None and wd.grad is not None
     ignored = labels == IGNORE_INDEX
     return {
-        "tma": plan.get("mode", "fused") == "fused" and tma_usable(hidden, weight, plan.get("tma")),
-        "tma_store": tma_setting() == "store",
+        "tma": plan.get("mode", "fused") == "fused" and tma_usable(hidden, weight, plan.get("tma", "store")),
+        "tma_store": plan.get("tma", "store") == "store",
         "lp_err": (lp.double() - rlp).abs().max().item(),
         "ent_err": None if ent is None else (ent.double() - rent).abs().max().item(),
         "ent_none": ent is None,
@@ -94,17 +94,57 @@ def _case(
     }
 
 
-def _with_env(name: str, value: str, fn: Any, *args: Any, **kw: Any) -> Any:
-    """``fn(*args, **kw)`` with the environment variable ``name`` set to ``value`` (restored after)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
+def _kernel_case(name: str, dtype: torch.dtype, **options: Any) -> dict[str, Any]:
+    """``TritonLogprobKernel(device, **options)`` against the float64 reference, forward and backward,
+    with the options it passed down to ``fused_linear_logprobs`` recorded (the real function runs)."""
+    from underlay.backends.cpu.device import CpuDevice
+    from underlay.backends.cuda import _logprob_triton as impl
+    from underlay.backends.cuda.logprob import TritonLogprobKernel
+
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    n, h, v = 13, 24, 50
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) * 0.4).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[::4] = IGNORE_INDEX
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    passed: dict[str, Any] = {}
+    real = impl.fused_linear_logprobs
+
+    def recording(*args: Any, **kw: Any) -> Any:
+        passed.update(mode=kw.get("mode"), tma=kw.get("tma"))
+        return real(*args, **kw)
+
+    kernel = TritonLogprobKernel(CpuDevice(), **options)
+    hid, wt = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    impl.fused_linear_logprobs = recording  # type: ignore[assignment]
     try:
-        return fn(*args, **kw)
+        out = kernel(hid, wt, labels, temperature=0.9)
     finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+        impl.fused_linear_logprobs = real  # type: ignore[assignment]
+    assert out.entropy is not None
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    rlp, rent = _reference(hd, wd, labels, 0.9)
+    ((rlp * g_lp.double()).sum() + (rent * g_ent.double()).sum()).backward()
+    assert hid.grad is not None and wt.grad is not None and hd.grad is not None and wd.grad is not None
+    return {
+        "kernel": [kernel.mode, kernel.tma],
+        "passed": [passed["mode"], passed["tma"]],
+        "lp_err": (out.log_probs.double() - rlp).abs().max().item(),
+        "ent_err": (out.entropy.double() - rent).abs().max().item(),
+        "gh_rel": ((hid.grad.double() - hd.grad).abs().max() / hd.grad.abs().max()).item(),
+        "gw_rel": ((wt.grad.double() - wd.grad).abs().max() / wd.grad.abs().max()).item(),
+    }
+
+
+_KERNEL_OPTIONS: dict[str, dict[str, str]] = {
+    "default": {},
+    "fused_load": {"tma": "load"},
+    "fused_off": {"mode": "fused", "tma": "off"},
+    "hybrid": {"mode": "hybrid"},
+}
+"""Every option of ``TritonLogprobKernel`` the interpreter can run (hybrid never uses TMA)."""
 
 
 def _cases() -> dict[str, dict[str, Any]]:
@@ -115,32 +155,13 @@ def _cases() -> dict[str, dict[str, Any]]:
             "odd", 37, 50, 131, torch.float32, strided=True, temperature=1.3, row_split=16, v_chunk=40
         ),
         "bf16": _case("bf16", 37, 48, 130, torch.bfloat16, v_chunk=64),
-        "bf16_pointer": _case("bf16_pointer", 37, 48, 130, torch.bfloat16, v_chunk=64, tma=False),
-        "bf16_tma_load": _with_env(
-            "UNDERLAY_TRITON_LOGPROB_TMA",
-            "load",
-            _case,
-            "bf16_load",
-            37,
-            48,
-            130,
-            torch.bfloat16,
-            v_chunk=64,
-        ),
-        "fp32_tma_store_chunks": _with_env(
-            "UNDERLAY_TRITON_LOGPROB_TMA",
-            "store",
-            _case,
-            "fp32_store",
-            37,
-            48,
-            130,
-            torch.float32,
-            row_split=16,
-            v_chunk=40,
+        "bf16_pointer": _case("bf16_pointer", 37, 48, 130, torch.bfloat16, v_chunk=64, tma="off"),
+        "bf16_tma_load": _case("bf16_load", 37, 48, 130, torch.bfloat16, v_chunk=64, tma="load"),
+        "fp32_tma_store_chunks": _case(
+            "fp32_store", 37, 48, 130, torch.float32, row_split=16, v_chunk=40, tma="store"
         ),
         "fp32_pointer": _case(
-            "fp32_pointer", 37, 48, 130, torch.float32, row_split=16, v_chunk=64, tma=False
+            "fp32_pointer", 37, 48, 130, torch.float32, row_split=16, v_chunk=64, tma="off"
         ),
         "fp16": _case("fp16", 29, 40, 97, torch.float16),
         "no_entropy": _case("noent", 21, 32, 70, torch.float32, with_entropy=False),
@@ -149,6 +170,9 @@ def _cases() -> dict[str, dict[str, Any]]:
             "hybrid", 37, 50, 131, torch.float32, row_split=16, v_chunk=64, mode="hybrid"
         ),
         "hybrid_bf16": _case("hybrid_bf16", 37, 48, 130, torch.bfloat16, mode="hybrid"),
+        "kernel_options": {
+            name: _kernel_case(name, torch.float32, **opts) for name, opts in _KERNEL_OPTIONS.items()
+        },
     }
 
 
@@ -288,9 +312,22 @@ def test_both_tile_load_paths_are_exercised(report: dict[int, dict[str, Any]]) -
     assert r["bf16_tma_load"]["tma"] and not r["bf16_tma_load"]["tma_store"]
 
 
+def test_kernel_options_reach_the_kernels_and_match_float64(report: dict[int, dict[str, Any]]) -> None:
+    """Each mode / TMA option of ``TritonLogprobKernel`` is what the kernel object reports and what it
+    passes to the Triton path (defaults: fused, store), and the result matches the float64 reference."""
+    got = report[0]["kernel_options"]
+    assert set(got) == set(_KERNEL_OPTIONS)
+    for name, opts in _KERNEL_OPTIONS.items():
+        r = got[name]
+        want = [opts.get("mode", "fused"), opts.get("tma", "store")]
+        assert r["kernel"] == want and r["passed"] == want, (name, r)
+        assert r["lp_err"] < 2e-5 and r["ent_err"] < 2e-5, (name, r)
+        assert r["gh_rel"] < 1e-5 and r["gw_rel"] < 1e-5, (name, r)
+
+
 def test_ignore_index_gives_zero_and_no_gradient(report: dict[int, dict[str, Any]]) -> None:
     for name, r in report[0].items():
-        if name in ("tp", "tune_keys"):
+        if name in ("tp", "tune_keys", "kernel_options"):
             continue
         assert r["n_ignored"] > 0, name
         assert r["ignored_zero"], name
@@ -350,20 +387,25 @@ def test_cpu_tensors_need_the_interpreter() -> None:
         kernel(**_inputs())
 
 
-def test_unknown_mode_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from underlay.backends.cuda._logprob_triton import fused_linear_logprobs
+def test_unknown_options_are_config_errors() -> None:
+    from underlay.backends.cpu.device import CpuDevice
+    from underlay.backends.cuda import _logprob_triton as impl
+    from underlay.backends.cuda.logprob import TritonLogprobKernel
     from underlay.interfaces import ConfigError
 
-    monkeypatch.setenv("UNDERLAY_TRITON_LOGPROB_MODE", "bogus")
-    with pytest.raises(ConfigError, match="bogus"):
-        fused_linear_logprobs(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]))
-    from underlay.backends.cpu.device import CpuDevice
-    from underlay.backends.cuda.logprob import TritonLogprobKernel
-
+    args = (torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]))
+    with pytest.raises(ConfigError, match=r"mode must be one of hybrid, fused, got 'bogus'"):
+        impl.fused_linear_logprobs(*args, mode="bogus")
+    with pytest.raises(ConfigError, match=r"tma must be one of store, load, off, got 'on'"):
+        impl.fused_linear_logprobs(*args, tma="on")
     with pytest.raises(ConfigError, match=r"TritonLogprobKernel\(mode=...\).*'tiled'"):
-        TritonLogprobKernel(CpuDevice(), mode="tiled")
-    assert TritonLogprobKernel(CpuDevice(), mode="hybrid").mode == "hybrid"
-    assert TritonLogprobKernel(CpuDevice()).mode is None  # the environment decides at each call
+        TritonLogprobKernel(CpuDevice(), mode="tiled")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"TritonLogprobKernel\(tma=...\).*'True'"):
+        TritonLogprobKernel(CpuDevice(), tma="True")  # type: ignore[arg-type]
+    kernel = TritonLogprobKernel(CpuDevice())
+    assert (kernel.mode, kernel.tma) == (impl.DEFAULT_MODE, impl.DEFAULT_TMA) == ("fused", "store")
+    kernel = TritonLogprobKernel(CpuDevice(), mode="hybrid", tma="off")
+    assert (kernel.mode, kernel.tma) == ("hybrid", "off")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")

@@ -4,13 +4,13 @@ backends through ``torch.get_device_module`` so that neither imports the other."
 from __future__ import annotations
 
 import contextlib
-import os
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from underlay.interfaces import Event, InvalidInput, MemoryStats, Stream, UnsupportedOperation
+from underlay.utils import env as _env
 from underlay.utils.hardware import lookup_peak_flops, peak_flops_from_env
 
 __all__ = ["AcceleratorDevice", "AcceleratorEvent"]
@@ -82,6 +82,12 @@ class AcceleratorDevice:
         """Ray resource name."""
         return self._ray_resource
 
+    def _visible_value(self) -> str:
+        """The current value of the visible-devices variable (for error messages), ``<unset>`` when it is
+        unset or empty or not a variable underlay declares."""
+        declared = self._visible_env in _env.ENV_VARS
+        return (_env.get_optional(self._visible_env) if declared else None) or "<unset>"
+
     def _index(self, index: int | None) -> int:
         if index is None:
             return int(self._mod.current_device())
@@ -89,7 +95,7 @@ class AcceleratorDevice:
         if not isinstance(index, int) or not 0 <= index < count:
             raise InvalidInput(
                 f"{self._name} device index {index!r} is out of range: {count} visible device(s) "
-                f"(see {self._visible_env}={os.environ.get(self._visible_env, '<unset>')!r})"
+                f"(see {self._visible_env}={self._visible_value()!r})"
             )
         return index
 

@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from underlay.interfaces import BackendUnavailable, InvalidInput, UnderlayError
+from underlay.utils import env
 
 __all__ = [
     "MANIFEST",
@@ -64,11 +65,10 @@ def is_remote(path_or_uri: str | Path) -> bool:
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """``cache_dir``, else ``$UNDERLAY_CACHE``, else ``~/.cache/underlay/files``."""
+    """``cache_dir``, else ``$UNDERLAY_CACHE``, else ``~/.cache/underlay/files`` (``~`` expanded)."""
     if cache_dir is not None:
         return Path(cache_dir)
-    env = os.environ.get("UNDERLAY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "underlay" / "files"
+    return Path(env.get("UNDERLAY_CACHE")).expanduser()
 
 
 def get_filesystem(uri: str) -> tuple[Any, str]:

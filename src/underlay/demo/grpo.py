@@ -57,6 +57,7 @@ from underlay.interfaces import (
     TokenOutputs,
 )
 from underlay.parallel.rank import current_rank, current_world_size
+from underlay.utils import env as _env
 
 __all__ = ["CONSOLE_KEYS", "RESUME_RTOL_ACCELERATOR", "PolicyLoss", "learning_summary", "run_rank"]
 
@@ -461,7 +462,7 @@ def _profiler(cfg: DemoConfig, out: Path) -> Profiler:
         ranks=(0,), steps=(cfg.trace_step,), output_dir=str(out / "profile"), warmup=min(1, cfg.trace_step)
     )
     # an explicit name that differs from UNDERLAY_PROFILER would be an error: respect the environment
-    return underlay.get_profiler(pcfg, name=None if os.environ.get("UNDERLAY_PROFILER") else "torch")
+    return underlay.get_profiler(pcfg, name=None if _env.get_optional("UNDERLAY_PROFILER") else "torch")
 
 
 def run_rank(cfg: DemoConfig, out_dir: str) -> dict[str, Any]:
@@ -621,4 +622,4 @@ def _noop_profiler(cfg: DemoConfig, out: Path) -> Profiler:
     import underlay
 
     pcfg = ProfilerConfig(enabled=False, output_dir=str(out / "profile"))
-    return underlay.get_profiler(pcfg, name=None if os.environ.get("UNDERLAY_PROFILER") else "off")
+    return underlay.get_profiler(pcfg, name=None if _env.get_optional("UNDERLAY_PROFILER") else "off")

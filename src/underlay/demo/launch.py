@@ -13,6 +13,7 @@ from typing import Any
 
 from underlay.demo.config import DemoConfig
 from underlay.interfaces import ConfigError, UnderlayError
+from underlay.utils import env as _env
 
 __all__ = ["LAUNCHERS", "OUTPUTS", "format_summary", "launch", "world_size_for"]
 
@@ -50,13 +51,14 @@ def _worker(rank: int, cfg: DemoConfig, world: int, port: int, out_dir: str) -> 
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (resume check)
+    # deterministic cuBLAS (the resume check compares bit for bit): the user's value, else the default
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = _env.get("CUBLAS_WORKSPACE_CONFIG")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from underlay.parallel.logging import setup_logging
 
     # the console shows rank 0 only; every rank's records go to its own file. Warnings and up unless
     # UNDERLAY_LOG_LEVEL asks for more (the demo's own progress lines are printed, not logged).
-    quiet = None if os.environ.get("UNDERLAY_LOG_LEVEL", "").strip() else "WARNING"
+    quiet = None if _env.get_optional("UNDERLAY_LOG_LEVEL") else "WARNING"
     setup_logging(level=quiet, rank_zero_only=True, file=Path(out_dir) / "logs" / "demo.log")
     try:
         import transformers
@@ -137,7 +139,7 @@ def _launch_ray(cfg: DemoConfig, out: Path) -> None:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+        "CUBLAS_WORKSPACE_CONFIG": _env.get("CUBLAS_WORKSPACE_CONFIG"),
     }
     try:
         with WorkerGroup(world, env=env, name="underlay-demo", collective_timeout_s=600.0) as group:

@@ -57,6 +57,7 @@ from underlay.interfaces import (
     UnderlayError,
     VisionInputs,
 )
+from underlay.utils import env as _env
 
 try:
     import ray
@@ -196,7 +197,7 @@ def ensure_ray(**init_kwargs: Any) -> bool:
         return False
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("log_to_driver", True)
-    if os.environ.get("RAY_ADDRESS"):  # an existing cluster: its resources are what they are
+    if _env.get_optional("RAY_ADDRESS"):  # an existing cluster: its resources are what they are
         for key in ("num_cpus", "num_gpus", "resources", "object_store_memory"):
             init_kwargs.pop(key, None)
     ray.init(**init_kwargs)

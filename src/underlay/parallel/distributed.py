@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from underlay.interfaces import ConfigError, Device
 from underlay.registry import get_device
+from underlay.utils import env as _env
 
 __all__ = ["DistributedEnv", "free_port", "init_distributed", "read_env"]
 
@@ -37,16 +38,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _int_env(name: str, default: int | None) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise ConfigError(f"environment variable {name} is not set; launch with torchrun or set it")
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
+def _int_env(name: str, default: int) -> int:
+    value = _env.get_int(name)
+    return default if value is None else value
 
 
 def read_env() -> DistributedEnv:
@@ -62,8 +56,8 @@ def read_env() -> DistributedEnv:
         raise ConfigError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
     if local < 0:
         raise ConfigError(f"LOCAL_RANK={local} is negative; local ranks are >= 0")
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if world > 1 and "MASTER_PORT" not in os.environ:
+    addr = _env.get("MASTER_ADDR")
+    if world > 1 and _env.get_optional("MASTER_PORT") is None:
         raise ConfigError(
             "WORLD_SIZE > 1 but MASTER_PORT is not set; launch with torchrun or set MASTER_ADDR/PORT"
         )

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
-from underlay.interfaces import ConfigError
+from underlay.utils import env
 
 __all__ = ["current_rank", "current_world_size"]
 
@@ -17,14 +15,8 @@ def current_rank() -> int:
     Raises ``ConfigError`` when ``$RANK`` is not a non-negative integer."""
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
-    raw = os.environ.get("RANK", "").strip() or "0"
-    try:
-        rank = int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"environment variable RANK={raw!r} is not an integer; unset it or fix it") from exc
-    if rank < 0:
-        raise ConfigError(f"environment variable RANK={rank} is negative; ranks are >= 0")
-    return rank
+    rank = env.get_int("RANK", minimum=0)
+    return 0 if rank is None else rank
 
 
 def current_world_size() -> int:

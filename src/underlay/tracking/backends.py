@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -14,6 +13,7 @@ from types import ModuleType
 from typing import Any, Protocol, TextIO, runtime_checkable
 
 from underlay.interfaces import BackendUnavailable, InvalidInput
+from underlay.utils import env as _env
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -170,7 +170,7 @@ class WandbBackend:
             name=run_name,
             dir=str(out_dir),
             config=dict(config or {}),
-            mode=os.environ.get("WANDB_MODE", "offline"),
+            mode=_env.get("WANDB_MODE"),
         )
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -194,7 +194,7 @@ class MlflowBackend:
         self, project: str, run_name: str, out_dir: str | Path, config: Mapping[str, Any] | None = None
     ) -> None:
         self._mlflow: Any = _import_optional("mlflow", "mlflow")
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        if _env.get_optional("MLFLOW_TRACKING_URI") is None:
             self._mlflow.set_tracking_uri((Path(out_dir).resolve() / "mlruns").as_uri())
         self._mlflow.set_experiment(project)
         self._run: Any = self._mlflow.start_run(run_name=run_name)

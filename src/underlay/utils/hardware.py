@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 
-from underlay.interfaces import ConfigError
+from underlay.utils import env
 
 __all__ = ["PEAK_TFLOPS", "lookup_peak_flops", "peak_flops_from_env"]
 
@@ -43,17 +40,10 @@ PEAK_TFLOPS: tuple[tuple[str, float, float | None], ...] = (
 
 
 def peak_flops_from_env() -> float | None:
-    """``UNDERLAY_PEAK_TFLOPS`` in FLOP/s, or ``None`` when unset. A non-number raises ``ConfigError``."""
-    raw = os.environ.get("UNDERLAY_PEAK_TFLOPS", "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"UNDERLAY_PEAK_TFLOPS={raw!r} is not a number of TFLOP/s (e.g. 989.4)") from exc
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"UNDERLAY_PEAK_TFLOPS={raw!r} must be a finite number > 0 (TFLOP/s, e.g. 989.4)")
-    return value * 1e12
+    """``UNDERLAY_PEAK_TFLOPS`` (TFLOP/s) in FLOP/s, or ``None`` when unset. Anything but a finite number
+    > 0 raises ``ConfigError``."""
+    value = env.get_float("UNDERLAY_PEAK_TFLOPS", positive=True)
+    return None if value is None else value * 1e12
 
 
 def lookup_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:

@@ -17,15 +17,15 @@ Operand tiles of the ``tl.dot`` GEMMs are loaded through Hopper's tensor-memory 
 ``TensorDescriptor``s, a persistent grid of one program per multiprocessor walking the tiles) where the
 device and the operands allow it (:func:`tma_usable`), and through pointer loads otherwise; the TMA loads
 brought both kernels from about 540 / 430 TFLOP/s to about 650 (``benchmarks/gpu/logprob_tma_variants.py``,
-figures in ``benchmarks/results/``). ``UNDERLAY_TRITON_LOGPROB_TMA`` (read per call): ``store`` (the
-default) also stores the dlogits tiles through a TMA descriptor (a masked pointer store cannot vectorise
-with unspecialised N and V); ``load`` loads the GEMM tiles through TMA and stores dlogits with masked
-pointer stores; ``off`` uses pointer loads and stores. All three pass the same float64 bounds
-(``benchmarks/gpu/check_logprob.py``).
+figures in ``benchmarks/results/``). The ``tma`` option (:data:`TMA_SETTINGS`): ``store`` (the default)
+also stores the dlogits tiles through a TMA descriptor (a masked pointer store cannot vectorise with
+unspecialised N and V); ``load`` loads the GEMM tiles through TMA and stores dlogits with masked pointer
+stores; ``off`` uses pointer loads and stores. All three pass the same float64 bounds.
 
-``UNDERLAY_TRITON_LOGPROB_MODE`` picks how the logits tiles are made: ``fused`` (the default) computes them
-with ``tl.dot`` inside the kernels; ``hybrid`` computes cuBLAS ``[rows, v_chunk]`` logits blocks with fp32
-output, read by the same kernels (``FROM_LOGITS``).
+The ``mode`` option (:data:`MODES`) picks how the logits tiles are made: ``fused`` (the default) computes
+them with ``tl.dot`` inside the kernels; ``hybrid`` computes cuBLAS ``[rows, v_chunk]`` logits blocks with
+fp32 output, read by the same kernels (``FROM_LOGITS``). Both options are arguments of
+:func:`fused_linear_logprobs` and of ``TritonLogprobKernel``, fixed per kernel object, never process state.
 
 Setting ``TRITON_INTERPRET=1`` before this module is imported runs every kernel in Triton's interpreter on
 CPU tensors (slow; small shapes only) with one small tile configuration instead of autotuning.
@@ -33,8 +33,7 @@ CPU tensors (slow; small shapes only) with one small tile configuration instead 
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import triton
@@ -45,34 +44,43 @@ try:  # Triton >= 3.3: host-side descriptors for Hopper's tensor-memory accelera
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
+from underlay.backends.cuda._interpret import triton_interprets
 from underlay.interfaces import ConfigError
-from underlay.utils import env
 
 __all__ = [
     "DEFAULT_MODE",
+    "DEFAULT_TMA",
     "INTERPRET",
     "MODES",
     "TMA_SETTINGS",
+    "LogprobMode",
+    "TmaSetting",
     "check_mode",
+    "check_tma",
     "fused_linear_logprobs",
     "mm_fp32",
     "mm_path",
     "plan_backward",
-    "tma_setting",
     "tma_usable",
 ]
 
-MODES = ("hybrid", "fused")
+LogprobMode = Literal["fused", "hybrid"]
+"""Values of the ``mode`` option."""
+TmaSetting = Literal["store", "load", "off"]
+"""Values of the ``tma`` option."""
+
+MODES: tuple[LogprobMode, ...] = ("hybrid", "fused")
 """Ways to produce the logits tiles: cuBLAS blocks read by Triton ("hybrid") or ``tl.dot`` in Triton."""
-DEFAULT_MODE = "fused"
+DEFAULT_MODE: LogprobMode = "fused"
 """The default mode. Hybrid's fp32 logits blocks cost memory traffic per FLOP in proportion to 1/H, so it
 can only win at large hidden sizes; fused is the one that does not lose inside a training step at the
 hidden sizes RL actors use (figures: ``benchmarks/results/logprob_h200_2026-12-02.md`` and
 ``h200_2026-12-02.md``, fourth session)."""
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether the kernels were built for Triton's CPU interpreter. Read at import on purpose: Triton decides
-this when the kernels below are defined, so a later change cannot take effect in this process."""
+INTERPRET = triton_interprets()
+"""Whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET`` as Triton reads it).
+Read at import on purpose: Triton decides this when the kernels below are defined, so a later change
+cannot take effect in this process."""
 
 _UPCAST = tl.constexpr(INTERPRET)
 """The interpreter's ``tl.dot`` mishandles 16-bit floats: upcast operands to fp32 there (exact products)."""
@@ -504,30 +512,21 @@ def _tma_operand(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-TMA_SETTINGS = ("store", "load", "off")
-"""Values of ``UNDERLAY_TRITON_LOGPROB_TMA`` (see the module docstring)."""
+TMA_SETTINGS: tuple[TmaSetting, ...] = ("store", "load", "off")
+"""Values of the ``tma`` option (see the module docstring)."""
+DEFAULT_TMA: TmaSetting = "store"
+"""The default ``tma`` option: the fastest of the three on the H200 (figures in ``benchmarks/results/``);
+where TMA cannot be used (:func:`tma_usable`) every setting falls back to pointer loads and stores."""
 
 
-def tma_setting() -> str:
-    """``UNDERLAY_TRITON_LOGPROB_TMA`` read now; ``ConfigError`` naming the choices for another value."""
-    value = env.get("UNDERLAY_TRITON_LOGPROB_TMA")
-    if value not in TMA_SETTINGS:
-        raise ConfigError(
-            f"UNDERLAY_TRITON_LOGPROB_TMA={value!r}: use one of {', '.join(TMA_SETTINGS)} (unset: store)"
-        )
-    return value
-
-
-def tma_usable(hidden: torch.Tensor, weight: torch.Tensor, tma: bool | None = None) -> bool:
+def tma_usable(hidden: torch.Tensor, weight: torch.Tensor, tma: str = DEFAULT_TMA) -> bool:
     """Whether the ``tl.dot`` kernels load ``hidden``/``weight`` tiles through TMA descriptors.
 
-    ``tma=False`` (or ``UNDERLAY_TRITON_LOGPROB_TMA=off`` when ``tma`` is None) forces pointer loads. Else
-    TMA needs Triton's ``TensorDescriptor``, a compute-capability >= 9.0 GPU and 16-bit operands (fp32
-    operands keep the measured pointer path; the interpreter takes every dtype, so CPU tests run this
-    code), and row-major operands with 16-byte aligned rows and base. Anything else: pointer loads."""
-    if tma is False or TensorDescriptor is None:
-        return False
-    if tma is None and tma_setting() == "off":
+    ``tma="off"`` forces pointer loads. Else TMA needs Triton's ``TensorDescriptor``, a compute-capability
+    >= 9.0 GPU and 16-bit operands (fp32 operands keep the measured pointer path; the interpreter takes
+    every dtype, so CPU tests run this code), and row-major operands with 16-byte aligned rows and base.
+    Anything else: pointer loads."""
+    if tma == "off" or TensorDescriptor is None:
         return False
     if not INTERPRET:
         if not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device) < (9, 0):
@@ -555,7 +554,7 @@ def _forward_stats(
     mode: str,
     row_split: int | None = None,
     v_chunk: int | None = None,
-    tma: bool | None = None,
+    tma: str = DEFAULT_TMA,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row max, sum-exp relative to it, sum exp * z relative to it, and label logit (0 where not local)."""
     n, h = hidden.shape
@@ -693,7 +692,7 @@ def _backward(
     row_split: int | None,
     v_chunk: int | None,
     mode: str,
-    tma: bool | None = None,
+    tma: str = DEFAULT_TMA,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     n, h = hidden.shape
     v = weight.shape[0]
@@ -709,7 +708,7 @@ def _backward(
     # TMA loads of row/vocabulary slices keep the operands' alignment; a dlogits chunk stored through a
     # descriptor needs a 16-byte aligned row pitch too
     use_tma = not hybrid and tma_usable(hidden, weight, tma)
-    tma_store = use_tma and tma_setting() == "store" and _tma_operand(d_buf)
+    tma_store = use_tma and tma == "store" and _tma_operand(d_buf)
     fp32_acc = hidden.dtype != torch.float32
     acc = (
         torch.empty((min(rows, n), h), device=hidden.device, dtype=torch.float32)
@@ -773,7 +772,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
         row_split: int | None,
         v_chunk: int | None,
         mode: str,
-        tma: bool | None,
+        tma: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_t = 1.0 / temperature
         m, s, t, zl = _forward_stats(
@@ -820,14 +819,27 @@ class _FusedLinearLogprob(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
 
-def check_mode(mode: str, source: str = "UNDERLAY_TRITON_LOGPROB_MODE") -> str:
+def check_mode(mode: str, source: str = "mode") -> LogprobMode:
     """``mode`` if it is one of :data:`MODES`; else ``ConfigError`` naming ``source`` and the choices."""
-    if mode not in MODES:
-        raise ConfigError(
-            f"{source} must be one of {', '.join(MODES)}, got {mode!r}; leave it unset for the default "
-            f"({DEFAULT_MODE})"
-        )
-    return mode
+    for m in MODES:
+        if mode == m:
+            return m
+    raise ConfigError(
+        f"{source} must be one of {', '.join(MODES)}, got {mode!r}; leave it out for the default "
+        f"({DEFAULT_MODE!r})"
+    )
+
+
+def check_tma(tma: str, source: str = "tma") -> TmaSetting:
+    """``tma`` if it is one of :data:`TMA_SETTINGS`; else ``ConfigError`` naming ``source`` and the
+    choices."""
+    for t in TMA_SETTINGS:
+        if tma == t:
+            return t
+    raise ConfigError(
+        f"{source} must be one of {', '.join(TMA_SETTINGS)}, got {tma!r}; leave it out for the default "
+        f"({DEFAULT_TMA!r})"
+    )
 
 
 def fused_linear_logprobs(
@@ -841,8 +853,8 @@ def fused_linear_logprobs(
     label_offset: int = 0,
     row_split: int | None = None,
     v_chunk: int | None = None,
-    mode: str | None = None,
-    tma: bool | None = None,
+    mode: str = DEFAULT_MODE,
+    tma: str = DEFAULT_TMA,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused ``log_softmax(hidden @ weight.T / temperature)[labels]`` and entropy, fp32 ``[N]`` each.
 
@@ -851,14 +863,16 @@ def fused_linear_logprobs(
     all-reduced over it and the hidden gradient is summed over it. ``row_split`` / ``v_chunk`` override the
     backward's planned buffer sizes (tests use them to exercise several chunks at small shapes).
 
-    ``mode`` (default: ``UNDERLAY_TRITON_LOGPROB_MODE`` read now, else :data:`DEFAULT_MODE`): ``"fused"`` computes
-    the logits inside the Triton kernels (``tl.dot``); ``"hybrid"`` computes each ``[rows, v_chunk]`` logits
-    block with cuBLAS (fp32 output) and runs the Triton statistics / dlogits kernels on it. Both keep
-    workspace bounded independently of ``V`` and agree up to fp32 rounding; which one is faster depends
-    on ``H`` (see :data:`DEFAULT_MODE`). ``tma`` (default: :func:`tma_usable` decides, honouring
-    ``UNDERLAY_TRITON_LOGPROB_TMA``): ``False`` forces pointer tile loads and stores in the fused mode.
+    ``mode`` (:data:`MODES`, default :data:`DEFAULT_MODE`): ``"fused"`` computes the logits inside the
+    Triton kernels (``tl.dot``); ``"hybrid"`` computes each ``[rows, v_chunk]`` logits block with cuBLAS
+    (fp32 output) and runs the Triton statistics / dlogits kernels on it. Both keep workspace bounded
+    independently of ``V`` and agree up to fp32 rounding; which one is faster depends on ``H`` (see
+    :data:`DEFAULT_MODE`). ``tma`` (:data:`TMA_SETTINGS`, default :data:`DEFAULT_TMA`): how the fused
+    mode's tiles move where TMA is usable (:func:`tma_usable`); ``"off"`` forces pointer loads and stores.
+    A ``mode`` or ``tma`` outside its choices raises ``ConfigError``.
     """
-    mode = check_mode(mode) if mode is not None else check_mode(env.get("UNDERLAY_TRITON_LOGPROB_MODE"))
+    mode = check_mode(mode)
+    tma = check_tma(tma)
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.contiguous(), float(temperature), bool(with_entropy), group, int(label_offset),
         row_split, v_chunk, mode, tma,

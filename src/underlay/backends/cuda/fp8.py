@@ -8,8 +8,8 @@ that rounds to zero gives -0 as torch does. Dequantisation multiplies in fp32 an
 output dtype. Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``
 set before this module is imported) for tests.
 
-``UNDERLAY_FP8_AUTOTUNE`` (read at each call): ``0`` launches with 8 warps instead of autotuning the
-warp count (and register cap) for each new shape.
+``TritonFp8Quantizer(device, autotune=False)`` launches with 8 warps instead of autotuning the warp count
+(and register cap) for each new shape (the launch configuration does not change the result).
 
 Other kernel variants (reciprocal division, inline-PTX conversion, several tiles per program) and the
 measurements that chose this one live beside the benchmark: ``benchmarks/gpu/fp8_variants.py`` and
@@ -18,32 +18,24 @@ measurements that chose this one live beside the benchmark: ``benchmarks/gpu/fp8
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from underlay.interfaces import Device, InvalidInput
+from underlay.backends.cuda._interpret import triton_interprets
+from underlay.interfaces import ConfigError, Device, InvalidInput
 from underlay.ops.quant import E4M3_MAX, check_dequant_args, check_quant_args
-from underlay.utils import env
 
-__all__ = ["TritonFp8Quantizer", "autotune_enabled"]
+__all__ = ["TritonFp8Quantizer"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether Triton runs its CPU interpreter. Read at import on purpose: Triton itself decides this when the
-kernels below are defined, so a later change of the variable cannot take effect in this process."""
+_INTERPRET = triton_interprets()
+"""Whether Triton runs its CPU interpreter (``TRITON_INTERPRET`` as Triton reads it). Read at import on
+purpose: Triton itself decides this when the kernels below are defined, so a later change of the
+variable cannot take effect in this process."""
 
 _SW, _CAST = 0, 1  # how fp32 is rounded to e4m3: exact arithmetic (interpreter) or the hardware cast
-
-
-def autotune_enabled() -> bool:
-    """``UNDERLAY_FP8_AUTOTUNE`` now (default on): autotune the launch configuration per shape."""
-    raw = env.get("UNDERLAY_FP8_AUTOTUNE")
-    if raw not in ("0", "1"):
-        raise InvalidInput(f"UNDERLAY_FP8_AUTOTUNE={raw!r}: use 1 (autotune) or 0 (8 warps); unset for 1")
-    return raw == "1"
 
 
 def _make_configs() -> list[Any]:
@@ -66,20 +58,31 @@ def _maxnreg(config: Any) -> int | None:
     return getattr(config, "maxnreg", None)
 
 
-def _prune(configs: list[Any], nargs: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """Configurations that give every thread at least 4 elements of a tile: those of 4..16 warps when the
-    tile allows, else the widest that fits; one configuration (8 warps, no register cap, where it fits)
-    under the interpreter or when autotuning is off."""
-    args = {**nargs, **kwargs}
-    elems = int(args["BM"]) * int(args["BK"])
-    fit = [c for c in configs if c.num_warps * 32 * 4 <= elems] or [configs[0]]
+def _fitting(configs: list[Any], bm: int, bk: int) -> list[Any]:
+    """Configurations that give every thread at least 4 elements of a ``bm x bk`` tile: those of 4..16
+    warps when the tile allows, else the widest that fits."""
+    fit = [c for c in configs if c.num_warps * 32 * 4 <= bm * bk] or [configs[0]]
     big = [c for c in fit if c.num_warps >= 4]
-    fit = big or [max(fit, key=lambda c: c.num_warps)]
-    if _INTERPRET or not autotune_enabled():
-        plain = [c for c in fit if _maxnreg(c) is None]
-        pick = [c for c in plain if c.num_warps == 8] or plain[-1:] or fit[:1]
-        return pick[:1]
-    return fit
+    return big or [max(fit, key=lambda c: c.num_warps)]
+
+
+def _untuned(configs: list[Any], **meta: Any) -> Any:
+    """The one configuration launched without autotuning (``autotune=False``, or the interpreter) for
+    the tile ``meta["BM"] x meta["BK"]``: 8 warps without a register cap where it fits, else the
+    widest fitting one without a cap."""
+    fit = _fitting(configs, int(meta["BM"]), int(meta["BK"]))
+    plain = [c for c in fit if _maxnreg(c) is None]
+    pick = [c for c in plain if c.num_warps == 8] or plain[-1:] or fit[:1]
+    return pick[0]
+
+
+def _prune(configs: list[Any], nargs: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """The autotuner's candidates (its ``early_config_prune``) for the tile in ``nargs``/``kwargs``:
+    :func:`_fitting`, or only :func:`_untuned`'s pick under the interpreter."""
+    args = {**nargs, **kwargs}
+    if _INTERPRET:
+        return [_untuned(configs, **args)]
+    return _fitting(configs, int(args["BM"]), int(args["BK"]))
 
 
 _KEY = ["M", "K", "bm", "bk", "CVT"]
@@ -292,13 +295,13 @@ def _dequant_kernel(  # type: ignore[no-untyped-def]
         tl.store(o_ptrs, out)
 
 
-def _launch(kernel: Any, grid: int, args: tuple[Any, ...], meta: dict[str, Any]) -> None:
-    """Launch through the autotuner when autotuning is on, else directly with the one configuration
-    ``_prune`` picks (no autotuner bookkeeping at all)."""
-    if not _INTERPRET and autotune_enabled():
+def _launch(kernel: Any, grid: int, args: tuple[Any, ...], meta: dict[str, Any], autotune: bool) -> None:
+    """Launch through the autotuner when ``autotune`` (and not interpreted), else directly with the one
+    configuration :func:`_untuned` picks (no autotuner bookkeeping at all)."""
+    if autotune and not _INTERPRET:
         kernel[(grid,)](*args, **meta)
         return
-    cfg = _prune(_CONFIGS, {}, **meta)[0]
+    cfg = _untuned(_CONFIGS, **meta)
     opts: dict[str, Any] = {"num_warps": cfg.num_warps}
     if _maxnreg(cfg) is not None:
         opts["maxnreg"] = _maxnreg(cfg)
@@ -310,12 +313,19 @@ class TritonFp8Quantizer:
 
     Tiles larger than 128 x 256 elements (after rounding each side up to a power of two) are refused
     (``InvalidInput``) because one program holds a whole tile; use the ``torch`` quantiser for those.
+
+    ``autotune`` (default ``True``): time the launch configurations (warps, register cap) once per new
+    shape and keep the fastest; ``False`` launches every shape with 8 warps (benchmarks use it to time
+    without tuning). The results are bit-identical either way. A non-bool raises ``ConfigError``.
     """
 
     _MAX_TILE = 128 * 256
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, autotune: bool = True) -> None:
+        if not isinstance(autotune, bool):
+            raise ConfigError(f"TritonFp8Quantizer(autotune=...) must be True or False, got {autotune!r}")
         self._device = device
+        self._autotune = autotune
         if E4M3_MAX != 448.0:  # the kernel hard-codes the e4m3 maximum
             raise AssertionError("E4M3_MAX changed; update _quant_kernel")
 
@@ -323,6 +333,11 @@ class TritonFp8Quantizer:
     def name(self) -> str:
         """Registry name ``"triton"``."""
         return "triton"
+
+    @property
+    def autotune(self) -> bool:
+        """Whether launches autotune their configuration per shape (see the class docstring)."""
+        return self._autotune
 
     def _tile(self, block: tuple[int, int], t: torch.Tensor) -> tuple[int, int]:
         if t.device.type != "cuda" and not (_INTERPRET and t.device.type == "cpu"):
@@ -378,7 +393,7 @@ class TritonFp8Quantizer:
             n_kb, meta = self._meta((m, k), (bm, bk), big, strides)
             args = (weight, q, scales, m, k, bm, bk, weight.stride(0), weight.stride(1), q.stride(0),
                     scales.stride(0), n_kb)  # fmt: skip
-            _launch(_quant_kernel, scales.numel(), args, meta)
+            _launch(_quant_kernel, scales.numel(), args, meta, self._autotune)
         return q, scales
 
     def dequantize(
@@ -408,5 +423,5 @@ class TritonFp8Quantizer:
             meta["VEC"] = 16 // out.element_size() if q.stride(1) == 1 else 0
             args = (q, scales, out, m, k, bm, bk, q.stride(0), q.stride(1), scales.stride(0),
                     scales.stride(1), out.stride(0), n_kb)  # fmt: skip
-            _launch(_dequant_kernel, scales.numel(), args, meta)
+            _launch(_dequant_kernel, scales.numel(), args, meta, self._autotune)
         return out

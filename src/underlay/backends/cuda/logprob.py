@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -29,27 +29,42 @@ class TritonLogprobKernel:
     Forward is one fused Triton pass (matmul tiles + online softmax statistics, workspace
     ``[N, ceil(V / 256)]`` fp32); backward recomputes logits tile-wise into a bounded dlogits chunk and
     uses cuBLAS for the two gradient matmuls. Workspace is bounded independently of ``V``.
-    ``mode="hybrid"`` (or, when ``mode`` is ``None``, ``UNDERLAY_TRITON_LOGPROB_MODE=hybrid`` read at each
-    call) computes the logits blocks with cuBLAS (fp32 output) and reads them with the same kernels; an
-    unknown value raises ``ConfigError`` (see ``_logprob_triton.fused_linear_logprobs``). Inputs must live on a CUDA device (or on CPU when Triton's
-    interpreter is on, ``TRITON_INTERPRET=1``, for tests). ``vocab_group`` follows the protocol: ``weight``
+
+    Tuning options, fixed for the object's life (the defaults are the measured fastest; benchmarks and
+    tests construct kernels with the others): ``mode="hybrid"`` computes the logits blocks with cuBLAS
+    (fp32 output) and reads them with the same kernels (default ``"fused"``: ``tl.dot`` tiles in Triton);
+    ``tma`` is how the fused kernels move tiles on sm90+ GPUs: ``"store"`` (default) loads the GEMM tiles
+    and stores the dlogits tiles through TMA descriptors, ``"load"`` only loads through them, ``"off"``
+    uses pointer loads and stores. A value outside those raises ``ConfigError`` here. See
+    ``_logprob_triton.fused_linear_logprobs``.
+
+    Inputs must live on a CUDA device (or on CPU when Triton's interpreter is on, ``TRITON_INTERPRET=1``,
+    for tests). ``vocab_group`` follows the protocol: ``weight``
     is rank ``r``'s shard ``[r * V_local, (r + 1) * V_local)``; statistics are all-reduced over the group
     and the hidden gradient is summed over it (each rank must call with the same hidden and labels).
     """
 
-    def __init__(self, device: Device, mode: str | None = None) -> None:
-        self._device = device
-        self._mode = mode
-        if mode is not None:
-            from underlay.backends.cuda._logprob_triton import check_mode
+    def __init__(
+        self,
+        device: Device,
+        mode: Literal["fused", "hybrid"] = "fused",
+        tma: Literal["store", "load", "off"] = "store",
+    ) -> None:
+        from underlay.backends.cuda._logprob_triton import check_mode, check_tma
 
-            check_mode(mode, "TritonLogprobKernel(mode=...)")
+        self._device = device
+        self._mode = check_mode(mode, "TritonLogprobKernel(mode=...)")
+        self._tma = check_tma(tma, "TritonLogprobKernel(tma=...)")
 
     @property
-    def mode(self) -> str | None:
-        """The fixed tile mode (``"fused"``/``"hybrid"``), or ``None``: ``UNDERLAY_TRITON_LOGPROB_MODE`` at
-        each call."""
+    def mode(self) -> Literal["fused", "hybrid"]:
+        """How the logits tiles are made: ``"fused"`` (``tl.dot`` in Triton) or ``"hybrid"`` (cuBLAS)."""
         return self._mode
+
+    @property
+    def tma(self) -> Literal["store", "load", "off"]:
+        """How the fused kernels move tiles where TMA is usable: ``"store"``, ``"load"`` or ``"off"``."""
+        return self._tma
 
     @property
     def name(self) -> str:
@@ -88,6 +103,7 @@ class TritonLogprobKernel:
             group=vocab_group,
             label_offset=offset,
             mode=self._mode,
+            tma=self._tma,
         )
         return LogprobOutput(log_probs=lp, entropy=ent)
 

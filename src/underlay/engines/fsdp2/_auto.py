@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,9 +67,11 @@ def _single_node(world: int) -> bool:
     set, else the ranks' host names compared (one collective at build)."""
     if world == 1:
         return True
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    if local.isdigit():
-        return int(local) >= world
+    from underlay.utils import env
+
+    local = env.get_int("LOCAL_WORLD_SIZE", minimum=1)
+    if local is not None:
+        return local >= world
     import socket
 
     names: list[Any] = [None] * world

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -939,7 +938,9 @@ def _compile_backend() -> str:
     backends when the engine is built, not at the first compiled forward."""
     import torch._dynamo
 
-    name = os.environ.get("UNDERLAY_COMPILE_BACKEND", "").strip() or "inductor"
+    from underlay.utils import env
+
+    name = env.get("UNDERLAY_COMPILE_BACKEND")
     known = torch._dynamo.list_backends(exclude_tags=())
     if name not in known:
         raise ConfigError(

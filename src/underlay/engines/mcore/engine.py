@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -76,6 +75,7 @@ from underlay.interfaces import (
 )
 from underlay.interfaces.weightmap import WeightMap
 from underlay.parallel.rank import current_rank
+from underlay.utils import env as _env
 
 __all__ = ["CPU_FIXTURE_ENV", "MCoreEngine", "MCoreOptions"]
 
@@ -158,7 +158,7 @@ class MCoreEngine:
         if self._value:
             self._hf_config = value_hf_config(self._hf_config)
             self._arch = value_arch(self._arch, self._hf_config)
-        if not device.is_accelerator and os.environ.get(CPU_FIXTURE_ENV) != "1":
+        if not device.is_accelerator and not _env.get_bool(CPU_FIXTURE_ENV):
             raise BackendUnavailable(
                 "engine",
                 "mcore",
