@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=""
 if [ "${1:-}" = "--keep" ]; then dir="$2"; else dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT; fi
-export UNDERLAY_VENV="$dir/venv" UNDERLAY_LOCK=0
+export UNDERLAY_VENV="$dir/venv" UNDERLAY_LOCK=0 UNDERLAY_TEST_LATEST=1
 bash scripts/setup.sh dev
 "$UNDERLAY_VENV/bin/pip" freeze --exclude-editable > "$dir/freeze.txt"
 echo "== newest releases installed (full list: $dir/freeze.txt)"

@@ -1,6 +1,6 @@
 """``constraints/cpu.txt`` (the lock ``scripts/setup.sh`` installs from) covers every dependency of the
 test environment, and this environment is that set, unless it was made from the newest releases on
-purpose (``scripts/test_latest.sh`` sets ``UNDERLAY_LOCK=0``) or for another Python."""
+purpose (``scripts/test_latest.sh`` sets ``UNDERLAY_TEST_LATEST=1``) or for another Python."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_lock_pins_every_dependency_of_the_dev_environment() -> None:
 
 
 @pytest.mark.skipif(
-    os.environ.get("UNDERLAY_LOCK", "1") == "0" or sys.version_info[:2] != (3, 11),
-    reason="environment made from the newest releases (UNDERLAY_LOCK=0) or not Python 3.11",
+    os.environ.get("UNDERLAY_TEST_LATEST") == "1" or sys.version_info[:2] != (3, 11),
+    reason="environment made from the newest releases (UNDERLAY_TEST_LATEST=1) or not Python 3.11",
 )
 def test_this_environment_is_the_locked_set() -> None:
     pins = _lock()
