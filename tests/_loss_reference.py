@@ -12,6 +12,8 @@ import torch
 from underlay.interfaces import LossContext, Metric, TokenBatch, TokenOutputs
 from underlay.ops import aggregate_loss
 
+VOCAB, SEQ = 128, 12
+
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum")
 NORM = 7.0  # loss_scale_factor of seq-mean-token-sum-norm
 
@@ -32,6 +34,20 @@ def reference_agg(values: torch.Tensor, mask: torch.Tensor, mode: str, norm: flo
     has = count > 0
     out = row[has].sum() / has.sum()
     return out / norm if mode == "seq-mean-token-sum-norm" else out
+
+
+def global_batch() -> TokenBatch:
+    """10 right-padded rows of lengths 4..12 (tokens < 128): uneven loss-token counts, two rows
+    without any; ``extras["advantages"]``."""
+    g = torch.Generator().manual_seed(11)
+    lens = torch.tensor([12, 5, 9, 4, 11, 7, 12, 6, 10, 8])
+    pos = torch.arange(SEQ)[None, :]
+    attn = (pos < lens[:, None]).long()
+    ids = torch.randint(0, VOCAB, (10, SEQ), generator=g) * attn
+    prompt = torch.tensor([1, 2, 3, 1, 9, 2, 5, 1, 3, 2])
+    loss_mask = ((pos >= prompt[:, None]) & (attn == 1)).long()
+    loss_mask[[3, 7]] = 0
+    return TokenBatch(ids, attn, loss_mask, {"advantages": torch.randn(10, generator=g)})
 
 
 def per_token(log_probs: torch.Tensor, batch: TokenBatch, adv_key: str = "advantages") -> torch.Tensor:

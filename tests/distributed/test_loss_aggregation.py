@@ -11,27 +11,13 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests._loss_reference import MODES, ModeLoss, per_token, reference_agg, reference_metrics
+from tests._loss_reference import MODES, ModeLoss, global_batch, per_token, reference_agg, reference_metrics
 from tests.distributed import _fsdp_helpers as H
-from underlay.interfaces import TokenBatch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
 TOL = 2e-5  # fp32 engine against float64, relative to the largest magnitude
 LAYOUTS = ((1, 10_000, 1), (2, 24, 3))  # (ranks, micro_batch_max_tokens, micro-batches per rank)
-
-
-def global_batch() -> TokenBatch:
-    """10 right-padded rows of lengths 4..12: uneven loss-token counts, two rows without any."""
-    g = torch.Generator().manual_seed(11)
-    lens = torch.tensor([12, 5, 9, 4, 11, 7, 12, 6, 10, 8])
-    pos = torch.arange(H.SEQ)[None, :]
-    attn = (pos < lens[:, None]).long()
-    ids = torch.randint(0, H.VOCAB, (10, H.SEQ), generator=g) * attn
-    prompt = torch.tensor([1, 2, 3, 1, 9, 2, 5, 1, 3, 2])
-    loss_mask = ((pos >= prompt[:, None]) & (attn == 1)).long()
-    loss_mask[[3, 7]] = 0
-    return TokenBatch(ids, attn, loss_mask, {"advantages": torch.randn(10, generator=g)})
 
 
 def _worker(rank: int, world: int, max_tokens: int) -> dict[str, Any]:

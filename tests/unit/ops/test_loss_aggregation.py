@@ -5,6 +5,7 @@ and gradient); bad input is ``InvalidInput`` naming the value; the engine-side p
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -49,7 +50,7 @@ def test_contributions_sum_to_verl_agg_loss_over_the_global_batch(
         total = torch.zeros((), dtype=torch.float64)
         for shard in shards:
             bounds = sorted({0, len(shard), *(c for c in cuts if c < len(shard))})
-            pieces = [shard[a:b] for a, b in zip(bounds, bounds[1:])] or [[]]
+            pieces = [shard[a:b] for a, b in itertools.pairwise(bounds)] or [[]]
             counts = LossCounts(tokens, seqs, ranks, tuple(per_row[i] for i in shard))
             for i, piece in enumerate(pieces):
                 ctx = counts.context(i, len(pieces), [shard.index(r) for r in piece])
