@@ -60,9 +60,16 @@ class LossCounts:
     dp_size: int
     row_tokens: tuple[int, ...]
 
-    def context(self, micro_batch: int, num_micro_batches: int, rows: Sequence[int]) -> LossContext:
+    def context(
+        self,
+        micro_batch: int,
+        num_micro_batches: int,
+        rows: Sequence[int],
+        loss_mask: torch.Tensor | None = None,
+    ) -> LossContext:
         """The ``LossContext`` of micro-batch ``micro_batch`` (of ``num_micro_batches`` on this rank),
-        made of the rows ``rows`` of this rank's shard."""
+        made of the rows ``rows`` of this rank's shard; ``loss_mask``: the micro-batch's
+        ``batch.loss_mask`` tensor handed to the ``loss_fn`` (checked by the engine)."""
         tokens = [self.row_tokens[r] for r in rows]
         return LossContext(
             global_loss_tokens=self.global_tokens,
@@ -72,6 +79,7 @@ class LossCounts:
             num_micro_batches=num_micro_batches,
             local_loss_tokens=sum(tokens),
             local_sequences=sum(1 for t in tokens if t > 0),
+            loss_mask=loss_mask,
         )
 
 

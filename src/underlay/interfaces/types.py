@@ -596,6 +596,8 @@ class LossContext:
     - ``dp_size``: data-parallel ranks holding different data.
     - ``micro_batch``: index of this micro-batch on this rank, ``0 <= micro_batch < num_micro_batches``.
     - ``local_loss_tokens`` / ``local_sequences``: of this micro-batch.
+    - ``loss_mask``: the micro-batch's ``batch.loss_mask`` the counts come from (the engine checked
+      it is 0/1), or ``None``; ``ops.aggregate_loss`` reads nothing back when given this tensor.
 
     The ``loss_fn`` returns this micro-batch's contribution to the global objective; the engine sums
     the contributions' gradients over micro-batches and ranks (``ops.aggregate_loss`` builds
@@ -609,9 +611,12 @@ class LossContext:
     num_micro_batches: int
     local_loss_tokens: int
     local_sequences: int
+    loss_mask: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
+            if name == "loss_mask":
+                continue
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidInput(f"LossContext.{name}={v!r} must be an int >= 0")
@@ -656,7 +661,7 @@ class LossContext:
             )
         per_row = (loss_mask != 0).sum(dim=1)
         tokens, rows = int(per_row.sum()), int((per_row > 0).sum())
-        return cls(tokens, rows, 1, 0, 1, tokens, rows)
+        return cls(tokens, rows, 1, 0, 1, tokens, rows)  # loss_mask unset: aggregate_loss checks it
 
 
 @dataclass(frozen=True)

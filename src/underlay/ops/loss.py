@@ -59,7 +59,9 @@ def aggregate_loss(
     Raises ``InvalidInput`` (naming the value) for an unknown ``mode``, a shape mismatch, a mask with
     values other than 0/1, a mask whose counts disagree with ``ctx``, a non-``LossContext`` ``ctx``,
     or a ``norm`` that is missing, non-finite, not positive, or given to a mode that ignores it.
-    Reads two counts back to the host (one synchronisation) to check the mask against ``ctx``.
+    When ``mask`` is ``ctx.loss_mask`` (the micro-batch's ``batch.loss_mask`` as the engine passed
+    it, already checked) nothing is read back from the device; any other mask is checked against
+    ``ctx`` with one host synchronisation.
     """
     if mode not in AGGREGATION_MODES:
         raise InvalidInput(f"aggregate_loss: unknown mode {mode!r}; use one of {list(AGGREGATION_MODES)}")
@@ -94,18 +96,8 @@ def aggregate_loss(
 
     keep = mask if mask.dtype == torch.bool else mask != 0
     per_row = keep.sum(dim=1)
-    bad = int(((mask != 0) & (mask != 1)).sum()) if mask.dtype != torch.bool else 0
-    tokens, rows = (int(x) for x in torch.stack([per_row.sum(), (per_row > 0).sum()]).tolist())
-    if bad:
-        raise InvalidInput(
-            f"aggregate_loss: mask holds {bad} values other than 0/1; weight values instead of the mask"
-        )
-    if (tokens, rows) != (ctx.local_loss_tokens, ctx.local_sequences):
-        raise InvalidInput(
-            f"aggregate_loss: mask has {tokens} loss tokens in {rows} sequences but ctx counts "
-            f"{ctx.local_loss_tokens} in {ctx.local_sequences}; pass the micro-batch's batch.loss_mask "
-            "(mask tokens out of the loss in TokenBatch.loss_mask before forward_backward)"
-        )
+    if mask is not ctx.loss_mask:
+        _check_mask(mask, per_row, ctx)
 
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     kept = torch.where(keep, values, zero)
@@ -120,3 +112,22 @@ def aggregate_loss(
         assert norm is not None
         seq = seq / norm
     return seq
+
+
+def _check_mask(mask: torch.Tensor, per_row: torch.Tensor, ctx: LossContext) -> None:
+    """``InvalidInput`` unless ``mask`` is 0/1 with the loss tokens and sequences ``ctx`` counts
+    (one read back to the host)."""
+    nonbinary = ((mask != 0) & (mask != 1)).sum() if mask.dtype != torch.bool else per_row.new_zeros(())
+    bad, tokens, rows = (
+        int(x) for x in torch.stack([nonbinary, per_row.sum(), (per_row > 0).sum()]).tolist()
+    )
+    if bad:
+        raise InvalidInput(
+            f"aggregate_loss: mask holds {bad} values other than 0/1; weight values instead of the mask"
+        )
+    if (tokens, rows) != (ctx.local_loss_tokens, ctx.local_sequences):
+        raise InvalidInput(
+            f"aggregate_loss: mask has {tokens} loss tokens in {rows} sequences but ctx counts "
+            f"{ctx.local_loss_tokens} in {ctx.local_sequences}; pass the micro-batch's batch.loss_mask "
+            "(mask tokens out of the loss in TokenBatch.loss_mask before forward_backward)"
+        )

@@ -515,7 +515,7 @@ class FSDP2Engine:
                     continue
                 sub = batch.select(idx)
                 outputs = self._forward(sub, self._config.temperature, self._config.with_entropy)
-                ctx = counts.context(i, len(plan), idx)
+                ctx = counts.context(i, len(plan), idx, sub.loss_mask)
                 loss, metrics = checked_loss(loss_fn(outputs, sub, ctx))
                 (loss * scale).backward()  # type: ignore[no-untyped-call]
                 reducer.add(loss, metrics)

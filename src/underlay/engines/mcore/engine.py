@@ -861,7 +861,10 @@ class MCoreEngine:
         counts = count_loss(host.loss_mask, dp_group, self._layout.dp, self._torch_device)
         plan = self._plan(host)
         mbs = self._micro_batches(host, plan)
-        contexts = {id(mb): counts.context(i, len(plan), idx) for i, (mb, idx) in enumerate(zip(mbs, plan))}
+        contexts = {
+            id(mb): counts.context(i, len(plan), idx, None if mb.sub is None else mb.sub.loss_mask)
+            for i, (mb, idx) in enumerate(zip(mbs, plan))
+        }
         reducer = MetricReducer(self._torch_device)
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
