@@ -171,7 +171,9 @@ class FSDP2Engine:
         fused = bool(options.fused_adamw) and device.is_accelerator
         optim = config.optim
         self._optimizer: torch.optim.Optimizer
-        if options.optimizer_offload:
+        if optim.name.lower() != "adamw":
+            self._optimizer = _named_optimizer(trainable, optim, bool(options.optimizer_offload))
+        elif options.optimizer_offload:
             from underlay.engines.fsdp2.optim_offload import HostOffloadAdamW
 
             self._optimizer = HostOffloadAdamW(
@@ -199,6 +201,7 @@ class FSDP2Engine:
         # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
         self._grads_pending = False
         self._offloaded: dict[str, Any] = {}
+        self._adapter_disabled = False
         self._logprob_kernel = self._pick_logprob_kernel()
 
     # ------------------------------------------------------------------------------ construction
@@ -246,6 +249,15 @@ class FSDP2Engine:
             if not fill and mc.lora is None:
                 return
         full = _build.seeded_state(mc, self._hf_config)
+        if mc.lora is not None and mc.lora.adapter_path is not None:
+            adapters = _build.adapter_tensors(mc.lora)
+            live = {n for n, _ in self._model.named_parameters() if "lora_" in n}
+            if set(adapters) != live:
+                raise CheckpointError(
+                    f"LoraConfig.adapter_path={mc.lora.adapter_path!r} does not fit the adapted model: missing "
+                    f"{sorted(live - set(adapters))[:4]}, unexpected {sorted(set(adapters) - live)[:4]}"
+                )
+            full.update(adapters)
         for name, param in self._model.named_parameters():
             if fill is None or "lora_" in name or name in fill:
                 _build.copy_into_param(param, full[name], name)
@@ -486,6 +498,11 @@ class FSDP2Engine:
         gradients up to floating-point summation order. An exception leaves no gradient behind (the
         earlier calls' included), resets FSDP's per-iteration state and restores gradient sync."""
         check_loss_fn(loss_fn)
+        if self._adapter_disabled:
+            raise InvalidInput(
+                "forward_backward inside disable_adapter(): the adapters are bypassed there, nothing would "
+                "train; leave the block first (use it for the reference log-probs of infer)"
+            )
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         dp_group = self._dp_group
@@ -763,6 +780,24 @@ class FSDP2Engine:
 
     def _params_by_name(self) -> dict[str, torch.Tensor]:
         return dict(self._model.named_parameters())
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Inside the block the LoRA adapters are bypassed: ``infer`` gives the base model's outputs
+        (the reference policy of LoRA RL, without a second copy of the model). ``forward_backward``
+        inside it raises ``InvalidInput`` (nothing trains there). ``InvalidInput`` for an engine
+        without LoRA. Not re-entrant; every rank enters it together."""
+        toggle = getattr(self._model, "disable_adapter", None)
+        if self._config.model.lora is None or toggle is None:
+            raise InvalidInput("disable_adapter: the engine has no LoRA adapters (ModelConfig.lora is None)")
+        if self._adapter_disabled:
+            raise InvalidInput("disable_adapter: already inside a disable_adapter() block")
+        self._adapter_disabled = True
+        try:
+            with toggle():
+                yield
+        finally:
+            self._adapter_disabled = False
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full LoRA adapter tensors (peft names without the ``.default`` adapter segment, as
@@ -1071,3 +1106,24 @@ def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
         if hasattr(module, "lora_A") and hasattr(module, "scaling") and hasattr(module, "base_layer"):
             found[name] = module
     return found
+
+
+def _named_optimizer(params: list[torch.nn.Parameter], optim: Any, offload: bool) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer ``optim.name`` (not AdamW) over ``params``: ``lr``,
+    ``weight_decay``, the ``betas``/``eps`` it takes, and ``optim.options`` (validated by
+    ``OptimConfig``). Host-offloaded state exists for AdamW only: ``ConfigError`` with
+    ``optimizer_offload``."""
+    from underlay.interfaces.config import optimizer_class, standard_optimizer_args
+
+    cls = optimizer_class(optim.name)
+    if offload:
+        raise ConfigError(
+            f"optimizer_offload keeps AdamW's state in host memory; OptimConfig.name={optim.name!r} has no "
+            "host-offloaded variant: use name='adamw' or turn optimizer_offload off (engine.offload() still "
+            "moves any optimizer's state between steps)"
+        )
+    kw = {k: getattr(optim, k) for k in standard_optimizer_args(cls)}
+    opt: torch.optim.Optimizer = cls(
+        params, lr=optim.lr, weight_decay=optim.weight_decay, **kw, **optim.options
+    )
+    return opt
