@@ -51,7 +51,7 @@ def actor_loss(
     kl = (outputs.log_probs - batch.extras["ref_log_probs"].to(outputs.log_probs.dtype)) ** 2
     per_token = -adv * outputs.log_probs + 0.05 * kl
     kl_mean = aggregate_loss(kl.detach(), batch.loss_mask, "token-mean", ctx)
-    kl_max = Metric(kl.detach()[batch.loss_mask != 0].max(), "max")
+    kl_max = Metric(torch.where(batch.loss_mask != 0, kl.detach(), 0.0).max(), "max")  # kl >= 0
     return aggregate_loss(per_token, batch.loss_mask, "token-mean", ctx), {"kl": kl_mean, "kl_max": kl_max}
 
 
