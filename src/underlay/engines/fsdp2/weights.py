@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, StreamingShardWriter
+from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, StreamingShardWriter, export_owned
 from underlay.engines._hf_load import (
     DEFAULT_LOAD_BUCKET_BYTES,
     LoadPlan,
@@ -25,7 +25,13 @@ from underlay.engines._hf_load import (
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
 from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
-from underlay.utils.safe_files import abort_directory, atomic_directory, begin_directory, commit_directory
+from underlay.utils.safe_files import (
+    abort_directory,
+    as_path,
+    atomic_directory,
+    begin_directory,
+    commit_directory,
+)
 
 __all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into"]
 
@@ -181,7 +187,7 @@ class FSDP2WeightLoader:
                 f"export_hf: dtype={dtype!r} is not a floating torch dtype; use torch.bfloat16, "
                 "torch.float16 or torch.float32 (or None for the engine's param_dtype)"
             )
-        out = Path(out_dir)
+        out = as_path(out_dir, "export_hf: out_dir")
         dtype = dtype or eng.param_dtype
         # rank 0 builds the export in a fresh sibling directory and swaps it in whole: an earlier
         # export there (other sharding, other files) is replaced, never mixed with the new one
@@ -191,7 +197,7 @@ class FSDP2WeightLoader:
         writer: StreamingShardWriter | None = None
         if rank0:
             try:
-                tmp = begin_directory(out)
+                tmp = begin_directory(out, replaceable=export_owned)
                 entries = [
                     (hf, shape) for rule in eng.weight_map.rules for hf, shape in rule.hf_shapes().items()
                 ]
@@ -234,12 +240,12 @@ class FSDP2WeightLoader:
         peft_config = getattr(eng.model, "peft_config", None)
         if not peft_config:
             raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
+        out = as_path(out_dir, "export_adapters: out_dir")
         tensors = {n: t.cpu().contiguous() for n, t in eng.named_adapter_tensors()}
-        out = Path(out_dir)
         error: BaseException | None = None
         if current_rank() == 0:
             try:
-                with atomic_directory(out) as tmp:
+                with atomic_directory(out, replaceable=export_owned) as tmp:
                     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
                     peft_config["default"].save_pretrained(str(tmp))
             except Exception as exc:
