@@ -260,8 +260,6 @@ MUST_REFUSE = {  # writing there would move, replace or delete what the user has
     ("Tracking(tensorboard)", "file"),
     ("TensorBoardBackend", "file"),
     ("JsonlBackend", "user_dir"),
-    ("CheckpointManager", "file"),
-    ("CheckpointManager", "under_file"),
 }
 
 

@@ -173,7 +173,8 @@ class CheckpointManager:
     All methods but ``latest`` are collective over the engine's world. ``device`` (default:
     ``engine.device``) provides the RNG state. ``check_hash=False`` skips the digest check at load
     (for very large checkpoints; sizes are always checked). Raises ``InvalidInput`` for
-    ``max_to_keep`` not an int >= 1 and a ``root`` that is not a path or is an existing file. Construction recovers what a crashed save left in ``root`` (rank
+    ``max_to_keep`` not an int >= 1 and a ``root`` that is not a path. Construction recovers what a
+    crashed save left in ``root`` (rank
     0): ``.old`` copies without their step are renamed back, ``.tmp`` directories removed. One
     manager writes to a ``root`` at a time.
     """
@@ -191,13 +192,9 @@ class CheckpointManager:
             raise InvalidInput(f"CheckpointManager: max_to_keep={max_to_keep!r} must be an int >= 1")
         if not isinstance(check_hash, bool):
             raise InvalidInput(f"CheckpointManager: check_hash={check_hash!r} must be True or False")
+        # the type is checked here (the same on every rank); what the file system says is checked by
+        # rank 0 inside save's agreed steps, so a failure there reaches every rank as CheckpointError
         self.root = as_path(root, "CheckpointManager: root")
-        for p in (self.root, *self.root.parents):
-            if p.exists() and not p.is_dir():
-                raise InvalidInput(
-                    f"CheckpointManager: {p} is an existing file, not a directory; choose another root "
-                    "directory (the file is left as it is)"
-                )
         self.engine = engine
         self.max_to_keep = max_to_keep
         self.device = device or engine.device
