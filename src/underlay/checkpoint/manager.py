@@ -174,9 +174,8 @@ class CheckpointManager:
     ``engine.device``) provides the RNG state. ``check_hash=False`` skips the digest check at load
     (for very large checkpoints; sizes are always checked). Raises ``InvalidInput`` for
     ``max_to_keep`` not an int >= 1 and a ``root`` that is not a path. Construction recovers what a
-    crashed save left in ``root`` (rank
-    0): ``.old`` copies without their step are renamed back, ``.tmp`` directories removed. One
-    manager writes to a ``root`` at a time.
+    crashed save left in ``root`` (rank 0): ``.old`` copies without their step are renamed back,
+    ``.tmp`` directories removed. One manager writes to a ``root`` at a time.
     """
 
     def __init__(
