@@ -1,10 +1,14 @@
 """Hugging Face config -> megatron-core ``TransformerConfig`` + ``GPTModel`` arguments.
 
 Supported families: ``llama``, ``mistral``, ``qwen2`` (q/k/v bias), ``qwen3`` (q/k RMSNorm, ``head_dim``
-independent of ``hidden / heads``) and ``qwen3_moe`` (softmax top-k router, routed experts on every
-layer), with or without tied embeddings. What the conversion cannot represent exactly (a RoPE scaling
-type, an activation, a bias pattern, sliding windows, shared experts, dense layers in an MoE stack) is
-refused with ``ConfigError`` naming it, so a converted model always computes what the HF model computes.
+independent of ``hidden / heads``), ``qwen3_moe`` (softmax top-k router, routed experts on every
+layer), ``mixtral`` (per-expert ``w1``/``w3``/``w2`` on disk) and ``qwen2_moe`` (a shared expert behind a
+sigmoid gate), with or without tied embeddings; RoPE plain or with the static scalings ``linear`` and
+``llama3`` (inverse frequencies computed by transformers itself, ``MCoreArch.inv_freq``); sliding-window
+attention per layer (``MCoreArch.windows``, transformers' window semantics). What the conversion cannot
+represent exactly (another RoPE scaling type, an activation, a bias pattern, dense layers in an MoE
+stack, multi-latent attention, sigmoid/grouped routing) is refused with ``ConfigError`` naming it, so a
+converted model always computes what the HF model computes.
 
 The functions here are pure: they read the HF config and the requested sizes and never touch
 megatron's global parallel state (``check_layout`` runs before any process group exists).
@@ -20,9 +24,36 @@ import torch
 
 from underlay.interfaces import ConfigError
 
-__all__ = ["MCoreArch", "arch_of", "check_layout", "transformer_config_kwargs", "value_arch"]
+__all__ = [
+    "MCoreArch",
+    "arch_of",
+    "check_layout",
+    "padded_vocab_size",
+    "transformer_config_kwargs",
+    "value_arch",
+    "with_padded_vocab",
+]
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+_REFUSED = {
+    "deepseek_v3": (
+        "multi-latent attention (MLA: low-rank q/kv projections, a decoupled RoPE part of the head, "
+        "v_head_dim != qk_head_dim) is not converted by the mcore engine: megatron-core builds MLA "
+        "(MLASelfAttention) with its own RoPE inside the attention and, without Transformer Engine, "
+        "only the unpacked DotProductAttention core, which refuses the packed (THD) micro-batches the "
+        "engine runs"
+    ),
+    "glm4_moe": (
+        "leading dense layers (first_k_dense_replace), partial rotary embeddings "
+        "(partial_rotary_factor) and the sigmoid router's e_score_correction_bias buffer are not "
+        "converted by the mcore engine"
+    ),
+}
+
+_STATIC_ROPE = ("default", "linear", "llama3")
+"""RoPE types whose inverse frequencies do not depend on the sequence and whose cos/sin are unscaled
+(transformers' ``attention_factor`` is 1): the engine applies them from ``MCoreArch.inv_freq``."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +89,33 @@ class MCoreArch:
     value_head: bool = False
     value_bias: bool = True
     value_dropout: float = 0.0
+    inv_freq: tuple[float, ...] | None = None
+    windows: tuple[int | None, ...] = ()
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    padded_vocab: int = 0
 
     @property
     def is_moe(self) -> bool:
         """Whether the MLPs are routed experts."""
         return self.num_experts > 0
 
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the engine's embedding and output layer: ``padded_vocab`` (a multiple of the TP
+        size, set by ``with_padded_vocab``) or ``vocab`` when nothing is padded."""
+        return max(self.padded_vocab, self.vocab)
 
-def _rope_theta(cfg: Any) -> float:
+    def window(self, layer: int) -> int | None:
+        """Sliding window of global layer ``layer`` (0-based) as transformers counts it (query ``i``
+        sees key ``j`` when ``0 <= i - j < window``), or ``None`` for full causal attention."""
+        return self.windows[layer] if self.windows else None
+
+
+def _rope(cfg: Any) -> tuple[float, tuple[float, ...] | None]:
+    """``(rope_theta, inv_freq)``: ``inv_freq`` is ``None`` for plain RoPE (megatron's own inverse
+    frequencies, equal to transformers'), else the ``[head_dim // 2]`` float32 values transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute for a static scaling (``_STATIC_ROPE``)."""
     params = getattr(cfg, "rope_parameters", None)
     scaling = getattr(cfg, "rope_scaling", None)
     rope_type = "default"
@@ -73,16 +123,55 @@ def _rope_theta(cfg: Any) -> float:
     if isinstance(params, dict):
         rope_type = str(params.get("rope_type", params.get("type", "default")))
         theta = params.get("rope_theta", theta)
+        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError(
+                f"mcore: partial_rotary_factor={params['partial_rotary_factor']} (RoPE on part of the "
+                "head) is not converted; the mcore engine rotates the whole head dimension"
+            )
     if isinstance(scaling, dict) and scaling:
         rope_type = str(scaling.get("rope_type", scaling.get("type", rope_type)))
-    if rope_type != "default":
+    if rope_type not in _STATIC_ROPE:
         raise ConfigError(
-            f"mcore: rope scaling type {rope_type!r} cannot be converted (only plain RoPE, rope_type "
-            "'default'); use the fsdp2 engine for this model"
+            f"mcore: rope scaling type {rope_type!r} cannot be converted (supported: {_STATIC_ROPE}: "
+            "static inverse frequencies, unscaled cos/sin); use the fsdp2 engine for this model"
         )
     if theta is None:
         raise ConfigError("mcore: the HF config has no rope_theta (rope_parameters['rope_theta'])")
-    return float(theta)
+    if rope_type == "default":
+        return float(theta), None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    if float(attention_factor) != 1.0:
+        raise ConfigError(
+            f"mcore: rope_type {rope_type!r} with attention_factor={attention_factor} (scaled cos/sin) "
+            "is not converted"
+        )
+    return float(theta), tuple(float(x) for x in inv_freq.to(torch.float32).tolist())
+
+
+def _windows(cfg: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows as transformers applies them: ``layer_types`` when the config has it
+    (``"sliding_attention"`` layers get ``sliding_window``), else ``sliding_window`` on every layer
+    (mistral, mixtral) unless ``use_sliding_window`` is false. ``()`` when no layer is windowed."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ConfigError(
+                f"mcore: layer_types {unknown}: only full_attention and sliding_attention layers"
+            )
+        if "sliding_attention" not in layer_types:
+            return ()
+        if not window or int(window) < 1:
+            raise ConfigError(f"mcore: sliding_attention layers with sliding_window={window!r}")
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if window is None or not bool(getattr(cfg, "use_sliding_window", True)):
+        return ()
+    if int(window) < 1:
+        raise ConfigError(f"mcore: sliding_window={window!r} must be >= 1 or None")
+    return (int(window),) * num_layers
 
 
 def arch_of(hf_config: Any) -> MCoreArch:
@@ -92,6 +181,8 @@ def arch_of(hf_config: Any) -> MCoreArch:
     sliding window or MoE feature."""
     cfg = hf_config
     mt = str(getattr(cfg, "model_type", ""))
+    if mt in _REFUSED:
+        raise ConfigError(f"mcore: model_type {mt!r}: {_REFUSED[mt]}; use the fsdp2 engine")
     if mt not in SUPPORTED:
         raise ConfigError(
             f"mcore: model_type {mt!r} is not supported; supported: {SUPPORTED} (use the fsdp2 engine)"
@@ -102,22 +193,14 @@ def arch_of(hf_config: Any) -> MCoreArch:
     if getattr(cfg, "mlp_bias", False):
         raise ConfigError("mcore: mlp_bias=True (bias on the MLP projections) is not supported")
     attn_bias = bool(getattr(cfg, "attention_bias", False))
-    if mt in ("llama", "mistral", "qwen3", "qwen3_moe") and attn_bias:
+    if mt in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe") and attn_bias:
         raise ConfigError(
             f"mcore: attention_bias=True on {mt} puts a bias on o_proj too; megatron's bias pattern "
             "(q/k/v bias only, add_qkv_bias) cannot represent it"
         )
-    window = getattr(cfg, "sliding_window", None)
-    use_window = bool(getattr(cfg, "use_sliding_window", mt == "mistral"))
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0)
-    if window is not None and use_window and int(window) < max_pos:
-        raise ConfigError(
-            f"mcore: sliding_window={window} < max_position_embeddings={max_pos} is not supported by "
-            "the mcore engine's attention; set sliding_window=None or use the fsdp2 engine"
-        )
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise ConfigError(f"mcore: layer_types {sorted(set(layer_types))}: only full_attention layers")
+    windows = _windows(cfg, int(cfg.num_hidden_layers))
+    theta, inv_freq = _rope(cfg)
     heads = int(cfg.num_attention_heads)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -125,22 +208,30 @@ def arch_of(hf_config: Any) -> MCoreArch:
     topk = 0
     moe_ffn = 0
     norm_topk = True
-    if mt == "qwen3_moe":
-        num_experts = int(cfg.num_experts)
+    shared_ffn = 0
+    if mt in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        num_experts = int(cfg.num_local_experts if mt == "mixtral" else cfg.num_experts)
         topk = int(cfg.num_experts_per_tok)
-        moe_ffn = int(cfg.moe_intermediate_size)
-        norm_topk = bool(getattr(cfg, "norm_topk_prob", True))
+        # mixtral's experts are as wide as its intermediate_size; it always renormalises the top-k
+        moe_ffn = int(cfg.intermediate_size if mt == "mixtral" else cfg.moe_intermediate_size)
+        norm_topk = True if mt == "mixtral" else bool(getattr(cfg, "norm_topk_prob", True))
         if getattr(cfg, "mlp_only_layers", None):
             raise ConfigError(
-                f"mcore: qwen3_moe with dense mlp_only_layers={cfg.mlp_only_layers} is not supported "
+                f"mcore: {mt} with dense mlp_only_layers={cfg.mlp_only_layers} is not supported "
                 "(every layer must be an MoE layer)"
             )
         if int(getattr(cfg, "decoder_sparse_step", 1)) != 1:
             raise ConfigError(
-                f"mcore: qwen3_moe decoder_sparse_step={cfg.decoder_sparse_step}: only 1 (every layer MoE)"
+                f"mcore: {mt} decoder_sparse_step={cfg.decoder_sparse_step}: only 1 (every layer MoE)"
             )
-        if getattr(cfg, "shared_expert_intermediate_size", 0):
-            raise ConfigError("mcore: shared experts are not supported")
+        if float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+            raise ConfigError(
+                f"mcore: router_jitter_noise={cfg.router_jitter_noise} (random router noise in "
+                "training) is not converted; set it to 0"
+            )
+        shared_ffn = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        if shared_ffn and mt != "qwen2_moe":
+            raise ConfigError(f"mcore: shared experts on {mt} are not converted")
     return MCoreArch(
         model_type=mt,
         num_layers=int(cfg.num_hidden_layers),
@@ -151,16 +242,34 @@ def arch_of(hf_config: Any) -> MCoreArch:
         head_dim=head_dim,
         vocab=int(cfg.vocab_size),
         max_positions=max_pos or 4096,
-        rope_theta=_rope_theta(cfg),
+        rope_theta=theta,
         norm_eps=float(cfg.rms_norm_eps),
         tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2" or (attn_bias and mt == "qwen2"),
+        qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
         qk_norm=mt in ("qwen3", "qwen3_moe"),
         num_experts=num_experts,
         moe_topk=topk,
         moe_ffn=moe_ffn,
         norm_topk_prob=norm_topk,
+        inv_freq=inv_freq,
+        windows=windows,
+        shared_ffn=shared_ffn,
+        shared_gate=shared_ffn > 0,
     )
+
+
+def padded_vocab_size(vocab: int, tp: int) -> int:
+    """The smallest multiple of ``tp`` that is ``>= vocab``: the rows of the vocab-parallel embedding
+    and output layer (megatron splits them in ``tp`` equal shards)."""
+    return -(-int(vocab) // int(tp)) * int(tp)
+
+
+def with_padded_vocab(arch: MCoreArch, tp: int) -> MCoreArch:
+    """``arch`` with ``padded_vocab = padded_vocab_size(arch.vocab, tp)`` (0 when nothing is padded).
+    The padded rows exist only inside the engine: the weight map strips them (``hf_shapes`` keeps the
+    real vocabulary) and the log-probs never give them probability (``vocab.mask_padded_rows``)."""
+    rows = padded_vocab_size(arch.vocab, tp)
+    return dataclasses.replace(arch, padded_vocab=rows if rows != arch.vocab else 0)
 
 
 def value_arch(arch: MCoreArch, hf_config: Any) -> MCoreArch:
@@ -202,7 +311,8 @@ def check_layout(
     """Validate the parallel sizes against the world size and the model; return the data-parallel size.
 
     Raises ``ConfigError`` naming the numbers and the fix when the world size is not a multiple of
-    ``tp * pp * cp``, heads or k/v heads or the vocabulary are not divisible by ``tp``, layers by
+    ``tp * pp * cp``, heads or k/v heads are not divisible by ``tp`` (a vocabulary that is not is
+    padded: ``with_padded_vocab``), sliding windows meet ``cp > 1``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
     without sequence parallelism, VPP is used without PP or with CP, or ``etp != tp`` (``etp`` is expert tensor
     parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``)."""
@@ -221,10 +331,10 @@ def check_layout(
             f"mcore: tp={tp} must divide the attention heads ({arch.heads}) and the k/v heads "
             f"({arch.num_query_groups}); lower tp"
         )
-    if arch.vocab % tp:
+    if arch.windows and cp > 1:
         raise ConfigError(
-            f"mcore: tp={tp} must divide the vocabulary size {arch.vocab} (the embedding and output "
-            "layer are split by vocabulary rows); lower tp"
+            f"mcore: sliding-window attention with cp={cp}: the engine's context-parallel attention "
+            "computes full causal attention; use cp=1 for this model"
         )
     if vpp > 1 and pp == 1:
         raise ConfigError(f"mcore: vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages)")
@@ -368,6 +478,13 @@ def transformer_config_kwargs(
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
         )
+        if arch.shared_ffn:
+            # qwen2_moe: output += sigmoid(x @ gate.T) * shared_mlp(x) (megatron's SharedExpertMLP)
+            kw.update(
+                moe_shared_expert_intermediate_size=arch.shared_ffn,
+                moe_shared_expert_gate=arch.shared_gate,
+                moe_shared_expert_overlap=False,
+            )
     if recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":

@@ -46,6 +46,7 @@ from underlay.engines._inductor import inductor_ok
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
+    with_padded_vocab,
     check_interleaved_count,
     check_layout,
     transformer_config_kwargs,
@@ -186,6 +187,7 @@ class MCoreEngine:
             etp=etp,
             sequence_parallel=opts.sequence_parallel,
         )
+        self._arch = with_padded_vocab(self._arch, par.tp)  # vocab rows a multiple of tp (vocab.py)
         self._config = config
         self._device = device
         self._opts = opts
@@ -315,7 +317,7 @@ class MCoreEngine:
             model = GPTModel(
                 config=self._tf_config,
                 transformer_layer_spec=spec,
-                vocab_size=arch.vocab,
+                vocab_size=arch.vocab_rows,
                 max_sequence_length=arch.max_positions,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -792,6 +794,13 @@ class MCoreEngine:
         )
         h = output.reshape(-1, output.shape[-1])
         group = self._pg["tp"] if self._layout.tp > 1 else None
+        if self._arch.vocab_rows != self._arch.vocab:  # padded rows get no probability
+            from megatron.core import parallel_state as ps
+
+            from underlay.engines.mcore.vocab import mask_padded_rows
+
+            rank = ps.get_tensor_model_parallel_rank()
+            h, weight = mask_padded_rows(h, weight, vocab=self._arch.vocab, rank=rank)
         out = self._logprob_kernel(
             h, weight, mb.labels, temperature=temperature, with_entropy=with_entropy, vocab_group=group
         )
@@ -1228,6 +1237,8 @@ class MCoreEngine:
             "model_type": getattr(cfg, "model_type", None),
             "kind": self._config.model.kind,
             "params": {n: list(s) for n, s in hf_shapes(self._arch).items()},
+            # padded vocabulary rows (a multiple of tp) live in the checkpoint's tensors
+            **({"vocab_rows": self._arch.vocab_rows} if self._arch.vocab_rows != self._arch.vocab else {}),
         }
 
     def _sharded_state(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@
 - ``CoreAttention``: causal attention through the selected ``AttentionKernel`` (varlen), for packed THD
   input (``PackedSeqParams``) and for ``[s, b, h, d]`` input; GQA is left to the kernel. Under context
   parallelism it gathers K/V over the CP group (``context_parallel.cp_attention``). It applies RoPE to
-  q/k first (after megatron's q/k norm), vectorized over the packed micro-batch (``rope``).
+  q/k first (after megatron's q/k norm), vectorized over the packed micro-batch (``rope``), with the
+  HF config's scaled inverse frequencies when it has them, and each layer's sliding window.
 - ``layer_spec``: the GPT layer spec with these plugged in, or the Transformer Engine spec when
   ``transformer_engine`` is importable.
 - ``mark_tensor_parallel``: the TP attributes megatron sets only when it initialises weights itself.
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import InvalidInput
+from underlay.interfaces import ConfigError, InvalidInput
 
 __all__ = [
     "DEVICE_CU_ATTR",
@@ -181,6 +182,8 @@ def _core_attention_class() -> type:
             kernel: str | None = None,
             rotary_base: float | None = None,
             fused_rope: bool = False,
+            inv_freq: tuple[float, ...] | None = None,
+            windows: tuple[int | None, ...] = (),
         ) -> None:
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
@@ -198,10 +201,16 @@ def _core_attention_class() -> type:
             # RoPE is applied here (GPTModel is built with position_embedding_type="none", see
             # ``position_embedding_type``): vectorized over the packed micro-batch, see ``rope``
             self._inv_freq: torch.Tensor | None = None
-            if rotary_base is not None:
+            if inv_freq is not None:  # a scaled RoPE: transformers' own inverse frequencies (fp32)
+                self._inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
+            elif rotary_base is not None:
                 from underlay.engines.mcore.rope import rope_inv_freq
 
                 self._inv_freq = rope_inv_freq(config, rotary_base)
+            # transformers' sliding window w: query i sees key j when 0 <= i - j < w, i.e. the kernel's
+            # (left, right) = (w - 1, 0); ``layer_number`` is megatron's global 1-based layer index
+            w = windows[layer_number - 1] if windows else None
+            self.window: tuple[int, int] | None = None if w is None else (int(w) - 1, 0)
 
         def _get_kernel(self) -> Any:
             if self._kernel is None:
@@ -237,6 +246,7 @@ def _core_attention_class() -> type:
                     int(packed_seq_params.max_seqlen_q),
                     int(packed_seq_params.max_seqlen_kv),
                     causal=True,
+                    window=self.window,
                     scale=self.softmax_scale,
                 )
                 result: torch.Tensor = out.reshape(out.shape[0], -1)
@@ -246,7 +256,9 @@ def _core_attention_class() -> type:
             k = key.transpose(0, 1).reshape(b * s, *key.shape[2:])
             v = value.transpose(0, 1).reshape(b * s, *value.shape[2:])
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-            out = kernel.varlen(q, k, v, cu, cu, s, s, causal=True, scale=self.softmax_scale)
+            out = kernel.varlen(
+                q, k, v, cu, cu, s, s, causal=True, window=self.window, scale=self.softmax_scale
+            )
             result = out.reshape(b, s, -1).transpose(0, 1).contiguous()
             return result
 
@@ -360,6 +372,12 @@ def block_spec(
 
     num_experts = arch.num_experts or None
     if have_te():
+        if arch.inv_freq is not None or arch.windows:
+            raise ConfigError(
+                "mcore with Transformer Engine: scaled RoPE (rope_type llama3/linear) and sliding "
+                "windows are applied by underlay's local-spec attention only; uninstall "
+                "transformer_engine or use the fsdp2 engine for this model"
+            )
         layer = specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
         )
@@ -377,7 +395,13 @@ def block_spec(
     rotary_base = int(arch.rope_theta) if float(arch.rope_theta).is_integer() else float(arch.rope_theta)
     att.core_attention = ModuleSpec(
         module=CoreAttention,
-        params={"kernel": attention, "rotary_base": rotary_base, "fused_rope": fused_elementwise},
+        params={
+            "kernel": attention,
+            "rotary_base": rotary_base,
+            "fused_rope": fused_elementwise,
+            "inv_freq": arch.inv_freq,
+            "windows": arch.windows,
+        },
     )
     if arch.qk_norm:
         att.q_layernorm = norm
