@@ -16,8 +16,8 @@ from underlay.interfaces import ConfigError
 
 pytestmark = pytest.mark.mcore
 
-LP_TOL = 2e-5  # fp32 engine against the float64 model: log-probs
-GRAD_TOL = 2e-4  # relative to the largest gradient of each tensor
+LP_TOL = 5e-6  # fp32 engine against the float64 model: log-probs (seen: <= 7e-7)
+GRAD_TOL = 1e-5  # relative to the largest gradient of each tensor (seen: <= 1.1e-6)
 
 
 @pytest.fixture(scope="module")
