@@ -15,7 +15,9 @@ from tests.mcore import _helpers as H
 # original_max_position_embeddings 8 with head_dim 8), sliding windows shorter than the sequences
 # (all layers: mistral; the layers past max_window_layers: qwen2), vocabularies TP=2 does not divide
 # (131, 127: padded rows), tied embeddings with a padded vocabulary, mixtral's per-expert w1/w3/w2,
-# qwen2_moe's gated shared expert without top-k renormalisation.
+# qwen2_moe's gated shared expert without top-k renormalisation; glm4_moe's dense first layer, partial
+# RoPE, q/k norm, q/k/v bias, shared expert and sigmoid router with a (perturbed) routing bias, groups
+# (one of 2 groups of 4 experts per token) and scaled weights.
 _COMMON: dict[str, Any] = dict(
     hidden_size=32,
     intermediate_size=48,
@@ -61,6 +63,19 @@ def arch_configs() -> dict[str, Any]:
             shared_expert_intermediate_size=24,
             norm_topk_prob=False,
         ),
+        "glm4_moe": tf.Glm4MoeConfig(
+            **{**_COMMON, "vocab_size": 127, "head_dim": 8, "attention_bias": True},
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            use_qk_norm=True,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+        ),
     }
 
 
@@ -86,6 +101,9 @@ def write_checkpoints(root: Path) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
+            for n, b in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):  # large enough to change the routing
+                    b.add_(0.3 * torch.randn_like(b))
         model.save_pretrained(str(root / name))
         model = model.double()
         # one unpadded sequence at a time: with a sliding window, padded query rows of a right-padded
@@ -119,7 +137,7 @@ def check_layout_all_archs(rank: int, world: int, tp: int, pp: int, root: str) -
     for name, hf_cfg in arch_configs().items():
         path = Path(root) / name
         ref = torch.load(path / "ref.pt")
-        moe = hf_cfg.model_type in ("mixtral", "qwen2_moe")
+        moe = hf_cfg.model_type in ("mixtral", "qwen2_moe", "glm4_moe")
         cfg = EngineConfig(
             model=ModelConfig(path=str(path), seed=0),
             parallel=ParallelConfig(tp=tp, pp=pp),

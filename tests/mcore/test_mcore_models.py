@@ -1,7 +1,8 @@
 """Architectures beyond plain llama/qwen on the mcore engine, exact against transformers' float64
 forward at TP=2 and at PP=2 (one process group per layout running every architecture): Llama 3 RoPE
 scaling, sliding windows (mistral, qwen2), vocabularies padded for TP (padded rows get no
-probability and never leave the engine), mixtral and qwen2_moe (shared expert behind a gate); and the
+probability and never leave the engine), mixtral, qwen2_moe (shared expert behind a gate) and
+glm4_moe (dense first layer, partial RoPE, sigmoid router with routing bias and groups); and the
 refusals that name what the engine cannot build."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def test_architectures_equal_hf(checkpoints: Path, tp: int, pp: int) -> None:
         assert r["moved"] > 1e-4, (name, r)  # the step changed the weights, so the load is what restores them
         assert r["roundtrip"] == 0.0 and r["names"] == 1.0, (name, r)
     # vocabularies that tp=2 does not divide are padded to the next multiple, nothing else is
-    expected = {"llama3": 132, "qwen2_window": 132, "mixtral": 128} if tp == 2 else {}
+    expected = {"llama3": 132, "qwen2_window": 132, "mixtral": 128, "glm4_moe": 128} if tp == 2 else {}
     for name, r in res.items():
         assert r["vocab_rows"] == expected.get(name, A.arch_configs()[name].vocab_size), (name, r)
 
@@ -55,7 +56,8 @@ def test_refusals_name_the_missing_piece() -> None:
     common = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=64)
     cases = [
         (tf.DeepseekV3Config(**common), "multi-latent attention"),
-        (tf.Glm4MoeConfig(**common), "first_k_dense_replace"),
+        (tf.Glm4MoeConfig(**common, n_group=2, topk_group=1, num_experts_per_tok=4), "2 best experts"),
+        (tf.Glm4MoeConfig(**common, norm_topk_prob=False), "norm_topk_prob=False"),
         (tf.LlamaConfig(**common, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "yarn"),
         (tf.MixtralConfig(**common, router_jitter_noise=0.1), "router_jitter_noise"),
         (tf.Qwen2MoeConfig(**common, mlp_only_layers=[0]), "mlp_only_layers"),

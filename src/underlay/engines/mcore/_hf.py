@@ -62,6 +62,8 @@ def seeded_hf_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.T
         torch.manual_seed(model_cfg.seed)
         model = auto.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    # routing-bias buffers (glm4_moe's e_score_correction_bias) are model state the weight map carries
+    state.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
     from underlay.engines.mcore.weightmap import checkpoint_names
 
     return checkpoint_names(str(getattr(hf_config, "model_type", "")), per_expert_names(state))

@@ -2,13 +2,15 @@
 
 Supported families: ``llama``, ``mistral``, ``qwen2`` (q/k/v bias), ``qwen3`` (q/k RMSNorm, ``head_dim``
 independent of ``hidden / heads``), ``qwen3_moe`` (softmax top-k router, routed experts on every
-layer), ``mixtral`` (per-expert ``w1``/``w3``/``w2`` on disk) and ``qwen2_moe`` (a shared expert behind a
-sigmoid gate), with or without tied embeddings; RoPE plain or with the static scalings ``linear`` and
-``llama3`` (inverse frequencies computed by transformers itself, ``MCoreArch.inv_freq``); sliding-window
-attention per layer (``MCoreArch.windows``, transformers' window semantics). What the conversion cannot
-represent exactly (another RoPE scaling type, an activation, a bias pattern, dense layers in an MoE
-stack, multi-latent attention, sigmoid/grouped routing) is refused with ``ConfigError`` naming it, so a
-converted model always computes what the HF model computes.
+layer), ``mixtral`` (per-expert ``w1``/``w3``/``w2`` on disk), ``qwen2_moe`` (a shared expert behind a
+sigmoid gate) and ``glm4_moe`` (leading dense layers, a shared expert, a sigmoid router whose top-k is
+chosen with the ``e_score_correction_bias`` buffer, optionally group-limited, scaled weights; partial
+RoPE), with or without tied embeddings; RoPE plain or with the static scalings ``linear`` and
+``llama3`` (inverse frequencies computed as transformers computes them, ``MCoreArch.inv_freq``);
+sliding-window attention per layer (``MCoreArch.windows``, transformers' window semantics). What the
+conversion cannot represent exactly (another RoPE scaling type, an activation, a bias pattern, dense
+layers in qwen MoE stacks, multi-latent attention, group-limited routing other than megatron's) is
+refused with ``ConfigError`` naming it, so a converted model always computes what the HF model computes.
 
 The functions here are pure: they read the HF config and the requested sizes and never touch
 megatron's global parallel state (``check_layout`` runs before any process group exists).
@@ -34,7 +36,7 @@ __all__ = [
     "with_padded_vocab",
 ]
 
-SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe")
 
 _REFUSED = {
     "deepseek_v3": (
@@ -43,11 +45,6 @@ _REFUSED = {
         "(MLASelfAttention) with its own RoPE inside the attention and, without Transformer Engine, "
         "only the unpacked DotProductAttention core, which refuses the packed (THD) micro-batches the "
         "engine runs"
-    ),
-    "glm4_moe": (
-        "leading dense layers (first_k_dense_replace), partial rotary embeddings "
-        "(partial_rotary_factor) and the sigmoid router's e_score_correction_bias buffer are not "
-        "converted by the mcore engine"
     ),
 }
 
@@ -94,11 +91,22 @@ class MCoreArch:
     shared_ffn: int = 0
     shared_gate: bool = False
     padded_vocab: int = 0
+    first_dense: int = 0
+    router: str = "softmax"
+    expert_bias: bool = False
+    num_groups: int = 1
+    group_topk: int = 1
+    routed_scaling: float = 1.0
 
     @property
     def is_moe(self) -> bool:
         """Whether the MLPs are routed experts."""
         return self.num_experts > 0
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) has routed experts (the first ``first_dense`` layers
+        of an MoE model are dense MLPs)."""
+        return self.is_moe and layer >= self.first_dense
 
     @property
     def vocab_rows(self) -> int:
@@ -114,20 +122,19 @@ class MCoreArch:
 
 def _rope(cfg: Any) -> tuple[float, tuple[float, ...] | None]:
     """``(rope_theta, inv_freq)``: ``inv_freq`` is ``None`` for plain RoPE (megatron's own inverse
-    frequencies, equal to transformers'), else the ``[head_dim // 2]`` float32 values transformers'
-    ``ROPE_INIT_FUNCTIONS`` compute for a static scaling (``_STATIC_ROPE``)."""
+    frequencies, equal to transformers'), else the float32 values transformers computes for a static
+    scaling (``_STATIC_ROPE``, through its ``ROPE_INIT_FUNCTIONS``) or a partial rotary factor
+    (``rotary_dim // 2`` values: RoPE on the first ``rotary_dim = int(head_dim *
+    partial_rotary_factor)`` dimensions of each head)."""
     params = getattr(cfg, "rope_parameters", None)
     scaling = getattr(cfg, "rope_scaling", None)
     rope_type = "default"
     theta = getattr(cfg, "rope_theta", None)
+    partial = float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)
     if isinstance(params, dict):
         rope_type = str(params.get("rope_type", params.get("type", "default")))
         theta = params.get("rope_theta", theta)
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ConfigError(
-                f"mcore: partial_rotary_factor={params['partial_rotary_factor']} (RoPE on part of the "
-                "head) is not converted; the mcore engine rotates the whole head dimension"
-            )
+        partial = float(params.get("partial_rotary_factor", partial))
     if isinstance(scaling, dict) and scaling:
         rope_type = str(scaling.get("rope_type", scaling.get("type", rope_type)))
     if rope_type not in _STATIC_ROPE:
@@ -137,8 +144,15 @@ def _rope(cfg: Any) -> tuple[float, tuple[float, ...] | None]:
         )
     if theta is None:
         raise ConfigError("mcore: the HF config has no rope_theta (rope_parameters['rope_theta'])")
-    if rope_type == "default":
+    if rope_type == "default" and partial == 1.0:
         return float(theta), None
+    if rope_type == "default":  # transformers' default RoPE over the first int(head_dim * partial) dims
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        dim = int(head_dim * partial)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+        inv = 1.0 / (float(theta) ** exponent)
+        return float(theta), tuple(float(x) for x in inv.tolist())
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
@@ -232,6 +246,14 @@ def arch_of(hf_config: Any) -> MCoreArch:
         shared_ffn = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
         if shared_ffn and mt != "qwen2_moe":
             raise ConfigError(f"mcore: shared experts on {mt} are not converted")
+    router = _Router()
+    if mt == "glm4_moe":
+        num_experts = int(cfg.n_routed_experts)
+        topk = int(cfg.num_experts_per_tok)
+        moe_ffn = int(cfg.moe_intermediate_size)
+        shared_ffn = moe_ffn * int(getattr(cfg, "n_shared_experts", 0) or 0)
+        norm_topk = bool(getattr(cfg, "norm_topk_prob", True))
+        router = _sigmoid_router(cfg, num_experts, topk, norm_topk)
     return MCoreArch(
         model_type=mt,
         num_layers=int(cfg.num_hidden_layers),
@@ -245,8 +267,10 @@ def arch_of(hf_config: Any) -> MCoreArch:
         rope_theta=theta,
         norm_eps=float(cfg.rms_norm_eps),
         tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True))),
-        qk_norm=mt in ("qwen3", "qwen3_moe"),
+        qkv_bias=mt == "qwen2"
+        or (mt == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)))
+        or (mt == "glm4_moe" and attn_bias),
+        qk_norm=mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))),
         num_experts=num_experts,
         moe_topk=topk,
         moe_ffn=moe_ffn,
@@ -254,7 +278,62 @@ def arch_of(hf_config: Any) -> MCoreArch:
         inv_freq=inv_freq,
         windows=windows,
         shared_ffn=shared_ffn,
-        shared_gate=shared_ffn > 0,
+        shared_gate=shared_ffn > 0 and mt == "qwen2_moe",
+        first_dense=router.first_dense,
+        router=router.kind,
+        expert_bias=router.expert_bias,
+        num_groups=router.num_groups,
+        group_topk=router.group_topk,
+        routed_scaling=router.scaling,
+    )
+
+
+@dataclass(frozen=True)
+class _Router:
+    kind: str = "softmax"
+    expert_bias: bool = False
+    num_groups: int = 1
+    group_topk: int = 1
+    scaling: float = 1.0
+    first_dense: int = 0
+
+
+def _sigmoid_router(cfg: Any, num_experts: int, topk: int, norm_topk: bool) -> _Router:
+    """glm4_moe's router (DeepSeek-V3's): sigmoid scores, top-k chosen on scores +
+    ``e_score_correction_bias`` within the ``topk_group`` best of ``n_group`` expert groups (a group's
+    score: the sum of its 2 best), weights = the chosen scores renormalised, times
+    ``routed_scaling_factor``; the first ``first_k_dense_replace`` layers dense. Megatron's router
+    computes exactly this when a group's score is its best ``topk // topk_group`` (so that must be 2
+    unless grouping selects every group) and always renormalises (``norm_topk_prob`` must be true for
+    ``topk > 1``)."""
+    n_group = int(getattr(cfg, "n_group", 1) or 1)
+    topk_group = int(getattr(cfg, "topk_group", 1) or 1)
+    if n_group > 1 and topk_group < n_group and topk // topk_group != 2:
+        raise ConfigError(
+            f"mcore: group-limited routing with n_group={n_group}, topk_group={topk_group}, "
+            f"num_experts_per_tok={topk}: transformers scores a group by its 2 best experts, megatron-core "
+            f"by its best num_experts_per_tok // topk_group = {topk // topk_group}; not converted"
+        )
+    if not norm_topk and topk > 1:
+        raise ConfigError(
+            "mcore: a sigmoid router with norm_topk_prob=False: megatron-core always renormalises the "
+            "top-k sigmoid scores; not converted"
+        )
+    if num_experts % n_group:
+        raise ConfigError(f"mcore: n_group={n_group} must divide the {num_experts} routed experts")
+    grouped = n_group > 1 and topk_group < n_group
+    first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    if first_dense >= int(cfg.num_hidden_layers):
+        raise ConfigError(
+            f"mcore: first_k_dense_replace={first_dense} leaves no MoE layer of {cfg.num_hidden_layers}"
+        )
+    return _Router(
+        kind="sigmoid",
+        expert_bias=True,
+        num_groups=n_group if grouped else 1,
+        group_topk=topk_group if grouped else 1,
+        scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
+        first_dense=first_dense,
     )
 
 
@@ -425,7 +504,7 @@ def transformer_config_kwargs(
     kw: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden,
-        ffn_hidden_size=arch.ffn if not arch.is_moe else arch.moe_ffn,
+        ffn_hidden_size=arch.ffn if not arch.is_moe or arch.first_dense else arch.moe_ffn,
         num_attention_heads=arch.heads,
         num_query_groups=arch.num_query_groups,
         kv_channels=arch.head_dim,
@@ -478,8 +557,23 @@ def transformer_config_kwargs(
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
         )
+        if arch.first_dense:  # dense MLPs (ffn_hidden_size) on the first layers
+            kw["moe_layer_freq"] = [0] * arch.first_dense + [1] * (arch.num_layers - arch.first_dense)
+        if arch.router == "sigmoid":
+            # the routing bias is transformers' fixed buffer: megatron's load-balancing update is off
+            kw.update(
+                moe_router_score_function="sigmoid",
+                moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0,
+                moe_router_dtype="fp32",  # transformers runs this router in float32
+                moe_router_topk_scaling_factor=arch.routed_scaling if arch.routed_scaling != 1.0 else None,
+            )
+            if arch.num_groups > 1:
+                kw.update(moe_router_num_groups=arch.num_groups, moe_router_group_topk=arch.group_topk)
         if arch.shared_ffn:
-            # qwen2_moe: output += sigmoid(x @ gate.T) * shared_mlp(x) (megatron's SharedExpertMLP)
+            # qwen2_moe: output += sigmoid(x @ gate.T) * shared_mlp(x) (megatron's SharedExpertMLP);
+            # glm4_moe: output += shared_mlp(x)
             kw.update(
                 moe_shared_expert_intermediate_size=arch.shared_ffn,
                 moe_shared_expert_gate=arch.shared_gate,

@@ -395,7 +395,7 @@ class MCoreEngine:
         missing: list[str] = []
         shapes = hf_shapes(self._arch)
         for chunk in chunks:
-            params = dict(_unwrap(chunk).named_parameters())
+            params = _named_tensors(chunk)
             for rule in self.chunk_rules(chunk):
                 tensors = []
                 for name in rule.hf:
@@ -1126,7 +1126,7 @@ class MCoreEngine:
         broadcast from the lowest owning rank (pipeline stage, expert rank): full (``tp == 1`` layout)
         fp32 tensors on the device, on every rank. Collective."""
         self._ensure_onloaded("weights")
-        params = [dict(_unwrap(c).named_parameters()) for c in self._chunks]
+        params = [_named_tensors(c) for c in self._chunks]
         for wr in self._weight_map.rules:
             stage, v, e, rule = self._where[wr.engine_name]
             full: torch.Tensor | None = None
@@ -1184,7 +1184,7 @@ class MCoreEngine:
         written = 0
         for chunk, local_name in targets:
             piece = wr.tp_shard(full, rank, size)
-            param = dict(_unwrap(self._chunks[chunk]).named_parameters())[local_name]
+            param = _named_tensors(self._chunks[chunk])[local_name]
             with torch.no_grad():
                 param.copy_(piece.to(param.device, param.dtype))
             written += param.numel() * param.element_size()
@@ -1457,6 +1457,13 @@ def _step_kept_aside(opt: Any) -> Iterator[None]:
     finally:
         for o in patched:
             del o._set_main_param_and_optimizer_states
+
+
+def _named_tensors(chunk: Any) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of an (unwrapped) chunk by name: the weight map also covers buffers
+    that checkpoints hold (glm4_moe's routing bias is the router's ``expert_bias`` buffer)."""
+    inner = _unwrap(chunk)
+    return {**dict(inner.named_buffers()), **dict(inner.named_parameters())}
 
 
 def _unwrap(module: Any) -> Any:

@@ -272,7 +272,7 @@ def _core_attention_class() -> type:
             from underlay.engines.mcore.rope import apply_rope, rope_cos_sin
 
             assert self._inv_freq is not None
-            rope = fused(apply_rope) if self.fused_rope else apply_rope
+            rope = _partial(fused(apply_rope) if self.fused_rope else apply_rope)
             if packed is None:
                 pos = torch.arange(query.shape[0], device=query.device)
                 cos, sin = rope_cos_sin(pos, self._device_inv_freq(query.device), query.dtype)
@@ -348,6 +348,19 @@ def _core_attention_class() -> type:
 CoreAttention: Any = None  # the class, built on first use (megatron is imported lazily)
 
 
+def _partial(rope: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``rope(x, cos, sin)`` on the first ``cos.shape[-1]`` dimensions of each head, the rest of
+    ``x`` unchanged (transformers' partial rotary embedding); ``rope`` itself on whole heads."""
+
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = cos.shape[-1]
+        if r == x.shape[-1]:
+            return rope(x, cos, sin)
+        return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    return apply
+
+
 def position_embedding_type() -> str:
     """``GPTModel``'s ``position_embedding_type``: ``"rope"`` with Transformer Engine (its layers apply
     RoPE, fused), else ``"none"``: ``CoreAttention`` then applies RoPE itself, vectorized over the
@@ -372,10 +385,10 @@ def block_spec(
 
     num_experts = arch.num_experts or None
     if have_te():
-        if arch.inv_freq is not None or arch.windows:
+        if arch.inv_freq is not None or arch.windows or arch.first_dense:
             raise ConfigError(
-                "mcore with Transformer Engine: scaled RoPE (rope_type llama3/linear) and sliding "
-                "windows are applied by underlay's local-spec attention only; uninstall "
+                "mcore with Transformer Engine: scaled or partial RoPE, sliding windows and dense "
+                "layers in an MoE stack are built by underlay's local spec only; uninstall "
                 "transformer_engine or use the fsdp2 engine for this model"
             )
         layer = specs.get_gpt_layer_with_transformer_engine_spec(
@@ -384,30 +397,42 @@ def block_spec(
         return layer
     if CoreAttention is None:
         CoreAttention = _core_attention_class()
-    layer = specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
-    )
-    sub = layer.submodules
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     norm = ModuleSpec(module=RMSNorm, params={"fused": fused_elementwise})
-    sub.input_layernorm = norm
-    sub.pre_mlp_layernorm = norm
-    att = sub.self_attention.submodules
     rotary_base = int(arch.rope_theta) if float(arch.rope_theta).is_integer() else float(arch.rope_theta)
-    att.core_attention = ModuleSpec(
-        module=CoreAttention,
-        params={
-            "kernel": attention,
-            "rotary_base": rotary_base,
-            "fused_rope": fused_elementwise,
-            "inv_freq": arch.inv_freq,
-            "windows": arch.windows,
-        },
-    )
-    if arch.qk_norm:
-        att.q_layernorm = norm
-        att.k_layernorm = norm
+
+    def local(experts: int | None) -> Any:
+        layer = specs.get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+        )
+        sub = layer.submodules
+        sub.input_layernorm = norm
+        sub.pre_mlp_layernorm = norm
+        att = sub.self_attention.submodules
+        att.core_attention = ModuleSpec(
+            module=CoreAttention,
+            params={
+                "kernel": attention,
+                "rotary_base": rotary_base,
+                "fused_rope": fused_elementwise,
+                "inv_freq": arch.inv_freq,
+                "windows": arch.windows,
+            },
+        )
+        if arch.qk_norm:
+            att.q_layernorm = norm
+            att.k_layernorm = norm
+        return layer
+
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=norm)
+    if not arch.first_dense:
+        return TransformerBlockSubmodules(layer_specs=[local(num_experts)] * n, layer_norm=norm)
+    # dense MLPs on the first ``first_dense`` layers of an MoE model (global layer indices)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    moe, dense = local(num_experts), local(None)
+    specs_ = [moe if arch.moe_layer(offset + i) else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs_, layer_norm=norm)
 
 
 _TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")

@@ -16,8 +16,11 @@ Megatron's fused layouts:
   dropped on export).
 - Experts keep the names ``save_pretrained`` writes: ``mlp.experts.{e}.gate_proj/up_proj/down_proj``,
   mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2`` (router ``block_sparse_moe.gate``); qwen2_moe's
-  shared expert ``mlp.shared_expert.*`` is megatron's ``mlp.shared_experts`` (TP-split like a dense MLP)
-  and its gate ``mlp.shared_expert_gate.weight [1, H]`` is ``shared_experts.gate_weight`` (replicated).
+  shared expert ``mlp.shared_expert.*`` (glm4_moe's ``mlp.shared_experts.*``) is megatron's
+  ``mlp.shared_experts`` (TP-split like a dense MLP) and its gate ``mlp.shared_expert_gate.weight
+  [1, H]`` is ``shared_experts.gate_weight`` (replicated); glm4_moe's routing bias buffer
+  ``mlp.gate.e_score_correction_bias [E]`` is the router's buffer ``expert_bias`` (replicated).
+- Dense layers of an MoE model (glm4_moe's first ``first_k_dense_replace``) map like a dense model's.
 
 A ``Rule`` names one engine parameter (its name inside a pipeline chunk, with the chunk-local layer and
 expert indices), the HF tensors it is built from, and how to cut this TP rank's piece out of them
@@ -62,6 +65,10 @@ def moe_names(arch: MCoreArch) -> tuple[str, str, str, str]:
     if arch.model_type == "mixtral":
         return "block_sparse_moe.", "w1", "w3", "w2"
     return "mlp.", "gate_proj", "up_proj", "down_proj"
+
+
+def _shared_prefix(arch: MCoreArch) -> str:
+    return "mlp.shared_experts." if arch.model_type == "glm4_moe" else "mlp.shared_expert."
 
 
 def checkpoint_names(model_type: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,16 +196,18 @@ def hf_shapes(arch: MCoreArch) -> dict[str, tuple[int, ...]]:
         if a.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (a.head_dim,)
             out[p + "self_attn.k_norm.weight"] = (a.head_dim,)
-        if a.is_moe:
+        if a.moe_layer(i):
             block, gate, up, down = moe_names(a)
             out[p + block + "gate.weight"] = (a.num_experts, a.hidden)
+            if a.expert_bias:
+                out[p + block + "gate.e_score_correction_bias"] = (a.num_experts,)
             for e in range(a.num_experts):
                 q = f"{p}{block}experts.{e}."
                 out[q + gate + ".weight"] = (a.moe_ffn, a.hidden)
                 out[q + up + ".weight"] = (a.moe_ffn, a.hidden)
                 out[q + down + ".weight"] = (a.hidden, a.moe_ffn)
             if a.shared_ffn:
-                q = p + "mlp.shared_expert."
+                q = p + _shared_prefix(a)
                 out[q + "gate_proj.weight"] = (a.shared_ffn, a.hidden)
                 out[q + "up_proj.weight"] = (a.shared_ffn, a.hidden)
                 out[q + "down_proj.weight"] = (a.hidden, a.shared_ffn)
@@ -260,9 +269,12 @@ def stage_rules(
         rules.append(
             Rule(p + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated", a)
         )
-        if a.is_moe:
+        if a.moe_layer(g):
             block, gate, up, down = moe_names(a)
             rules.append(Rule(p + "mlp.router.weight", (h + block + "gate.weight",), "replicated", a))
+            if a.expert_bias:  # a buffer (not trained), fixed routing bias
+                bias = (h + block + "gate.e_score_correction_bias",)
+                rules.append(Rule(p + "mlp.router.expert_bias", bias, "replicated", a))
             for j in range(local_experts):
                 e = expert_offset + j
                 q, hq = f"{p}mlp.experts.local_experts.{j}.", f"{h}{block}experts.{e}."
@@ -270,7 +282,7 @@ def stage_rules(
                 rules.append(Rule(q + "linear_fc1.weight", gu, "gate_up", a, expert=True))
                 rules.append(Rule(q + "linear_fc2.weight", (hq + down + ".weight",), "row", a, expert=True))
             if a.shared_ffn:
-                q, hq = p + "mlp.shared_experts.", h + "mlp.shared_expert."
+                q, hq = p + "mlp.shared_experts.", h + _shared_prefix(a)
                 gu = (hq + "gate_proj.weight", hq + "up_proj.weight")
                 rules.append(Rule(q + "linear_fc1.weight", gu, "gate_up", a))
                 rules.append(Rule(q + "linear_fc2.weight", (hq + "down_proj.weight",), "row", a))
