@@ -99,11 +99,12 @@ def write_checkpoints(root: Path) -> None:
         torch.manual_seed(0)
         model = _hf_model(cfg)
         with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
+            for n, p in model.named_parameters():
+                # routers: scores that vary per token, so that routing (groups, bias) matters
+                p.add_((1.0 if n.endswith("mlp.gate.weight") else 0.05) * torch.randn_like(p))
             for n, b in model.named_buffers():
                 if n.endswith("e_score_correction_bias"):  # large enough to change the routing
-                    b.add_(0.3 * torch.randn_like(b))
+                    b.add_(0.1 * torch.randn_like(b))
         model.save_pretrained(str(root / name))
         model = model.double()
         # one unpadded sequence at a time: with a sliding window, padded query rows of a right-padded
