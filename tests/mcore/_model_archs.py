@@ -121,8 +121,11 @@ def write_checkpoints(root: Path) -> None:
         torch.save({"lp": lp.detach(), "grads": grads}, root / name / "ref.pt")
 
 
-def check_layout_all_archs(rank: int, world: int, tp: int, pp: int, root: str) -> dict[str, dict[str, float]]:
-    """At ``tp`` x ``pp`` (one process group, megatron's state torn down between architectures), per
+def check_layout_all_archs(
+    rank: int, world: int, tp: int, pp: int, root: str, device: str = "cpu"
+) -> dict[str, dict[str, float]]:
+    """At ``tp`` x ``pp`` on ``device`` (``"cpu"``: under the CPU fixture; ``"cuda"``: the real engine,
+    one GPU per rank) in one process group (megatron's state torn down between architectures), per
     architecture: an engine built from the checkpoint; its log-probs (``infer``) and every gradient of
     one ``forward_backward`` against the float64 reference (max abs / max relative error); then one
     optimizer step, ``load_hf`` of the checkpoint and ``iter_weights``: the largest difference to the
@@ -149,14 +152,21 @@ def check_layout_all_archs(rank: int, world: int, tp: int, pp: int, root: str) -
             with_entropy=True,
             options={"sequence_parallel": True} if moe and tp > 1 else {},
         )
-        eng = H.make_engine(cfg)
-        lp = eng.infer(batch, with_entropy=True).log_probs.double()
+        if device == "cpu":
+            eng = H.make_engine(cfg)
+        else:
+            from underlay.engines.mcore.engine import MCoreEngine
+            from underlay.registry import get_device
+
+            eng = MCoreEngine(cfg, get_device(device))
+        lp = eng.infer(batch, with_entropy=True).log_probs.double().cpu()
         eng.forward_backward(batch, H.pg_loss)
         from tests.mcore._workers import grad_by_hf_name
 
-        grads = grad_by_hf_name(eng)
+        grads = {n: g.cpu() for n, g in grad_by_hf_name(eng).items()}
         grel = max(
-            float((grads[n].double() - g).abs().max() / (g.abs().max() + 1e-6)) for n, g in ref["grads"].items()
+            float((grads[n].double() - g).abs().max() / (g.abs().max() + 1e-6))
+            for n, g in ref["grads"].items()
         )
         eng.optimizer_step()
         file = load_file(str(path / "model.safetensors"))

@@ -58,7 +58,10 @@ def test_refusals_name_the_missing_piece() -> None:
         (tf.DeepseekV3Config(**common), "multi-latent attention"),
         (tf.Glm4MoeConfig(**common, n_group=2, topk_group=1, num_experts_per_tok=4), "2 best experts"),
         (tf.Glm4MoeConfig(**common, norm_topk_prob=False), "norm_topk_prob=False"),
-        (tf.LlamaConfig(**common, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "yarn"),
+        (
+            tf.LlamaConfig(**common, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
+            "yarn",
+        ),
         (tf.MixtralConfig(**common, router_jitter_noise=0.1), "router_jitter_noise"),
         (tf.Qwen2MoeConfig(**common, mlp_only_layers=[0]), "mlp_only_layers"),
     ]

@@ -270,7 +270,8 @@ def arch_of(hf_config: Any) -> MCoreArch:
         qkv_bias=mt == "qwen2"
         or (mt == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)))
         or (mt == "glm4_moe" and attn_bias),
-        qk_norm=mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))),
+        qk_norm=mt in ("qwen3", "qwen3_moe")
+        or (mt == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False))),
         num_experts=num_experts,
         moe_topk=topk,
         moe_ffn=moe_ffn,

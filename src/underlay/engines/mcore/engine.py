@@ -46,11 +46,11 @@ from underlay.engines._inductor import inductor_ok
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
-    with_padded_vocab,
     check_interleaved_count,
     check_layout,
     transformer_config_kwargs,
     value_arch,
+    with_padded_vocab,
 )
 from underlay.engines.mcore.context_parallel import CPSplit
 from underlay.engines.mcore.options import MCoreOptions
