@@ -1,5 +1,5 @@
 """The mcore architectures of ``tests/mcore/test_mcore_models.py`` (Llama 3 RoPE scaling, sliding
-windows, mixtral, qwen2_moe, glm4_moe) on cuda at world size 1: log-probs and gradients against
+windows, mixtral, qwen2_moe, glm4_moe, deepseek_v3) on cuda at world size 1: log-probs and gradients against
 transformers' float64 forward, and ``load_hf`` -> ``iter_weights`` bit-exact. The engine's cuda
 defaults apply (compiled elementwise kernels, the registry's attention kernel), so tolerances are
 those of fp32 up to reassociation.
@@ -34,6 +34,7 @@ def test_mcore_architectures_on_cuda(tmp_path: Path) -> None:
     )
     assert set(res) == set(A.arch_configs())
     for name, r in res.items():
+        assert "refused" not in r, (name, r)
         assert r["lp"] < LP_TOL, (name, r)
         assert r["grad_rel"] < GRAD_TOL, (name, r)
         assert r["grad_names"] == 1.0 and r["names"] == 1.0, (name, r)

@@ -17,7 +17,8 @@ from tests.mcore import _helpers as H
 # (131, 127: padded rows), tied embeddings with a padded vocabulary, mixtral's per-expert w1/w3/w2,
 # qwen2_moe's gated shared expert without top-k renormalisation; glm4_moe's dense first layer, partial
 # RoPE, q/k norm, q/k/v bias, shared expert and sigmoid router with a (perturbed) routing bias, groups
-# (one of 2 groups of 4 experts per token) and scaled weights.
+# (one of 2 groups of 4 experts per token) and scaled weights; deepseek_v3's multi-latent attention
+# (q and kv LoRA ranks, interleaved rotary part, v_head_dim != qk head dim) with glm4_moe's MoE.
 _COMMON: dict[str, Any] = dict(
     hidden_size=32,
     intermediate_size=48,
@@ -67,6 +68,22 @@ def arch_configs() -> dict[str, Any]:
             **{**_COMMON, "vocab_size": 127, "head_dim": 8, "attention_bias": True},
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             use_qk_norm=True,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+        ),
+        "deepseek_v3": tf.DeepseekV3Config(
+            **{**_COMMON, "vocab_size": 127, "num_key_value_heads": 4},
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
             first_k_dense_replace=1,
             n_routed_experts=8,
             num_experts_per_tok=2,
@@ -129,19 +146,20 @@ def check_layout_all_archs(
     architecture: an engine built from the checkpoint; its log-probs (``infer``) and every gradient of
     one ``forward_backward`` against the float64 reference (max abs / max relative error); then one
     optimizer step, ``load_hf`` of the checkpoint and ``iter_weights``: the largest difference to the
-    checkpoint's tensors (0 = bit-exact) and whether the names are exactly the checkpoint's."""
+    checkpoint's tensors (0 = bit-exact) and whether the names are exactly the checkpoint's; or
+    ``{"refused": message}`` when building the engine raised ``ConfigError``."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
     from underlay.engines.mcore.weights import MCoreWeightLoader
-    from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+    from underlay.interfaces import ConfigError, EngineConfig, ModelConfig, OptimConfig, ParallelConfig
 
     out: dict[str, dict[str, float]] = {}
     batch = H.make_batch(1)
     for name, hf_cfg in arch_configs().items():
         path = Path(root) / name
         ref = torch.load(path / "ref.pt")
-        moe = hf_cfg.model_type in ("mixtral", "qwen2_moe", "glm4_moe")
+        moe = hf_cfg.model_type in ("mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3")
         cfg = EngineConfig(
             model=ModelConfig(path=str(path), seed=0),
             parallel=ParallelConfig(tp=tp, pp=pp),
@@ -152,13 +170,18 @@ def check_layout_all_archs(
             with_entropy=True,
             options={"sequence_parallel": True} if moe and tp > 1 else {},
         )
-        if device == "cpu":
-            eng = H.make_engine(cfg)
-        else:
-            from underlay.engines.mcore.engine import MCoreEngine
-            from underlay.registry import get_device
+        try:
+            if device == "cpu":
+                eng = H.make_engine(cfg)
+            else:
+                from underlay.engines.mcore.engine import MCoreEngine
+                from underlay.registry import get_device
 
-            eng = MCoreEngine(cfg, get_device(device))
+                eng = MCoreEngine(cfg, get_device(device))
+        except ConfigError as err:  # a layout the engine refuses for this architecture
+            out[name] = {"refused": str(err)}
+            ps.destroy_model_parallel()
+            continue
         lp = eng.infer(batch, with_entropy=True).log_probs.double().cpu()
         eng.forward_backward(batch, H.pg_loss)
         from tests.mcore._workers import grad_by_hf_name
@@ -168,6 +191,7 @@ def check_layout_all_archs(
             float((grads[n].double() - g).abs().max() / (g.abs().max() + 1e-6))
             for n, g in ref["grads"].items()
         )
+
         eng.optimizer_step()
         file = load_file(str(path / "model.safetensors"))
         moved = max(float((t.cpu() - file[n]).abs().max()) for n, t in eng.named_full_tensors())

@@ -30,23 +30,26 @@ __all__ = [
     "MCoreArch",
     "arch_of",
     "check_layout",
+    "config_class",
     "padded_vocab_size",
     "transformer_config_kwargs",
     "value_arch",
     "with_padded_vocab",
 ]
 
-SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+)
 
-_REFUSED = {
-    "deepseek_v3": (
-        "multi-latent attention (MLA: low-rank q/kv projections, a decoupled RoPE part of the head, "
-        "v_head_dim != qk_head_dim) is not converted by the mcore engine: megatron-core builds MLA "
-        "(MLASelfAttention) with its own RoPE inside the attention and, without Transformer Engine, "
-        "only the unpacked DotProductAttention core, which refuses the packed (THD) micro-batches the "
-        "engine runs"
-    ),
-}
+_REFUSED: dict[str, str] = {}
 
 _STATIC_ROPE = ("default", "linear", "llama3")
 """RoPE types whose inverse frequencies do not depend on the sequence and whose cos/sin are unscaled
@@ -97,11 +100,22 @@ class MCoreArch:
     num_groups: int = 1
     group_topk: int = 1
     routed_scaling: float = 1.0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
         """Whether the MLPs are routed experts."""
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (deepseek_v3): ``head_dim`` is the non-rotary q/k part of a head,
+        ``qk_rope_dim`` its rotary part, ``v_head_dim`` the value width; ``q_lora_rank`` 0 means a
+        plain q projection."""
+        return self.kv_lora_rank > 0
 
     def moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` (0-based) has routed experts (the first ``first_dense`` layers
@@ -247,7 +261,12 @@ def arch_of(hf_config: Any) -> MCoreArch:
         if shared_ffn and mt != "qwen2_moe":
             raise ConfigError(f"mcore: shared experts on {mt} are not converted")
     router = _Router()
-    if mt == "glm4_moe":
+    mla: dict[str, int] = {}
+    if mt == "deepseek_v3":
+        mla = _mla(cfg, inv_freq)
+        kv = heads
+        head_dim = int(cfg.qk_nope_head_dim)
+    if mt in ("glm4_moe", "deepseek_v3"):
         num_experts = int(cfg.n_routed_experts)
         topk = int(cfg.num_experts_per_tok)
         moe_ffn = int(cfg.moe_intermediate_size)
@@ -286,7 +305,46 @@ def arch_of(hf_config: Any) -> MCoreArch:
         num_groups=router.num_groups,
         group_topk=router.group_topk,
         routed_scaling=router.scaling,
+        **mla,
     )
+
+
+def _mla(cfg: Any, inv_freq: tuple[float, ...] | None) -> dict[str, int]:
+    """deepseek_v3's multi-latent attention sizes for ``MCoreArch``. megatron-core's
+    ``MLASelfAttention`` computes transformers' attention exactly with plain RoPE on interleaved
+    weights (``rope_interleave=True``, transformers' default: megatron de-interleaves the rotary part
+    the same way) and no projection biases; the rest is refused by name."""
+    if inv_freq is not None:
+        raise ConfigError(
+            "mcore: deepseek_v3 with a scaled RoPE (rope_parameters rope_type != 'default', e.g. yarn): "
+            "megatron-core's MLA applies its own YaRN, not verified equal to transformers'; use the "
+            "fsdp2 engine"
+        )
+    if not bool(getattr(cfg, "rope_interleave", True)):
+        raise ConfigError(
+            "mcore: deepseek_v3 with rope_interleave=False: megatron-core's MLA always de-interleaves the "
+            "rotary part of q/k; not converted"
+        )
+    if bool(getattr(cfg, "attention_bias", False)):
+        raise ConfigError("mcore: deepseek_v3 with attention_bias=True (q_a/kv_a biases) is not converted")
+    return dict(
+        q_lora_rank=int(getattr(cfg, "q_lora_rank", None) or 0),
+        kv_lora_rank=int(cfg.kv_lora_rank),
+        qk_rope_dim=int(cfg.qk_rope_head_dim),
+        v_head_dim=int(cfg.v_head_dim),
+    )
+
+
+def config_class(arch: MCoreArch) -> Any:
+    """megatron-core's config class for ``arch``: ``MLATransformerConfig`` for multi-latent attention,
+    else ``TransformerConfig``."""
+    if arch.is_mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig
 
 
 @dataclass(frozen=True)
@@ -392,7 +450,8 @@ def check_layout(
 
     Raises ``ConfigError`` naming the numbers and the fix when the world size is not a multiple of
     ``tp * pp * cp``, heads or k/v heads are not divisible by ``tp`` (a vocabulary that is not is
-    padded: ``with_padded_vocab``), sliding windows meet ``cp > 1``, layers by
+    padded: ``with_padded_vocab``), sliding windows meet ``cp > 1``, multi-latent attention meets
+    ``tp > 1`` or ``cp > 1``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
     without sequence parallelism, VPP is used without PP or with CP, or ``etp != tp`` (``etp`` is expert tensor
     parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``)."""
@@ -410,6 +469,19 @@ def check_layout(
         raise ConfigError(
             f"mcore: tp={tp} must divide the attention heads ({arch.heads}) and the k/v heads "
             f"({arch.num_query_groups}); lower tp"
+        )
+    if arch.is_mla and tp > 1:
+        # measured: TP=2 log-probs exact, gradients 2% off (the error enters at kv_a_proj_with_mqa)
+        raise ConfigError(
+            f"mcore: multi-latent attention (deepseek_v3) with tp={tp}: megatron-core's MLASelfAttention "
+            "with the local (non-Transformer-Engine) spec gathers the column-parallel kv down "
+            "projection and never sums the gradient of the shared rotary key part (k_pos_emb) over "
+            "the tensor-parallel ranks, so gradients are wrong; use tp=1 (pp, ep and dp are exact)"
+        )
+    if arch.is_mla and cp > 1:
+        raise ConfigError(
+            f"mcore: multi-latent attention (deepseek_v3) with cp={cp} is not verified by the mcore "
+            "engine; use cp=1"
         )
     if arch.windows and cp > 1:
         raise ConfigError(
@@ -580,6 +652,19 @@ def transformer_config_kwargs(
                 moe_shared_expert_gate=arch.shared_gate,
                 moe_shared_expert_overlap=False,
             )
+    if arch.is_mla:
+        kw.update(
+            q_lora_rank=arch.q_lora_rank or None,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_head_dim=arch.head_dim,
+            qk_pos_emb_head_dim=arch.qk_rope_dim,
+            v_head_dim=arch.v_head_dim,
+            rope_type="rope",
+            rotary_base=arch.rope_theta,
+            rotary_scaling_factor=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.0,
+        )
     if recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":

@@ -48,6 +48,7 @@ from underlay.engines.mcore.config import (
     arch_of,
     check_interleaved_count,
     check_layout,
+    config_class,
     transformer_config_kwargs,
     value_arch,
     with_padded_vocab,
@@ -213,9 +214,8 @@ class MCoreEngine:
         self._init_parallel_state(par.tp, par.pp, par.vpp, par.cp, par.ep, etp)
         _compat_shims()
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer import TransformerConfig
 
-        self._tf_config = TransformerConfig(
+        self._tf_config = config_class(self._arch)(
             **transformer_config_kwargs(
                 self._arch,
                 tp=par.tp,

@@ -184,7 +184,10 @@ def _core_attention_class() -> type:
             fused_rope: bool = False,
             inv_freq: tuple[float, ...] | None = None,
             windows: tuple[int | None, ...] = (),
+            k_channels: int | None = None,
+            v_channels: int | None = None,
         ) -> None:
+            # k_channels/v_channels: MLA's q/k and v head widths (the kernel reads them off q and v)
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
             self.fused_rope = bool(fused_rope)
@@ -348,6 +351,18 @@ def _core_attention_class() -> type:
 CoreAttention: Any = None  # the class, built on first use (megatron is imported lazily)
 
 
+def _mla_without_te() -> None:
+    """megatron-core 0.16.1's ``multi_latent_attention`` sets ``HAVE_TE = True`` when its import of
+    megatron's TE extension module succeeds, which it does without Transformer Engine (the extension
+    then binds ``TELinear = None``); ``MLASelfAttention`` then calls ``isinstance(x, None)``. Its
+    ``HAVE_TE`` only selects TE's fp8/fp4 output saving, so it is set to ``False`` when ``TELinear`` is
+    not a class. Touches nothing with Transformer Engine installed."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False
+
+
 def _partial(rope: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``rope(x, cos, sin)`` on the first ``cos.shape[-1]`` dimensions of each head, the rest of
     ``x`` unchanged (transformers' partial rotary embedding); ``rope`` itself on whole heads."""
@@ -385,10 +400,10 @@ def block_spec(
 
     num_experts = arch.num_experts or None
     if have_te():
-        if arch.inv_freq is not None or arch.windows or arch.first_dense:
+        if arch.inv_freq is not None or arch.windows or arch.first_dense or arch.is_mla:
             raise ConfigError(
-                "mcore with Transformer Engine: scaled or partial RoPE, sliding windows and dense "
-                "layers in an MoE stack are built by underlay's local spec only; uninstall "
+                "mcore with Transformer Engine: scaled or partial RoPE, sliding windows, dense layers "
+                "in an MoE stack and multi-latent attention are built by underlay's local spec only; uninstall "
                 "transformer_engine or use the fsdp2 engine for this model"
             )
         layer = specs.get_gpt_layer_with_transformer_engine_spec(
@@ -404,7 +419,11 @@ def block_spec(
 
     def local(experts: int | None) -> Any:
         layer = specs.get_gpt_layer_local_spec(
-            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+            num_experts=experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=arch.qk_norm or arch.is_mla,
+            multi_latent_attention=arch.is_mla,
+            normalization="RMSNorm",
         )
         sub = layer.submodules
         sub.input_layernorm = norm
@@ -414,17 +433,23 @@ def block_spec(
             module=CoreAttention,
             params={
                 "kernel": attention,
-                "rotary_base": rotary_base,
+                # megatron's MLA applies RoPE itself (to the rotary part of q/k, per packed sequence)
+                "rotary_base": None if arch.is_mla else rotary_base,
                 "fused_rope": fused_elementwise,
                 "inv_freq": arch.inv_freq,
                 "windows": arch.windows,
             },
         )
-        if arch.qk_norm:
+        if arch.is_mla:  # q_a_layernorm (with a q LoRA rank) and kv_a_layernorm
+            att.q_layernorm = norm
+            att.kv_layernorm = norm
+        elif arch.qk_norm:
             att.q_layernorm = norm
             att.k_layernorm = norm
         return layer
 
+    if arch.is_mla:
+        _mla_without_te()
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     if not arch.first_dense:
         return TransformerBlockSubmodules(layer_specs=[local(num_experts)] * n, layer_norm=norm)

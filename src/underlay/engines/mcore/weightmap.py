@@ -68,7 +68,7 @@ def moe_names(arch: MCoreArch) -> tuple[str, str, str, str]:
 
 
 def _shared_prefix(arch: MCoreArch) -> str:
-    return "mlp.shared_experts." if arch.model_type == "glm4_moe" else "mlp.shared_expert."
+    return "mlp.shared_experts." if arch.model_type in ("glm4_moe", "deepseek_v3") else "mlp.shared_expert."
 
 
 def checkpoint_names(model_type: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -180,22 +180,14 @@ def hf_shapes(arch: MCoreArch) -> dict[str, tuple[int, ...]]:
     """Full shape of every HF tensor of ``arch`` (the names ``save_pretrained`` writes)."""
     a = arch
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab, a.hidden)}
-    qd, kd = a.heads * a.head_dim, a.num_query_groups * a.head_dim
     for i in range(a.num_layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (a.hidden,)
         out[p + "post_attention_layernorm.weight"] = (a.hidden,)
-        out[p + "self_attn.q_proj.weight"] = (qd, a.hidden)
-        out[p + "self_attn.k_proj.weight"] = (kd, a.hidden)
-        out[p + "self_attn.v_proj.weight"] = (kd, a.hidden)
-        out[p + "self_attn.o_proj.weight"] = (a.hidden, qd)
-        if a.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (qd,)
-            out[p + "self_attn.k_proj.bias"] = (kd,)
-            out[p + "self_attn.v_proj.bias"] = (kd,)
-        if a.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (a.head_dim,)
-            out[p + "self_attn.k_norm.weight"] = (a.head_dim,)
+        if a.is_mla:
+            out.update(_mla_shapes(a, p + "self_attn."))
+        else:
+            out.update(_attention_shapes(a, p + "self_attn."))
         if a.moe_layer(i):
             block, gate, up, down = moe_names(a)
             out[p + block + "gate.weight"] = (a.num_experts, a.hidden)
@@ -227,6 +219,72 @@ def hf_shapes(arch: MCoreArch) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _attention_shapes(a: MCoreArch, p: str) -> dict[str, tuple[int, ...]]:
+    qd, kd = a.heads * a.head_dim, a.num_query_groups * a.head_dim
+    out: dict[str, tuple[int, ...]] = {
+        p + "q_proj.weight": (qd, a.hidden),
+        p + "k_proj.weight": (kd, a.hidden),
+        p + "v_proj.weight": (kd, a.hidden),
+        p + "o_proj.weight": (a.hidden, qd),
+    }
+    if a.qkv_bias:
+        out.update({p + "q_proj.bias": (qd,), p + "k_proj.bias": (kd,), p + "v_proj.bias": (kd,)})
+    if a.qk_norm:
+        out.update({p + "q_norm.weight": (a.head_dim,), p + "k_norm.weight": (a.head_dim,)})
+    return out
+
+
+def _mla_shapes(a: MCoreArch, p: str) -> dict[str, tuple[int, ...]]:
+    qd = a.heads * (a.head_dim + a.qk_rope_dim)
+    out: dict[str, tuple[int, ...]] = {}
+    if a.q_lora_rank:
+        out[p + "q_a_proj.weight"] = (a.q_lora_rank, a.hidden)
+        out[p + "q_a_layernorm.weight"] = (a.q_lora_rank,)
+        out[p + "q_b_proj.weight"] = (qd, a.q_lora_rank)
+    else:
+        out[p + "q_proj.weight"] = (qd, a.hidden)
+    out[p + "kv_a_proj_with_mqa.weight"] = (a.kv_lora_rank + a.qk_rope_dim, a.hidden)
+    out[p + "kv_a_layernorm.weight"] = (a.kv_lora_rank,)
+    out[p + "kv_b_proj.weight"] = (a.heads * (a.head_dim + a.v_head_dim), a.kv_lora_rank)
+    out[p + "o_proj.weight"] = (a.hidden, a.heads * a.v_head_dim)
+    return out
+
+
+def _attention_rules(a: MCoreArch, att: str, h: str) -> list[Rule]:
+    """megatron's ``SelfAttention`` parameters: fused q/k/v (+ bias), q/k norms, ``linear_proj``."""
+    qkv = tuple(f"{h}self_attn.{x}_proj.weight" for x in "qkv")
+    rules = [Rule(att + "linear_qkv.weight", qkv, "qkv", a)]
+    if a.qkv_bias:
+        rules.append(
+            Rule(att + "linear_qkv.bias", tuple(n[: -len("weight")] + "bias" for n in qkv), "qkv", a)
+        )
+    if a.qk_norm:
+        rules.append(Rule(att + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), "replicated", a))
+        rules.append(Rule(att + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), "replicated", a))
+    rules.append(Rule(att + "linear_proj.weight", (h + "self_attn.o_proj.weight",), "row", a))
+    return rules
+
+
+def _mla_rules(a: MCoreArch, att: str, h: str) -> list[Rule]:
+    """megatron's ``MLASelfAttention`` parameters: the down projections are column-parallel (their
+    outputs are gathered over TP before the norms), the up projections split whole heads (per head
+    ``[nope; rope]`` rows for q, ``[k_nope; v]`` for kv, the same order in both), ``linear_proj``
+    by rows of its input."""
+    s = h + "self_attn."
+    rules = []
+    if a.q_lora_rank:
+        rules.append(Rule(att + "linear_q_down_proj.weight", (s + "q_a_proj.weight",), "column", a))
+        rules.append(Rule(att + "q_layernorm.weight", (s + "q_a_layernorm.weight",), "replicated", a))
+        rules.append(Rule(att + "linear_q_up_proj.weight", (s + "q_b_proj.weight",), "column", a))
+    else:
+        rules.append(Rule(att + "linear_q_proj.weight", (s + "q_proj.weight",), "column", a))
+    rules.append(Rule(att + "linear_kv_down_proj.weight", (s + "kv_a_proj_with_mqa.weight",), "column", a))
+    rules.append(Rule(att + "kv_layernorm.weight", (s + "kv_a_layernorm.weight",), "replicated", a))
+    rules.append(Rule(att + "linear_kv_up_proj.weight", (s + "kv_b_proj.weight",), "column", a))
+    rules.append(Rule(att + "linear_proj.weight", (s + "o_proj.weight",), "row", a))
+    return rules
+
+
 VALUE_HEAD_NAMES = ("score.weight", "score.bias")
 """HF names of a value model's head (``*ForTokenClassification.score``); a causal-LM checkpoint lacks
 them (the head then comes from the seed, as in the fsdp2 engine)."""
@@ -256,16 +314,7 @@ def stage_rules(
         p, h = f"decoder.layers.{local}.", f"model.layers.{g}."
         att = p + "self_attention."
         rules.append(Rule(p + "input_layernorm.weight", (h + "input_layernorm.weight",), "replicated", a))
-        qkv = tuple(f"{h}self_attn.{x}_proj.weight" for x in "qkv")
-        rules.append(Rule(att + "linear_qkv.weight", qkv, "qkv", a))
-        if a.qkv_bias:
-            rules.append(
-                Rule(att + "linear_qkv.bias", tuple(n[: -len("weight")] + "bias" for n in qkv), "qkv", a)
-            )
-        if a.qk_norm:
-            rules.append(Rule(att + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), "replicated", a))
-            rules.append(Rule(att + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), "replicated", a))
-        rules.append(Rule(att + "linear_proj.weight", (h + "self_attn.o_proj.weight",), "row", a))
+        rules.extend(_mla_rules(a, att, h) if a.is_mla else _attention_rules(a, att, h))
         rules.append(
             Rule(p + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated", a)
         )
