@@ -261,7 +261,7 @@ def arch_of(hf_config: Any) -> MCoreArch:
         if shared_ffn and mt != "qwen2_moe":
             raise ConfigError(f"mcore: shared experts on {mt} are not converted")
     router = _Router()
-    mla: dict[str, int] = {}
+    mla = (0, 0, 0, 0)  # q_lora_rank, kv_lora_rank, qk_rope_dim, v_head_dim
     if mt == "deepseek_v3":
         mla = _mla(cfg, inv_freq)
         kv = heads
@@ -305,12 +305,16 @@ def arch_of(hf_config: Any) -> MCoreArch:
         num_groups=router.num_groups,
         group_topk=router.group_topk,
         routed_scaling=router.scaling,
-        **mla,
+        q_lora_rank=mla[0],
+        kv_lora_rank=mla[1],
+        qk_rope_dim=mla[2],
+        v_head_dim=mla[3],
     )
 
 
-def _mla(cfg: Any, inv_freq: tuple[float, ...] | None) -> dict[str, int]:
-    """deepseek_v3's multi-latent attention sizes for ``MCoreArch``. megatron-core's
+def _mla(cfg: Any, inv_freq: tuple[float, ...] | None) -> tuple[int, int, int, int]:
+    """deepseek_v3's multi-latent attention sizes ``(q_lora_rank, kv_lora_rank, qk_rope_dim,
+    v_head_dim)`` for ``MCoreArch``. megatron-core's
     ``MLASelfAttention`` computes transformers' attention exactly with plain RoPE on interleaved
     weights (``rope_interleave=True``, transformers' default: megatron de-interleaves the rotary part
     the same way) and no projection biases; the rest is refused by name."""
@@ -327,11 +331,11 @@ def _mla(cfg: Any, inv_freq: tuple[float, ...] | None) -> dict[str, int]:
         )
     if bool(getattr(cfg, "attention_bias", False)):
         raise ConfigError("mcore: deepseek_v3 with attention_bias=True (q_a/kv_a biases) is not converted")
-    return dict(
-        q_lora_rank=int(getattr(cfg, "q_lora_rank", None) or 0),
-        kv_lora_rank=int(cfg.kv_lora_rank),
-        qk_rope_dim=int(cfg.qk_rope_head_dim),
-        v_head_dim=int(cfg.v_head_dim),
+    return (
+        int(getattr(cfg, "q_lora_rank", None) or 0),
+        int(cfg.kv_lora_rank),
+        int(cfg.qk_rope_head_dim),
+        int(cfg.v_head_dim),
     )
 
 
