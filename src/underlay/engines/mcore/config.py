@@ -454,8 +454,7 @@ def check_layout(
 
     Raises ``ConfigError`` naming the numbers and the fix when the world size is not a multiple of
     ``tp * pp * cp``, heads or k/v heads are not divisible by ``tp`` (a vocabulary that is not is
-    padded: ``with_padded_vocab``), sliding windows meet ``cp > 1``, multi-latent attention meets
-    ``tp > 1`` or ``cp > 1``, layers by
+    padded: ``with_padded_vocab``), sliding windows or multi-latent attention meet ``cp > 1``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
     without sequence parallelism, VPP is used without PP or with CP, or ``etp != tp`` (``etp`` is expert tensor
     parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``)."""
@@ -473,14 +472,6 @@ def check_layout(
         raise ConfigError(
             f"mcore: tp={tp} must divide the attention heads ({arch.heads}) and the k/v heads "
             f"({arch.num_query_groups}); lower tp"
-        )
-    if arch.is_mla and tp > 1:
-        # measured: TP=2 log-probs exact, gradients 2% off (the error enters at kv_a_proj_with_mqa)
-        raise ConfigError(
-            f"mcore: multi-latent attention (deepseek_v3) with tp={tp}: megatron-core's MLASelfAttention "
-            "with the local (non-Transformer-Engine) spec gathers the column-parallel kv down "
-            "projection and never sums the gradient of the shared rotary key part (k_pos_emb) over "
-            "the tensor-parallel ranks, so gradients are wrong; use tp=1 (pp, ep and dp are exact)"
         )
     if arch.is_mla and cp > 1:
         raise ConfigError(

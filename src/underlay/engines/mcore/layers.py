@@ -351,6 +351,46 @@ def _core_attention_class() -> type:
 CoreAttention: Any = None  # the class, built on first use (megatron is imported lazily)
 
 
+@functools.cache
+def _mla_class() -> type:
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class UnderlayMLASelfAttention(MLASelfAttention):  # type: ignore[misc]
+        """megatron's ``MLASelfAttention`` whose column-parallel kv down projection hands back the
+        whole ``[kv_lora_rank + qk_pos_emb_head_dim]`` output (gathered over TP, then this rank's
+        sequence slice under sequence parallelism), as a replicated projection would.
+
+        Why: with the split output megatron gathers it itself and uses the shared rotary key part
+        (``k_pos_emb``) for this rank's heads only; the gather's backward keeps this rank's columns of
+        the gradient, so the rotary key's gradient from the other ranks' heads is lost (gradients 2%
+        off at TP=2). On the replicated path megatron all-gathers ``k_pos_emb`` along the sequence,
+        whose backward sums it over the TP ranks. Sequence parallelism is required (the engine
+        requires it for MoE under TP, and deepseek_v3 has MoE layers)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if torch.distributed.get_world_size(self.tp_group) == 1:
+                return
+            if not self.config.sequence_parallel:
+                raise ConfigError("mcore: multi-latent attention under tp > 1 needs sequence_parallel=True")
+            proj = self.linear_kv_down_proj
+            inner = proj.forward
+            group = self.tp_group
+
+            def forward(x: torch.Tensor, *a: Any, **kw: Any) -> Any:
+                out, bias = inner(x, *a, **kw)
+                full = gather_from_tensor_model_parallel_region(out, group=group)
+                return scatter_to_sequence_parallel_region(full, group=group), bias
+
+            proj.forward = forward  # keeps the parameter names (linear_kv_down_proj.weight)
+
+    return UnderlayMLASelfAttention
+
+
 def _mla_without_te() -> None:
     """megatron-core 0.16.1's ``multi_latent_attention`` sets ``HAVE_TE = True`` when its import of
     megatron's TE extension module succeeds, which it does without Transformer Engine (the extension
@@ -443,6 +483,7 @@ def block_spec(
         if arch.is_mla:  # q_a_layernorm (with a q LoRA rank) and kv_a_layernorm
             att.q_layernorm = norm
             att.kv_layernorm = norm
+            sub.self_attention.module = _mla_class()
         elif arch.qk_norm:
             att.q_layernorm = norm
             att.k_layernorm = norm
