@@ -10,6 +10,9 @@ real logit: the softmax, the log-probs, the entropy and every gradient are those
 vocabulary alone. The padded rows' weight gradient is then exactly 0, so they stay 0 through
 training (the optimizer updates nothing from zero gradients and zero weights).
 
+The kernel must run without a final-logit softcap (``softcap * tanh(z / softcap)`` would map the
+padded logit to ``-softcap``, a finite value); the mcore engine converts no soft-capped model.
+
 The extra feature is a block of ``_EXTRA`` columns (the first carries the bias, the rest are 0) so
 that rows stay 16-byte aligned for the fused kernels.
 """
