@@ -12,13 +12,14 @@ import torch
 from tests.mcore import _helpers as H
 
 # Each config exercises one conversion: llama3 RoPE scaling (every frequency band scaled or smoothed:
-# original_max_position_embeddings 8 with head_dim 8), sliding windows shorter than the sequences
-# (all layers: mistral; the layers past max_window_layers: qwen2), vocabularies TP=2 does not divide
-# (131, 127: padded rows), tied embeddings with a padded vocabulary, mixtral's per-expert w1/w3/w2,
-# qwen2_moe's gated shared expert without top-k renormalisation; glm4_moe's dense first layer, partial
-# RoPE, q/k norm, q/k/v bias, shared expert and sigmoid router with a (perturbed) routing bias, groups
-# (one of 2 groups of 4 experts per token) and scaled weights; deepseek_v3's multi-latent attention
-# (q and kv LoRA ranks, interleaved rotary part, v_head_dim != qk head dim) with glm4_moe's MoE.
+# original_max_position_embeddings 8 with head_dim 8), linear RoPE scaling (mistral), sliding windows
+# shorter than the sequences (all layers: mistral; the layers past max_window_layers: qwen2),
+# vocabularies TP=2 does not divide (131, 127: padded rows), tied embeddings with a padded vocabulary,
+# mixtral's per-expert w1/w3/w2, qwen2_moe's gated shared expert without top-k renormalisation;
+# glm4_moe's dense first layer, partial RoPE, q/k norm, q/k/v bias, shared expert and sigmoid router
+# with a (perturbed) routing bias, groups (one of 2 groups of 4 experts per token) and scaled weights;
+# deepseek_v3's multi-latent attention (q and kv LoRA ranks, interleaved rotary part, v_head_dim !=
+# qk head dim) with glm4_moe's MoE.
 _COMMON: dict[str, Any] = dict(
     hidden_size=32,
     intermediate_size=48,
@@ -44,7 +45,10 @@ def arch_configs() -> dict[str, Any]:
     }
     return {
         "llama3": tf.LlamaConfig(**{**_COMMON, "vocab_size": 131, "rope_parameters": llama3}),
-        "mistral_window": tf.MistralConfig(**{**_COMMON, "vocab_size": 128, "sliding_window": 4}),
+        "mistral_window": tf.MistralConfig(
+            **{**_COMMON, "vocab_size": 128, "sliding_window": 4},
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        ),
         "qwen2_window": tf.Qwen2Config(
             **{**_COMMON, "vocab_size": 131, "tie_word_embeddings": True},
             use_sliding_window=True,
