@@ -112,34 +112,44 @@ def write_checkpoints(root: Path) -> None:
     ``save_pretrained`` (fp32) under ``root/<name>``, and ``ref.pt`` there: the float64 model's
     token-aligned log-probs ``[B, S]`` of ``H.make_batch(1)`` and the gradients of the token-mean
     ``H.pg_loss`` by checkpoint name."""
+    batch = H.make_batch(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: 30x faster than two threads on a busy 2-core host
+    try:
+        for name, cfg in arch_configs().items():
+            _write_one(root / name, cfg, batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _write_one(path: Path, cfg: Any, batch: Any) -> None:
+    """One architecture's perturbed checkpoint and float64 reference under ``path``."""
     from underlay.engines.mcore._hf import per_expert_names
     from underlay.engines.mcore.weightmap import checkpoint_names
 
-    batch = H.make_batch(1)
-    for name, cfg in arch_configs().items():
-        torch.manual_seed(0)
-        model = _hf_model(cfg)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                # routers: scores that vary per token, so that routing (groups, bias) matters
-                p.add_((1.0 if n.endswith("mlp.gate.weight") else 0.05) * torch.randn_like(p))
-            for n, b in model.named_buffers():
-                if n.endswith("e_score_correction_bias"):  # large enough to change the routing
-                    b.add_(0.1 * torch.randn_like(b))
-        model.save_pretrained(str(root / name))
-        model = model.double()
-        # one unpadded sequence at a time: with a sliding window, padded query rows of a right-padded
-        # batch see no key at all (NaN in eager attention)
-        lp = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
-        for i, n in enumerate(batch.attention_mask.sum(1).tolist()):
-            ids = batch.input_ids[i : i + 1, :n]
-            logits = model(input_ids=ids).logits[0, :-1]
-            lp[i, 1:n] = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-        m = batch.loss_mask.double()
-        (-(batch.extras["adv"].double()[:, None] * lp * m).sum() / m.sum()).backward()
-        grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
-        grads = checkpoint_names(cfg.model_type, per_expert_names(grads))
-        torch.save({"lp": lp.detach(), "grads": grads}, root / name / "ref.pt")
+    torch.manual_seed(0)
+    model = _hf_model(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            # routers: scores that vary per token, so that routing (groups, bias) matters
+            p.add_((1.0 if n.endswith("mlp.gate.weight") else 0.05) * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # large enough to change the routing
+                b.add_(0.1 * torch.randn_like(b))
+    model.save_pretrained(str(path))
+    model = model.double()
+    # one unpadded sequence at a time: with a sliding window, padded query rows of a right-padded
+    # batch see no key at all (NaN in eager attention)
+    lp = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
+    for i, n in enumerate(batch.attention_mask.sum(1).tolist()):
+        ids = batch.input_ids[i : i + 1, :n]
+        logits = model(input_ids=ids).logits[0, :-1]
+        lp[i, 1:n] = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    m = batch.loss_mask.double()
+    (-(batch.extras["adv"].double()[:, None] * lp * m).sum() / m.sum()).backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+    grads = checkpoint_names(cfg.model_type, per_expert_names(grads))
+    torch.save({"lp": lp.detach(), "grads": grads}, path / "ref.pt")
 
 
 def check_layout_all_archs(
