@@ -23,6 +23,7 @@ from underlay.models.attention import (
     AttentionRoute,
     register_attention,
 )
+from underlay.models.rope import apply_per_sequence_rope
 from underlay.models.tiled_mlp import apply_tiled_mlp, check_tileable
 from underlay.parallel.ulysses import sp_world_size, validate_sp
 from underlay.registry import resolve
@@ -84,6 +85,9 @@ def prepare_model(
     - ``tiled_mlp_tiles``: compute every decoder MLP (or MoE block) in that many token tiles with
       recomputation in backward (:class:`underlay.models.TiledMLP`); ``None`` leaves MLPs plain (and
       removes tiling installed by an earlier call). MLPs that return a tuple (gpt-oss) are refused.
+    - Rotary embeddings whose frequencies depend on the sequence length (``dynamic``, ``longrope``) are
+      computed per packed sequence (:func:`underlay.models.rope.apply_per_sequence_rope`), so a sequence's
+      result does not depend on the sequences packed with it.
 
     What the model needs is inspected (:func:`underlay.models.inspect_model`: attention dispatch through
     the AttentionInterface, position ids, layer types, logit scaling; sliding windows, softcaps, sinks,
@@ -140,6 +144,7 @@ def prepare_model(
             tower.register_forward_pre_hook(_drop_text_packing, with_kwargs=True)
             setattr(tower, _TEXT_PACKING_FILTER, True)
     apply_tiled_mlp(inner, tiled_mlp_tiles)
+    apply_per_sequence_rope(inner)
     return model
 
 
