@@ -99,6 +99,12 @@ class ModelConfig:
     tokenizer files) or ``hf_config`` (a ``transformers.PretrainedConfig``; random initialisation from
     ``seed``) is given. ``kind`` is ``"causal_lm"`` (policy/reference: log-probs) or ``"value"``
     (critic/reward: one scalar per token).
+
+    ``training_randomness``: ``"off"`` (default) runs training forwards without any of the model's
+    training-mode randomness (no dropout of any kind, no MoE router jitter, in every module), so
+    ``forward_backward`` computes the log-probs ``infer`` computes for the same weights (on-policy
+    ratios are exactly 1); ``"keep"`` applies them as transformers' training does. Attention dropout is
+    refused either way (the attention kernels have none).
     """
 
     path: str | None = None
@@ -111,8 +117,14 @@ class ModelConfig:
     fused_head: bool = True
     tiled_mlp_tiles: int | None = None
     lora: LoraConfig | None = None
+    training_randomness: Literal["off", "keep"] = "off"
 
     def __post_init__(self) -> None:
+        if self.training_randomness not in ("off", "keep"):
+            raise ConfigError(
+                f"ModelConfig.training_randomness={self.training_randomness!r}: use 'off' (no dropout, no "
+                "router jitter: training and inference forwards agree) or 'keep' (the model's own)"
+            )
         if (self.path is None) == (self.hf_config is None):
             raise ConfigError(
                 "ModelConfig: give exactly one of path= (a local HF model directory) or hf_config= "

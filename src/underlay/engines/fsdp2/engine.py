@@ -344,7 +344,8 @@ class FSDP2Engine:
             f"device={self._device.device_type}, recompute={self._recompute!r}, compile={o.compile!r}, "
             f"compile_memory_budget={o.compile_memory_budget!r}, fused_adamw={o.fused_adamw!r}, "
             f"reshard_after_forward={o.reshard_after_forward!r}, grad_sync={o.grad_sync!r}, "
-            f"optimizer_offload={o.optimizer_offload!r})"
+            f"optimizer_offload={o.optimizer_offload!r}, "
+            f"training_randomness={self._config.model.training_randomness!r})"
         )
 
     @property
@@ -447,7 +448,7 @@ class FSDP2Engine:
         def back(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else pad(t, packed)
 
-        return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values))
+        return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values), out.aux_loss)
 
     def _vision_inputs(self, batch: TokenBatch) -> tuple[dict[str, torch.Tensor] | None, int]:
         """A vision-language micro-batch's ``multimodal`` inputs, and how many zero-weight vision
@@ -492,7 +493,9 @@ class FSDP2Engine:
         denom = float(max(n_tokens, 1))
         scale = self._layout.world_size / denom
         plan = self._plan(batch)
-        self._model.train()
+        from underlay.models.randomness import set_training_mode
+
+        set_training_mode(self._model, self._config.model.training_randomness)
         # the same on every rank: the plan has as many micro-batches on every dp rank, and the
         # pending flag follows the calls, which are collective
         sync_once = self._options.grad_sync == "per_step" and len(plan) > 1 and not self._grads_pending
