@@ -100,6 +100,7 @@ def test_causality_comes_from_the_layer_call_or_is_refused() -> None:
 
 LONGROPE = dict(
     max_position_embeddings=64,
+    original_max_position_embeddings=16,  # (phi3's config default, 4096, would override the rope's)
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
