@@ -39,7 +39,55 @@ def f64_model(arch: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.state_dict().items():  # persistent buffers (routing biases) too
+            if b.is_floating_point() and name not in dict(model.named_parameters()):
+                b.add_(torch.randn_like(b) * 0.2)
     return model.eval()
+
+
+LISTED: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": dict(sliding_window=4),
+    "qwen2": {},
+    "qwen3": dict(head_dim=8),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    ),
+    "gemma2": dict(head_dim=8),
+    "gemma3_text": dict(head_dim=8),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "glm4": dict(head_dim=8, pad_token_id=0),
+    "glm4_moe": dict(
+        head_dim=8,
+        pad_token_id=0,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+    ),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+    ),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"] * 2),
+}
+"""Tiny overrides (on top of :data:`TINY`) of the listed text architectures (plus qwen2_moe, glm4_moe)."""
 
 
 def reference(model: nn.Module, seqs: list[torch.Tensor]) -> list[torch.Tensor]:

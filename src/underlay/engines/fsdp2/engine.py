@@ -49,7 +49,7 @@ from underlay.engines.fsdp2.parallelize import (
     torch_dtype,
     validate_ulysses,
 )
-from underlay.engines.fsdp2.weightmap import fsdp2_weight_map
+from underlay.engines.fsdp2.weightmap import fsdp2_weight_map, persistent_buffers
 from underlay.interfaces import (
     CheckpointError,
     ConfigError,
@@ -160,7 +160,9 @@ class FSDP2Engine:
             reshard_after_forward=not self._keep_unsharded,
         )
         self._weight_map = fsdp2_weight_map(
-            model.named_parameters(remove_duplicate=False), self._hf_config, config.model.kind
+            [*model.named_parameters(remove_duplicate=False), *persistent_buffers(model)],
+            self._hf_config,
+            config.model.kind,
         )
         model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
         self._restore_buffers(model, buffers)
@@ -236,7 +238,9 @@ class FSDP2Engine:
         mc = self._config.model
         fill: set[str] | None = None
         if mc.path is not None and mc.load_weights:
-            report = load_hf_into(self, mc.path, strict=mc.kind == "causal_lm")
+            # strict for value models too: only their score head is optional (lm_head is ignored), so
+            # a router or expert the map cannot find is an error, never a seed-initialised tensor
+            report = load_hf_into(self, mc.path, strict=True)
             fill = set()
             for hf in report.missing:
                 rule = self._weight_map.rule_for_hf(hf)
@@ -741,7 +745,7 @@ class FSDP2Engine:
         self._ensure_onloaded("weights")
         self._reshard()
         lora = _lora_modules(self._model)
-        params = dict(self._model.named_parameters())
+        params = self._params_by_name()
         for rule in self._weight_map.rules:
             name = rule.engine_name
             full = self._full(params[name])
@@ -769,7 +773,8 @@ class FSDP2Engine:
         return _build.copy_into_param(param, full, engine_name)
 
     def _params_by_name(self) -> dict[str, torch.Tensor]:
-        return dict(self._model.named_parameters())
+        # persistent buffers (routing biases) load and export like parameters (see fsdp2_weight_map)
+        return {**dict(persistent_buffers(self._model)), **dict(self._model.named_parameters())}
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full LoRA adapter tensors (peft names without the ``.default`` adapter segment, as
