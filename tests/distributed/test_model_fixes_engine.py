@@ -96,6 +96,19 @@ def _load_cases(root: Path) -> dict[str, list[str]]:
     return out
 
 
+class _Recorder:
+    """A loss_fn that records what it was given and contributes 0."""
+
+    def __init__(self) -> None:
+        self.log_probs: list[torch.Tensor] = []
+        self.aux: list[torch.Tensor | None] = []
+
+    def __call__(self, outputs: Any, batch: Any, ctx: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        self.log_probs.append(outputs.log_probs.detach().clone())
+        self.aux.append(outputs.aux_loss)
+        return (outputs.log_probs * batch.loss_mask).sum() * 0.0, {}
+
+
 def _randomness_and_aux() -> dict[str, Any]:
     from tests.unit.models._f64 import TINY
     from underlay.interfaces import ModelConfig, TokenBatch
@@ -116,18 +129,11 @@ def _randomness_and_aux() -> dict[str, Any]:
         for mode in ("off", "keep"):
             hf = AutoConfig.for_model(arch, **{**TINY, **over})
             engine = _engine(ModelConfig(hf_config=hf, training_randomness=mode), with_entropy=False)
-            seen: list[torch.Tensor] = []
-            aux: list[torch.Tensor | None] = []
-
-            def loss_fn(outputs: Any, b: Any, ctx: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
-                seen.append(outputs.log_probs.detach().clone())
-                aux.append(outputs.aux_loss)
-                return (outputs.log_probs * b.loss_mask).sum() * 0.0, {}
-
+            record = _Recorder()
             infer = engine.infer(batch).log_probs
-            engine.forward_backward(batch, loss_fn)
-            trained = torch.cat(seen) if len(seen) == 1 else None
-            res[f"{arch}/{mode}/equal"] = trained is not None and torch.equal(trained, infer)
+            engine.forward_backward(batch, record)
+            seen, aux = record.log_probs, record.aux
+            res[f"{arch}/{mode}/equal"] = len(seen) == 1 and torch.equal(seen[0], infer)
             res[f"{arch}/{mode}/repr"] = f"training_randomness='{mode}'" in repr(engine)
             res[f"{arch}/aux"] = [a is not None and a.dim() == 0 and a.requires_grad for a in aux]
     return res

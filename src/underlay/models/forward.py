@@ -332,7 +332,9 @@ def _router_aux(inner: nn.Module, head: str) -> _RouterAux | None:
         return None
     cfg = text_config(inner.config)
     # the class's modeling module (along the MRO: FSDP2 subclasses the model class in its own module)
-    found = (getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None) for c in type(inner).__mro__)
+    found = (
+        getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None) for c in type(inner).__mro__
+    )
     fn = next((f for f in found if callable(f)), None)
     coef = getattr(cfg, "router_aux_loss_coef", None)
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)

@@ -71,7 +71,12 @@ def _reset_dynamic(module: nn.Module) -> None:
 
 
 def _per_sequence_forward(
-    module: nn.Module, forward: Callable[..., Any], x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any
+    module: nn.Module,
+    forward: Callable[..., Any],
+    x: torch.Tensor,
+    position_ids: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``forward`` (the class's own) called once per sequence of ``position_ids``, results side by side."""
     dynamic = any("dynamic" in t for t in _rope_types(module))
@@ -104,7 +109,9 @@ def _per_sequence_class(cls: type[nn.Module]) -> type[nn.Module]:
     own_forward = cls.forward
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def forward(
+        self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
         return _per_sequence_forward(self, own_forward, x, position_ids, *args, **kwargs)
 
     return type(f"PerSequence{cls.__name__}", (cls,), {"forward": forward, PER_SEQUENCE_ATTR: True})
@@ -125,5 +132,5 @@ def apply_per_sequence_rope(model: nn.Module) -> int:
             continue
         count += 1
         if not getattr(module, PER_SEQUENCE_ATTR, False):
-            module.__class__ = _per_sequence_class(type(module))
+            module.__class__ = _per_sequence_class(type(module))  # type: ignore[arg-type]
     return count

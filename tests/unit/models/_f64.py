@@ -85,7 +85,9 @@ LISTED: dict[str, dict[str, Any]] = {
         n_group=2,
         topk_group=1,
     ),
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"] * 2),
+    "gpt_oss": dict(
+        num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"] * 2
+    ),
 }
 """Tiny overrides (on top of :data:`TINY`) of the listed text architectures (plus qwen2_moe, glm4_moe)."""
 

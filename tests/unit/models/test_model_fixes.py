@@ -46,9 +46,15 @@ def _max_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     [
         # full-attention layers carry `sliding_window` too; transformers passes None for them
         ("exaone4", dict(sliding_window=4, layer_types=SLIDING_FULL)),
-        ("exaone_moe", dict(sliding_window=4, layer_types=SLIDING_FULL, num_experts=4, num_experts_per_tok=2)),
+        (
+            "exaone_moe",
+            dict(sliding_window=4, layer_types=SLIDING_FULL, num_experts=4, num_experts_per_tok=2),
+        ),
         # Gemma 3 keeps `attn_logit_softcapping` on the module but does not apply it
-        ("gemma3_text", dict(head_dim=8, sliding_window=4, attn_logit_softcapping=5.0, layer_types=SLIDING_FULL)),
+        (
+            "gemma3_text",
+            dict(head_dim=8, sliding_window=4, attn_logit_softcapping=5.0, layer_types=SLIDING_FULL),
+        ),
     ],
 )
 def test_attention_properties_come_from_the_layer_call(arch: str, overrides: dict[str, Any]) -> None:
@@ -89,7 +95,9 @@ def test_causality_comes_from_the_layer_call_or_is_refused() -> None:
     q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
     pos = torch.arange(5)[None]
     causal, _ = underlay_attention_forward(_Layer(), q, q, q, None, position_ids=pos)
-    full, _ = underlay_attention_forward(_Layer(is_causal=True), q, q, q, None, position_ids=pos, is_causal=False)
+    full, _ = underlay_attention_forward(
+        _Layer(is_causal=True), q, q, q, None, position_ids=pos, is_causal=False
+    )
     assert not torch.allclose(causal, full)  # the keyword decides, not the attribute
     with pytest.raises(ConfigError, match="is_causal=False"):
         underlay_attention_forward(_Layer(is_causal=False), q, q, q, None, position_ids=pos)
@@ -112,10 +120,14 @@ LONGROPE = dict(
         "original_max_position_embeddings": 16,
     },
 )
-DYNAMIC = dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+DYNAMIC = dict(
+    max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+)
 
 
-@pytest.mark.parametrize(("arch", "overrides"), [("phi3", LONGROPE), ("llama", DYNAMIC)], ids=["longrope", "dynamic"])
+@pytest.mark.parametrize(
+    ("arch", "overrides"), [("phi3", LONGROPE), ("llama", DYNAMIC)], ids=["longrope", "dynamic"]
+)
 def test_length_dependent_rope_is_per_sequence(arch: str, overrides: dict[str, Any]) -> None:
     model = f64_model(arch, **overrides)
     short, long_, mid = sequences([8, 40, 20])  # 8 below the original length 16, 40 and 20 above it
@@ -182,7 +194,9 @@ MOE: dict[str, dict[str, Any]] = {
         shared_expert_intermediate_size=16,
         router_aux_loss_coef=0.3,
     ),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.3),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.3
+    ),
     "gpt_oss": dict(
         num_local_experts=4,
         num_experts_per_tok=2,
