@@ -75,13 +75,17 @@ def _check_model(arch: str, heads: int, kv_heads: int, value: bool) -> None:
         out = packed_forward(model, packed, temperature=0.9, logprob_kernel=logprob_kernel())
         fields = [t for t in (out.log_probs, out.entropy, out.values) if t is not None]
         loss = sum((t * w).sum() for t, w in zip(fields, (w1, w2)))
+        if out.aux_loss is not None:  # MoE router auxiliary loss: over the whole packed batch on every rank
+            loss = loss + 3.0 * out.aux_loss
+            fields.append(out.aux_loss.reshape(1).expand(packed.total_tokens))
         loss.backward()  # type: ignore[union-attr]
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         return [t.detach() for t in fields], grads
 
     single, single_grads = run(None)
     sp_out, sp_grads = run(dist.group.WORLD)
-    assert len(single) == len(sp_out) == (1 if value else 2)
+    moe_aux = 1 if not value and arch in ("mixtral", "qwen3_moe", "gpt_oss") else 0
+    assert len(single) == len(sp_out) == (1 if value else 2) + moe_aux
     for a, b in zip(sp_out, single):
         assert a.shape == (packed.total_tokens,)
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
