@@ -80,6 +80,10 @@ def _load_cases(root: Path) -> dict[str, list[str]]:
         exported = FSDP2WeightLoader(get_device("cpu")).export_hf(engine, root / f"{arch}-export")
         assert exported is not None
         out[f"{arch}/export"] = _differences(_files(exported), saved)
+        if arch == "deepseek_v3":  # load_hf into an engine built from the seed: the same tensors
+            seeded = _engine(ModelConfig(hf_config=f64_model(arch, **overrides).config, seed=1))
+            report = FSDP2WeightLoader(get_device("cpu")).load_hf(seeded, src)
+            out[f"{arch}/load_hf"] = _differences(_weights(seeded), saved) + list(report.unexpected)
         if arch in VALUE_ARCHS:
             critic = _weights(_engine(ModelConfig(path=str(src), kind="value")))
             assert "score.weight" in critic  # the head the checkpoint lacks, from the seed
