@@ -159,7 +159,8 @@ class ModelConfig:
     (``attention``, ``kind``) or in ``EngineConfig`` (``param_dtype``): ``ConfigError`` otherwise.
 
     ``training_randomness``: ``"off"`` (default) runs training forwards without any of the model's
-    training-mode randomness (no dropout of any kind, no MoE router jitter, in every module), so
+    training-mode randomness (no dropout of any kind, LoRA's ``LoraConfig.dropout`` included, no MoE
+    router jitter, in every module), so
     ``forward_backward`` computes the log-probs ``infer`` computes for the same weights (on-policy
     ratios are exactly 1); ``"keep"`` applies them as transformers' training does. Attention dropout is
     refused either way (the attention kernels have none).
