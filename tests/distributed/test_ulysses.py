@@ -121,8 +121,28 @@ def _check_padded_input_is_refused_and_tiny_batches_work() -> None:
     out.log_probs.sum().backward()
 
 
+def _check_long_rope() -> None:
+    """Phi-3 long-rope under sp=2: a sequence split across the ranks gets its whole length's factor
+    (rank 0 alone sees 11 of its 30 positions, below the original length 16), as in one process."""
+    from tests.unit.models._f64 import f64_model, packed
+    from tests.unit.models.test_model_fixes import LONGROPE
+    from underlay.models import packed_forward, prepare_model
+    from underlay.registry import get_logprob_kernel
+
+    ref = f64_model("phi3", **LONGROPE)
+    g = torch.Generator().manual_seed(2)
+    batch = packed([torch.randint(3, 96, (n,), generator=g) for n in (8, 30)])
+    outs = []
+    for group in (None, dist.group.WORLD):
+        model = prepare_model(copy.deepcopy(ref), attention="eager", sp_group=group)
+        with torch.no_grad():
+            outs.append(packed_forward(model, batch, logprob_kernel=get_logprob_kernel("torch")).log_probs)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=0)
+
+
 def _worker(rank: int, world: int) -> int:
     _check_primitives(rank, world)
+    _check_long_rope()
     _check_padded_input_is_refused_and_tiny_batches_work()
     for case in CASES:
         _check_model(*case)

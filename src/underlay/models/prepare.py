@@ -144,7 +144,7 @@ def prepare_model(
             tower.register_forward_pre_hook(_drop_text_packing, with_kwargs=True)
             setattr(tower, _TEXT_PACKING_FILTER, True)
     apply_tiled_mlp(inner, tiled_mlp_tiles)
-    apply_per_sequence_rope(inner)
+    apply_per_sequence_rope(inner, sp_group)
     return model
 
 

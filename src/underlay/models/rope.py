@@ -19,12 +19,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["PER_SEQUENCE_ATTR", "apply_per_sequence_rope", "length_dependent_rope"]
+from underlay.parallel.ulysses import gather_seq, sp_world_size
+
+__all__ = ["PER_SEQUENCE_ATTR", "SP_ATTR", "apply_per_sequence_rope", "length_dependent_rope"]
 
 PER_SEQUENCE_ATTR = "_underlay_per_sequence_rope"
 """Class attribute (``True``) of the per-sequence rotary classes :func:`apply_per_sequence_rope` installs."""
+
+SP_ATTR = "_underlay_rope_sp"
+"""Attribute of a per-sequence rotary module that holds its Ulysses group."""
 
 
 def _rope_types(module: nn.Module) -> list[str]:
@@ -70,6 +76,35 @@ def _reset_dynamic(module: nn.Module) -> None:
         setattr(module, f"{prefix}max_seq_len_cached", original_len)
 
 
+class _SpGroup:
+    """The Ulysses group of a rotary module (shared, not copied, by ``copy.deepcopy`` of the model)."""
+
+    def __init__(self, group: Any | None) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SpGroup:
+        return self
+
+
+def _sequence_lengths(row: torch.Tensor, segments: list[tuple[int, int]], group: Any | None) -> list[int]:
+    """The full length of the sequence each segment of ``row`` (this rank's position ids) belongs to.
+    Under Ulysses (``group`` of more than one rank) a sequence may continue on the next rank: the
+    positions of the whole packed sequence are gathered (one all-gather of ints, no gradient)."""
+    sp = sp_world_size(group)
+    if sp == 1:
+        return [int(row[end - 1]) + 1 for _, end in segments]
+    with torch.no_grad():
+        full = gather_seq(row, group)
+    offset = dist.get_rank(group) * int(row.numel())
+    starts = torch.nonzero(full == 0).reshape(-1).tolist() + [int(full.numel())]
+    lengths = []
+    for start, _ in segments:
+        g = offset + start
+        end = next(s for s in starts if s > g)
+        lengths.append(int(full[end - 1]) + 1)
+    return lengths
+
+
 def _per_sequence_forward(
     module: nn.Module,
     forward: Callable[..., Any],
@@ -78,18 +113,30 @@ def _per_sequence_forward(
     *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``forward`` (the class's own) called once per sequence of ``position_ids``, results side by side."""
+    """``forward`` (the class's own) called once per sequence of ``position_ids``, results side by side.
+    Each call sees its sequence's full length as ``max(position_ids) + 1`` (the last position is appended
+    to a segment that ends early, e.g. on another Ulysses rank, and its output dropped)."""
     dynamic = any("dynamic" in t for t in _rope_types(module))
+    holder = getattr(module, SP_ATTR, None)
+    group = holder.group if isinstance(holder, _SpGroup) else None
     rows_cos: list[torch.Tensor] = []
     rows_sin: list[torch.Tensor] = []
     flat = position_ids.reshape(-1, position_ids.shape[-1])
     for b in range(int(flat.shape[0])):
         parts_cos: list[torch.Tensor] = []
         parts_sin: list[torch.Tensor] = []
-        for start, end in _segments(flat[b]):
+        segments = _segments(flat[b])
+        lengths = _sequence_lengths(flat[b], segments, group if flat.shape[0] == 1 else None)
+        for (start, end), length in zip(segments, lengths):
             if dynamic:
                 _reset_dynamic(module)
-            cos, sin = forward(module, x, flat[b : b + 1, start:end], *args, **kwargs)
+            pos = flat[b : b + 1, start:end]
+            extra = int(pos[0, -1]) + 1 < length
+            if extra:
+                pos = torch.cat([pos, pos.new_full((1, 1), length - 1)], dim=1)
+            cos, sin = forward(module, x, pos, *args, **kwargs)
+            if extra:
+                cos, sin = cos[..., :-1, :], sin[..., :-1, :]
             parts_cos.append(cos)
             parts_sin.append(sin)
         rows_cos.append(torch.cat(parts_cos, dim=-2))
@@ -117,20 +164,22 @@ def _per_sequence_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"PerSequence{cls.__name__}", (cls,), {"forward": forward, PER_SEQUENCE_ATTR: True})
 
 
-def apply_per_sequence_rope(model: nn.Module) -> int:
+def apply_per_sequence_rope(model: nn.Module, sp_group: Any | None = None) -> int:
     """Make every length-dependent rotary module of ``model`` (:func:`length_dependent_rope`) compute its
     ``cos``/``sin`` per sequence (see the module docstring), in place and idempotently.
 
     The wrapped forward takes what the module's own forward takes (``x``, ``position_ids [B, T]`` int,
     optional ``layer_type``) and returns ``(cos, sin)`` of shape ``[B, T, rotary_dim]`` in ``x``'s dtype,
     equal to the module's own forward called on each sequence alone. It reads the sequence starts on the
-    host (one device sync per call) and runs eagerly under ``torch.compile``. Returns the number of modules
-    wrapped now or before."""
+    host (one device sync per call) and runs eagerly under ``torch.compile``. With ``sp_group`` (Ulysses:
+    each rank passes its slice of the packed position ids) a sequence's length is that of the whole
+    sequence, across ranks. Returns the number of modules wrapped now or before."""
     count = 0
     for module in model.modules():
         if not length_dependent_rope(module):
             continue
         count += 1
+        setattr(module, SP_ATTR, _SpGroup(sp_group))
         if not getattr(module, PER_SEQUENCE_ATTR, False):
             module.__class__ = _per_sequence_class(type(module))  # type: ignore[arg-type]
     return count
