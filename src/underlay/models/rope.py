@@ -96,7 +96,7 @@ def _sequence_lengths(row: torch.Tensor, segments: list[tuple[int, int]], group:
     with torch.no_grad():
         full = gather_seq(row, group)
     offset = dist.get_rank(group) * int(row.numel())
-    starts = torch.nonzero(full == 0).reshape(-1).tolist() + [int(full.numel())]
+    starts = [*torch.nonzero(full == 0).reshape(-1).tolist(), int(full.numel())]
     lengths = []
     for start, _ in segments:
         g = offset + start
