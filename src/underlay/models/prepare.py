@@ -74,8 +74,9 @@ def prepare_model(
       (``set_attn_implementation``), so every attention layer calls the underlay AttentionKernel
       ``attention`` (a registry name such as ``"eager"``, ``"torch"``, ``"flash_attn"``; ``None`` =
       ``UNDERLAY_ATTENTION`` or ``auto``): packed input (batch 1, position ids restarting at 0) goes to
-      ``kernel.varlen``, padded input with an attention mask to ``kernel.padded``; the module's scaling,
-      sliding window and softcap are respected. Use :func:`underlay.models.packed_forward` to run it.
+      ``kernel.varlen``, padded input with an attention mask to ``kernel.padded``; each layer's scaling,
+      sliding window, softcap, sinks and causality are those the layer passes to the attention function
+      (never the module's attributes). Use :func:`underlay.models.packed_forward` to run it.
     - ``sp_group``: Ulysses sequence parallelism over that process group (checked with
       :func:`underlay.parallel.ulysses.validate_sp` against the head counts). For Qwen2.5-VL the
       sequence is split after the vision features are merged into the embeddings (the vision tower's
