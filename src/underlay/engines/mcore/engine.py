@@ -354,7 +354,7 @@ class MCoreEngine:
             self._tf_config,
             a.hidden,
             bias=a.value_bias,
-            dropout=a.value_dropout,
+            dropout=a.value_dropout if self._config.model.training_randomness == "keep" else 0.0,
             seed=self._config.model.seed * 65_537 + rank,
             tp_group=ps.get_tensor_model_parallel_group(),
         )
