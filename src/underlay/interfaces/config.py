@@ -174,6 +174,13 @@ class ModelConfig:
     ``hf_config`` and exports carry them. Keys must exist in the config, keep their value's type, not
     change parameter shapes while loading from ``path``, and not have a field of their own here
     (``attention``, ``kind``) or in ``EngineConfig`` (``param_dtype``): ``ConfigError`` otherwise.
+
+    ``training_randomness``: ``"off"`` (default) runs training forwards without any of the model's
+    training-mode randomness (no dropout of any kind, LoRA's ``LoraConfig.dropout`` included, no MoE
+    router jitter, in every module), so
+    ``forward_backward`` computes the log-probs ``infer`` computes for the same weights (on-policy
+    ratios are exactly 1); ``"keep"`` applies them as transformers' training does. Attention dropout is
+    refused either way (the attention kernels have none).
     """
 
     path: str | None = None
@@ -187,8 +194,14 @@ class ModelConfig:
     tiled_mlp_tiles: int | None = None
     lora: LoraConfig | None = None
     overrides: Mapping[str, Any] | None = None
+    training_randomness: Literal["off", "keep"] = "off"
 
     def __post_init__(self) -> None:
+        if self.training_randomness not in ("off", "keep"):
+            raise ConfigError(
+                f"ModelConfig.training_randomness={self.training_randomness!r}: use 'off' (no dropout, no "
+                "router jitter: training and inference forwards agree) or 'keep' (the model's own)"
+            )
         if self.overrides is not None:
             if not isinstance(self.overrides, Mapping) or not all(isinstance(k, str) for k in self.overrides):
                 raise ConfigError(

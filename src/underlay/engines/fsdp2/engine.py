@@ -50,7 +50,7 @@ from underlay.engines.fsdp2.parallelize import (
     torch_dtype,
     validate_ulysses,
 )
-from underlay.engines.fsdp2.weightmap import fsdp2_weight_map
+from underlay.engines.fsdp2.weightmap import fsdp2_weight_map, persistent_buffers
 from underlay.interfaces import (
     CheckpointError,
     ConfigError,
@@ -161,7 +161,9 @@ class FSDP2Engine:
             reshard_after_forward=not self._keep_unsharded,
         )
         self._weight_map = fsdp2_weight_map(
-            model.named_parameters(remove_duplicate=False), self._hf_config, config.model.kind
+            [*model.named_parameters(remove_duplicate=False), *persistent_buffers(model)],
+            self._hf_config,
+            config.model.kind,
         )
         model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
         self._restore_buffers(model, buffers)
@@ -240,7 +242,9 @@ class FSDP2Engine:
         mc = self._config.model
         fill: set[str] | None = None
         if mc.path is not None and mc.load_weights:
-            report = load_hf_into(self, mc.path, strict=mc.kind == "causal_lm")
+            # strict for value models too: only their score head is optional (lm_head is ignored), so
+            # a router or expert the map cannot find is an error, never a seed-initialised tensor
+            report = load_hf_into(self, mc.path, strict=True)
             fill = set()
             for hf in report.missing:
                 rule = self._weight_map.rule_for_hf(hf)
@@ -357,7 +361,8 @@ class FSDP2Engine:
             f"device={self._device.device_type}, recompute={self._recompute!r}, compile={o.compile!r}, "
             f"compile_memory_budget={o.compile_memory_budget!r}, fused_adamw={o.fused_adamw!r}, "
             f"reshard_after_forward={o.reshard_after_forward!r}, grad_sync={o.grad_sync!r}, "
-            f"optimizer_offload={o.optimizer_offload!r})"
+            f"optimizer_offload={o.optimizer_offload!r}, "
+            f"training_randomness={self._config.model.training_randomness!r})"
         )
 
     @property
@@ -460,7 +465,7 @@ class FSDP2Engine:
         def back(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else pad(t, packed)
 
-        return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values))
+        return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values), out.aux_loss)
 
     def _vision_inputs(self, batch: TokenBatch) -> tuple[dict[str, torch.Tensor] | None, int]:
         """A vision-language micro-batch's ``multimodal`` inputs, and how many zero-weight vision
@@ -510,7 +515,9 @@ class FSDP2Engine:
         reducer = MetricReducer(self._torch_device)
         scale = self._layout.world_size  # FSDP averages gradients over every rank: sum instead
         plan = self._plan(batch)
-        self._model.train()
+        from underlay.models.randomness import set_training_mode
+
+        set_training_mode(self._model, self._config.model.training_randomness)
         # the same on every rank: the plan has as many micro-batches on every dp rank, and the
         # pending flag follows the calls, which are collective
         sync_once = self._options.grad_sync == "per_step" and len(plan) > 1 and not self._grads_pending
@@ -751,7 +758,7 @@ class FSDP2Engine:
         self._ensure_onloaded("weights")
         self._reshard()
         lora = _lora_modules(self._model)
-        params = dict(self._model.named_parameters())
+        params = self._params_by_name()
         for rule in self._weight_map.rules:
             name = rule.engine_name
             full = self._full(params[name])
@@ -779,7 +786,8 @@ class FSDP2Engine:
         return _build.copy_into_param(param, full, engine_name)
 
     def _params_by_name(self) -> dict[str, torch.Tensor]:
-        return dict(self._model.named_parameters())
+        # persistent buffers (routing biases) load and export like parameters (see fsdp2_weight_map)
+        return {**dict(persistent_buffers(self._model)), **dict(self._model.named_parameters())}
 
     @contextlib.contextmanager
     def disable_adapter(self) -> Iterator[None]:
