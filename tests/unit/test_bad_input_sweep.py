@@ -1,6 +1,6 @@
 """Bad input never escapes as a foreign exception, and nothing of the user's is moved or lost.
 
-A generated sweep: every field of every public config class and every argument of every public ``ops``
+A generated sweep: every field of every public config class (the demo's included) and every argument of every public ``ops``
 function (from a valid baseline call) gets each adversarial value in turn (wrong types, negative and
 zero sizes, NaN/inf, empty, 0-d/3-d/integer/NaN tensors, bad shapes, nested garbage); the export/save
 paths (``utils.safe_files.atomic_directory`` as ``export_hf`` uses it, ``Tracking`` and its backends,
@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from underlay.demo.config import DemoConfig
 from underlay.interfaces import (
     EngineConfig,
     LoraConfig,
@@ -76,6 +77,7 @@ CONFIGS: dict[type, Callable[[], dict[str, Any]]] = {
     OptimConfig: dict,
     ProfilerConfig: dict,
     EngineConfig: lambda: {"model": ModelConfig(hf_config=_hf())},
+    DemoConfig: dict,
 }
 
 
