@@ -1,6 +1,6 @@
 """Where does the GPU sit idle? Idle-gap attribution for a torch.profiler chrome trace.
 
-    python3 benchmarks/gpu/trace_gaps.py TRACE.json [--top 25] [--min-gap-us 5]
+    python -m underlay.profiling.trace_gaps TRACE.json [--top 25] [--min-gap-us 5]
 
 The device is busy while any kernel, memcpy or memset runs (the union over all streams). Every idle gap
 inside the traced span is charged to the host work that ended it: the launch (runtime or driver call)
@@ -32,6 +32,8 @@ SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 @dataclass(frozen=True)
 class Span:
+    """One complete ("X") trace event: start and end in microseconds, its name and thread id."""
+
     start: float
     end: float
     name: str
@@ -180,12 +182,13 @@ def analyse(trace: dict[str, Any], top: int = 25, min_gap_us: float = 5.0, keep:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Command line: print :func:`analyse` of the chrome trace file named in ``argv``; returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--min-gap-us", type=float, default=5.0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(analyse(json.loads(args.trace.read_text()), args.top, args.min_gap_us))
     return 0
 
