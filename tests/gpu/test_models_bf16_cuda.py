@@ -1,4 +1,4 @@
-"""bf16 equivalence of the Hugging Face integration on the GPU (issue 5, item 6, GPU part).
+"""bf16 equivalence of the Hugging Face integration on a CUDA GPU.
 
 For tiny random models of every verified architecture (``ARCHS``: the original five plus Gemma 2/3,
 Mixtral, Phi-3, GLM-4, DeepSeek-V3 and gpt-oss), on cuda in bf16 with the kernels the registry
@@ -17,32 +17,24 @@ A row passes when our log-prob/entropy errors are within 1.5x (+ a small floor) 
 errors and the cosine of our parameter gradient (of a weighted log-prob loss) to the fp32 gradient is
 >= 0.99. Value models (token classification, ``num_labels=1``), the padded route (an attention mask
 through ``kernel.padded``) and TiledMLP (vs the plain MLP in bf16) are checked the same way.
-
-Run on the GPU host from the repo root::
-
-    PYTHONPATH=src python benchmarks/gpu/check_models_bf16.py
-
-Prints a table and writes ``$OUT/check_models_bf16.json`` (``--device cpu --quick`` is a smoke run).
-Exit status 1 when any row fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import platform
-import sys
-import time
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from underlay.models import TiledMLP, packed_forward, prepare_model
 from underlay.ops.packing import pad, unpad
-from underlay.registry import get_attention, get_logprob_kernel, resolve
+from underlay.registry import get_logprob_kernel
+
+pytestmark = pytest.mark.gpu
+
+_CUDA = torch.device("cuda")
 
 ARCHS = (
     "llama",
@@ -450,89 +442,24 @@ def check_tiled(quick: bool, device: torch.device) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
-    ap.add_argument("--attention", default=None, help="attention backend (default: registry auto)")
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device visible; run on the GPU host (or --device cpu --quick for a smoke run)")
-        return 2
-    import transformers
-
-    probe_spec = None
-    try:
-        from underlay.interfaces import AttentionSpec
-
-        probe_spec = AttentionSpec(torch.bfloat16, 32, 8, 2, device.type, "varlen")
-        attn_name = get_attention(args.attention, spec=probe_spec).name
-    except Exception as exc:  # reported, the rows will fail with the real error
-        attn_name = f"unavailable: {exc}"
-    t0 = time.time()
-    rows: list[dict[str, Any]] = []
-
-    def guarded(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
-        """One check's row; an exception fails that row only (one architecture that this transformers
-        cannot run must not hide the others)."""
-        try:
-            row: dict[str, Any] = fn(*fn_args)
-            return row
-        except Exception as exc:
-            print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            return {"check": name, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-
-    for arch in ARCHS:
-        rows.append(guarded(arch, check_causal, arch, args.quick, device, args.attention))
-    for arch in VALUE_ARCHS:
-        rows.append(guarded(f"{arch} value", check_value, arch, args.quick, device, args.attention))
-    for arch in VL_ARCHS:
-        rows.append(guarded(arch, check_vl, arch, args.quick, device, args.attention))
-    rows.append(guarded("tiled_mlp", check_tiled, args.quick, device))
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "attention_kernel": attn_name,
-        "logprob_backend": resolve("logprob").name,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "seconds": round(time.time() - t0, 1),
-    }
-    print(
-        f"# {meta['device']} torch {meta['torch']} transformers {meta['transformers']} attention={attn_name}"
-    )
-    head = f"{'check':<34}{'lp max ours/hf':>22}{'lp mean ours/hf':>24}{'ent mean ours/hf':>24}{'grad cos ours/hf':>22}  ok"
-    print(head)
-    for r in rows:
-
-        def pair(a: str, b: str, r: dict[str, Any] = r) -> str:
-            x, y = r.get(a), r.get(b)
-            return (
-                f"{x:.2e}/{y:.2e}"
-                if x is not None and y is not None
-                else (f"{x:.2e}" if x is not None else "-")
-            )
-
-        if "error" in r:
-            print(f"{r['check']:<34}{r['error'][:90]}  FAIL")
-            continue
-        cos = r.get("grad_cos_ours")
-        cos_s = f"{cos:.5f}" + (f"/{r['grad_cos_hf']:.5f}" if "grad_cos_hf" in r else "")
-        print(
-            f"{r['check']:<34}{pair('lp_max_ours', 'lp_max_hf'):>22}{pair('lp_mean_ours', 'lp_mean_hf'):>24}"
-            f"{pair('ent_mean_ours', 'ent_mean_hf'):>24}{cos_s:>22}  {'PASS' if r['ok'] else 'FAIL'}"
-        )
-    out_dir = os.environ.get("OUT", ".")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "check_models_bf16.json")
-    with open(path, "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=2)
-    print(f"wrote {path}; {sum(r['ok'] for r in rows)}/{len(rows)} pass")
-    return 0 if all(r["ok"] for r in rows) else 1
+@pytest.mark.parametrize("arch", ARCHS)
+def test_causal_lm_bf16_error_within_hf_bf16_error(arch: str) -> None:
+    row = check_causal(arch, False, _CUDA, None)
+    assert row["ok"], row
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("arch", VALUE_ARCHS)
+def test_value_model_bf16_error_within_hf_bf16_error(arch: str) -> None:
+    row = check_value(arch, False, _CUDA, None)
+    assert row["ok"], row
+
+
+@pytest.mark.parametrize("arch", VL_ARCHS)
+def test_vision_language_bf16_error_within_hf_bf16_error(arch: str) -> None:
+    row = check_vl(arch, False, _CUDA, None)
+    assert row["ok"], row
+
+
+def test_tiled_mlp_matches_plain_mlp_in_bf16() -> None:
+    row = check_tiled(False, _CUDA)
+    assert row["ok"], row

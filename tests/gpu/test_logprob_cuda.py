@@ -1,31 +1,26 @@
-"""Correctness of the triton LogprobKernel on the GPU against a float64 reference (issue 9, item 4).
+"""The triton LogprobKernel at the issue shapes (up to N=20000, V=152064) on a CUDA GPU against a
+chunked float64 reference computed on the GPU (analytic gradients:
+dz = g_lp (onehot - p) - g_ent p (z - E_p[z]), divided by T), both tile modes.
 
-For each issue shape (N, H, V) in bf16, and a few fp32/fp16 and strided cases, draws fresh random
-inputs, runs the kernel through ``underlay.get_logprob_kernel("triton")`` with random upstream gradients
-for both outputs, and compares log-probs, entropy and both gradients with a chunked float64 reference
-computed on the GPU (analytic gradients: dz = g_lp (onehot - p) - g_ent p (z - E_p[z]), divided by T).
-
-Pass criteria: log-prob |err| <= 1e-3 + 2e-4 |ref|, entropy |err| <= 5e-3 + 5e-4 |ref| elementwise;
-gradients: normwise relative error <= 2^-8 (bf16/fp16 rounding) or 1e-5 (fp32); ignored rows exactly 0.
-
-Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/check_logprob.py [--both-modes]``; writes
-``$OUT/check_logprob.json`` (or ./check_logprob.json without $OUT).
+Pass criteria per case: log-prob |err| <= 1e-3 + 2e-4 |ref|, entropy |err| <= 5e-3 + 5e-4 |ref|
+elementwise; gradients: normwise relative error <= 2^-8 (bf16/fp16 rounding) or 1e-5 (fp32); ignored
+rows exactly 0. Run on the GPU host: ``bash scripts/test_gpu.sh tests/gpu/test_logprob_cuda.py``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from underlay import registry
 from underlay.backends.cuda import _logprob_triton as impl
 from underlay.backends.cuda.logprob import TritonLogprobKernel
 from underlay.interfaces import IGNORE_INDEX
+
+pytestmark = pytest.mark.gpu
 
 SHAPES = [
     (1937, 3584, 152064),
@@ -139,45 +134,27 @@ def check(
     return res
 
 
-def main() -> int:
-    """Run every case, print a table, write the JSON report; exit status 1 if any case fails."""
+_CASES: list[tuple[int, int, int, torch.dtype, float, bool]] = [
+    *((n, h, v, torch.bfloat16, 1.0 if i % 2 else 0.8, False) for i, (n, h, v) in enumerate(SHAPES)),
+    (1000, 1024, 32000, torch.float32, 0.7, False),
+    (1000, 1000, 32003, torch.float16, 1.0, False),
+    (777, 1024, 50000, torch.bfloat16, 1.0, True),
+    (20000, 4096, 32256, torch.bfloat16, 1.0, False),  # several backward row splits
+]
+
+
+@pytest.mark.parametrize(("n", "hdim", "v", "dtype", "temperature", "strided"), _CASES)
+def test_triton_logprob_matches_float64_at_issue_shapes(
+    n: int, hdim: int, v: int, dtype: torch.dtype, temperature: float, strided: bool
+) -> None:
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}  triton {impl.triton.__version__}  gpu {torch.cuda.get_device_name()}")
-    cases = [
-        check(n, h, v, torch.bfloat16, temperature=1.0 if i % 2 else 0.8)
-        for i, (n, h, v) in enumerate(SHAPES)
-    ]
-    cases.append(check(1000, 1024, 32000, torch.float32, temperature=0.7))
-    cases.append(check(1000, 1000, 32003, torch.float16))
-    cases.append(check(777, 1024, 50000, torch.bfloat16, strided=True))
-    cases.append(check(20000, 4096, 32256, torch.bfloat16))  # several backward row splits
-    if len(sys.argv) > 1 and sys.argv[1] == "--both-modes":
-        other = next(m for m in impl.MODES if m != impl.DEFAULT_MODE)
-        cases += [check(n, h, v, torch.bfloat16, temperature=0.8, mode=other) for n, h, v in SHAPES]
-    print(f"{'N,H,V':>22} {'dtype':>8} {'T':>4} {'lp err':>9} {'ent err':>9} {'gh rel':>9} {'gw rel':>9} "
-          f"{'(bf16 ref)':>10} ok")  # fmt: skip
-    for c in cases:
-        print(
-            f"{','.join(map(str, c['shape'])):>22} {c['dtype']:>8} {c['temperature']:>4} "
-            f"{c['lp_max_err']:9.2e} {c['ent_max_err']:9.2e} {c['gh_rel']:9.2e} {c['gw_rel']:9.2e} "
-            f"{c['gh_rel_of_rounded_ref']:10.2e} {c['ok']} {c['mode']}"
-        )
-    info = {
-        "torch": torch.__version__,
-        "triton": impl.triton.__version__,
-        "gpu": torch.cuda.get_device_name(),
-        "fwd_best_config": str(getattr(impl._fwd_kernel, "best_config", None)),
-        "bwd_best_config": str(getattr(impl._bwd_dlogits_kernel, "best_config", None)),
-        "mm_path": impl.mm_path(torch.empty(1, 1, device="cuda", dtype=torch.bfloat16)),
-        "cases": cases,
-    }
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "check_logprob.json"), "w") as f:
-        json.dump(info, f, indent=1)
-    ok = all(c["ok"] for c in cases)
-    print("ALL OK" if ok else "SOME CASES FAILED")
-    return 0 if ok else 1
+    res = check(n, hdim, v, dtype, temperature=temperature, strided=strided)
+    assert res["ok"], res
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("mode", [m for m in impl.MODES if m != impl.DEFAULT_MODE])
+@pytest.mark.parametrize(("n", "hdim", "v"), SHAPES)
+def test_other_tile_mode_matches_float64(mode: str, n: int, hdim: int, v: int) -> None:
+    torch.manual_seed(1)
+    res = check(n, hdim, v, torch.bfloat16, temperature=0.8, mode=mode)
+    assert res["ok"], res
