@@ -1,13 +1,13 @@
 """Peak memory of chunked log-probs vs the naive ``log_softmax(...).gather(...)`` on CPU (bf16).
 
-Run: ``.venv/bin/python benchmarks/bench_logprob_memory.py`` (defaults N=8192, V=152064, H=32).
+    python -m benchmarks.cpu.bench_logprob_memory [--out DIR]   # defaults N=8192, V=152064, H=32
 H only sets the size of the (small) weight and the matmul cost: the memory at stake is the ``[N, V]``
 logits. H is small because bf16 GEMMs on this CPU have no fast kernel (one ``[512, 152064] @ [152064,
 128]`` bf16 product takes ~30 s here).
 Each variant runs forward+backward in its own subprocess; the extra memory is the peak resident set
 (``VmHWM``, reset through ``/proc/self/clear_refs`` once the inputs exist) minus the resident set at that
-moment. Prints the table and the naive/chunked ratios; writes ``benchmarks/results/ops_cpu_<date>.md``
-(section "logprob memory"). Variants:
+moment. Prints the table and the naive/chunked ratios (the naive variants are the baselines); writes
+``OUT/logprob_memory.json``. Variants:
 
 - ``naive_logits``: ``log_softmax(logits.float() / T).gather(labels)`` from bf16 logits ``[N, V]``.
 - ``logprobs_from_logits``: the same from the same logits through ``underlay.ops`` (chunked, fp32).
@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks import _harness as harness
 
 VARIANTS = ("naive_logits", "logprobs_from_logits", "naive_linear", "linear_logprobs")
 
@@ -80,7 +82,8 @@ def child(variant: str, n: int, vocab: int, hidden_size: int, chunk: int) -> dic
 
 
 def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--child", variant, "--n", str(n), "--vocab", str(args.vocab)]
+    cmd = [sys.executable, "-m", __spec__.name if __spec__ else "benchmarks.cpu.bench_logprob_memory"]
+    cmd += ["--child", variant, "--n", str(n), "--vocab", str(args.vocab)]
     cmd += ["--hidden", str(args.hidden), "--chunk", str(args.chunk)]
     # make this subprocess the OOM killer's first choice, never a neighbour's process
     proc = subprocess.run(
@@ -97,13 +100,12 @@ def run_variant(variant: str, n: int, args: argparse.Namespace) -> dict[str, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--child", choices=VARIANTS)
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=256, help="tokens per chunk of the chunked variants")
-    parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.n, args.vocab, args.hidden, args.chunk)))
@@ -147,22 +149,16 @@ def main() -> None:
             f"| {variant} | {int(r['n'])} | {r['extra_peak_bytes'] / gib:.3f} | "
             f"{per_full_n(variant) / gib:.3f}{note} | {r['seconds']:.1f} |"
         )
-    ratio_logits = per_full_n("naive_logits") / max(per_full_n("logprobs_from_logits"), 1.0)
-    ratio_linear = per_full_n("naive_linear") / max(per_full_n("linear_logprobs"), 1.0)
-    lines += [
-        "",
-        f"naive_logits / logprobs_from_logits extra peak: {ratio_logits:.1f}x",
-        f"naive_linear / linear_logprobs extra peak: {ratio_linear:.1f}x",
-    ]
-    table = "\n".join(lines)
-    print(table)
-    if not args.no_write:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_balancing import write_section
-
-        print(
-            "wrote", write_section("logprob memory", " ".join([Path(sys.executable).name, *sys.argv]), table)
-        )
+    ratio_logits = harness.ratio(per_full_n("naive_logits"), max(per_full_n("logprobs_from_logits"), 1.0))
+    ratio_linear = harness.ratio(per_full_n("naive_linear"), max(per_full_n("linear_logprobs"), 1.0))
+    print("\n".join(lines))
+    summary = (
+        f"N={args.n} V={args.vocab}: naive_logits / logprobs_from_logits extra peak {ratio_logits:.1f}x, "
+        f"naive_linear / linear_logprobs {ratio_linear:.1f}x"
+    )
+    harness.report(
+        "logprob_memory", {"variants": results, "args": vars(args)}, summary, harness.out_dir(args)
+    )
 
 
 if __name__ == "__main__":

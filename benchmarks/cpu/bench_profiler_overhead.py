@@ -1,44 +1,31 @@
 """Cost per call of ``prof.range(name)`` and ``prof.annotate``-wrapped calls, against bare baselines.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_profiler_overhead.py``. In one process it
-times (best of ``--repeats`` runs of ``--calls`` iterations, nanoseconds per iteration with the empty
+    OMP_NUM_THREADS=1 python -m benchmarks.cpu.bench_profiler_overhead [--out DIR]
+
+In one process it times (best of ``--repeats`` runs of ``--calls`` iterations, nanoseconds per iteration with the empty
 loop's cost subtracted): a bare function call, ``with`` on a shared ``contextlib.nullcontext()``, and
 the same two operations through the ``off`` profiler, through the ``torch`` profiler on a step it does
 not record, and (for information) while it records. Prints the table, the ratios of ``off`` to the
 baselines and whether ``off`` stays under 1 microsecond per call (the contract of ``Profiler``); writes
-the table into ``benchmarks/results/profiler_cpu_<date>.md``.
+``OUT/profiler_overhead.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime as _dt
-import os
-import platform
-import sys
 import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 
-import torch
-
+from benchmarks import _harness as harness
 from underlay import registry
 from underlay.interfaces import Profiler
 
-RESULTS = Path(__file__).resolve().parent / "results"
 _NULL = contextlib.nullcontext()
 
 
 def _best_ns(body: Callable[[int], None], calls: int, repeats: int) -> float:
     """Fastest of ``repeats`` runs of ``body(calls)``, in ns per iteration."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        body(calls)
-        best = min(best, (time.perf_counter_ns() - t0) / calls)
-    return best
+    return harness.timeit(lambda: body(calls), warmup=0, repeats=repeats).min / calls * 1e9
 
 
 def _empty(n: int) -> None:
@@ -108,45 +95,29 @@ def _table(rows: list[tuple[str, float]]) -> str:
 
 
 def main() -> None:
-    """Measure, print, and record the table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Measure, print the table, write the record."""
+    ap = harness.parser(__doc__)
     ap.add_argument("--calls", type=int, default=200_000)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--no-record", action="store_true", help="do not write benchmarks/results")
+    ap.set_defaults(repeats=7)
     args = ap.parse_args()
+    out = harness.out_dir(args)
     with tempfile.TemporaryDirectory() as tmp:
         rows = _measure(args.calls, args.repeats, tmp)
     ns = dict(rows)
     off_range, off_ann = ns["off: with prof.range(name)"], ns["off: annotate-wrapped call"]
     null, bare = ns["baseline: with shared nullcontext()"], ns["baseline: bare function call"]
-    table = _table(rows)
+    print(_table(rows))
     summary = (
-        f"off range / nullcontext = {off_range / max(null, 1e-9):.2f}x; "
-        f"off annotate / bare call = {off_ann / max(bare, 1e-9):.2f}x; "
+        f"off range / nullcontext = {harness.ratio(off_range, null):.2f}x; "
+        f"off annotate / bare call = {harness.ratio(off_ann, bare):.2f}x; "
         f"off under 1 us per call: {'yes' if max(off_range, off_ann) < 1000 else 'NO'}"
     )
-    print(table)
-    print(summary)
-    if args.no_record:
-        return
-    from underlay.backends.cpu.device import CpuDevice
-
-    today = _dt.date.today().isoformat()
-    cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_profiler_overhead.py " + " ".join(sys.argv[1:])
-    text = (
-        f"# Profiler overhead on CPU ({today})\n\n"
-        f"- hardware: {CpuDevice().model_name()}, {os.cpu_count()} logical cores, shared with other jobs "
-        f"(1-min load average {os.getloadavg()[0]:.1f} at the end of the run)\n"
-        f"- versions: Python {platform.python_version()}, torch {torch.__version__}\n"
-        f"- command: `{cmd.strip()}`\n"
-        f"- method: best of {args.repeats} runs of {args.calls} iterations (recording rows: "
-        f"{max(1, args.calls // 50)}), empty-loop cost subtracted\n\n"
-        f"{table}\n\n{summary}\n"
-    )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"profiler_cpu_{today}.md"
-    path.write_text(text)
-    print(f"wrote {path}")
+    result = {
+        "ns_per_call": ns,
+        "method": f"best of {args.repeats} runs of {args.calls} iterations (recording rows: "
+        f"{max(1, args.calls // 50)}), empty-loop cost subtracted",
+    }
+    harness.report("profiler_overhead", result, summary, out)
 
 
 if __name__ == "__main__":
