@@ -11,19 +11,20 @@ Two workloads:
   (assistant-only loss masks, per-turn ids, turn-consistency enforced) + ``collate_padded``; the
   baseline tokenizes the whole conversation once and builds no masks, so it does less work.
 
-Usage: python benchmarks/bench_data.py [--n 100000] [--batch 64] [--out DIR]
-Prints conversations/s of each pipeline and the ratio underlay / baseline; ``--out`` also writes JSON.
+    python -m benchmarks.cpu.bench_data [--n 100000] [--batch 64] [--out DIR]
+
+Prints conversations/s of each pipeline (one timed pass each) and the ratio underlay / baseline; writes
+``OUT/data.json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import random
 import time
-from pathlib import Path
 from typing import Any
+
+from benchmarks import _harness as harness
 
 WORDS = [
     "alpha",
@@ -113,7 +114,7 @@ def run(n: int, batch: int) -> dict[str, Any]:
     results["rl"] = {
         "underlay_per_s": n / ours,
         "baseline_per_s": n / base,
-        "ratio": base / ours,
+        "ratio": harness.ratio(base, ours),
         "same_ids": same,
     }
 
@@ -139,7 +140,7 @@ def run(n: int, batch: int) -> dict[str, Any]:
     results["sft"] = {
         "underlay_per_s": n / ours,
         "baseline_per_s": n / base,
-        "ratio": base / ours,
+        "ratio": harness.ratio(base, ours),
         "same_ids": same,
     }
     results["meta"] = {
@@ -158,22 +159,17 @@ def run(n: int, batch: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--n", type=int, default=100_000, help="synthetic conversations (default 100000)")
     ap.add_argument("--batch", type=int, default=64, help="batch size of the collation step")
-    ap.add_argument("--out", default=None, help="directory for bench_data.json")
     args = ap.parse_args()
     res = run(args.n, args.batch)
-    for k in ("rl", "sft"):
-        r = res[k]
-        print(
-            f"{k}: underlay {r['underlay_per_s']:.0f} conv/s, datasets.map+apply_chat_template "
-            f"{r['baseline_per_s']:.0f} conv/s, ratio {r['ratio']:.2f}x, same ids {r['same_ids']}"
-        )
-    print(json.dumps(res["meta"]))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_data.json").write_text(json.dumps(res, indent=2))
+    summary = "; ".join(
+        f"{k}: underlay {res[k]['underlay_per_s']:.0f} conv/s vs datasets.map+apply_chat_template "
+        f"{res[k]['baseline_per_s']:.0f} ({res[k]['ratio']:.2f}x), same ids {res[k]['same_ids']}"
+        for k in ("rl", "sft")
+    )
+    harness.report("data", res, summary, harness.out_dir(args))
 
 
 if __name__ == "__main__":

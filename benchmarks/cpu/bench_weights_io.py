@@ -1,8 +1,8 @@
-"""Weights in and out at disk speed (issue 23, item 5): ``load_hf`` and ``export_hf`` GB/s of the fsdp2
+"""Weights in and out at disk speed: ``load_hf`` and ``export_hf`` GB/s of the fsdp2
 weight loader against the raw file read (and write) speed of the same machine, in the same run.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_weights_io.py --out /tmp/wio             # cpu, gloo, 2 ranks
-    PYTHONPATH=src python benchmarks/bench_weights_io.py --out $OUT --device cuda --world 1          # H200
+    OMP_NUM_THREADS=1 python -m benchmarks.cpu.bench_weights_io --out /tmp/wio          # cpu, gloo, 2 ranks
+    python -m benchmarks.cpu.bench_weights_io --out /tmp/wio --device cuda --world 1 --repeats 1  # GPU host
 
 1. Writes a random Qwen2-shaped model (``--gb`` GB in bf16: Qwen2-1.5B's widths, hidden 1536, ffn 8960,
    12/2 heads, vocab 151936, tied embeddings, the layer count scaled to the size; 28 layers = 3.09 GB)
@@ -27,9 +27,11 @@ Link (``--world`` > 1): the broadcasts ``load_hf`` makes, alone: rounds of ``--b
 rank broadcasts its share, 3 GiB in all; every byte loaded crosses it once, so it bounds ``load_hf``
 from above as the raw read does.
 
-Prints one JSON object (also written to ``OUT/weights_io.json``) with GB/s (10^9 bytes of tensor data
-per second) and the ratios to the raw read / write speeds and to the link. ``--tiny`` runs a 4-layer hidden-256 model
-(a few MB) for tests. ``--verify`` checks that the exported files hold the source tensors bit for bit.
+Writes ``OUT/weights_io.json`` with GB/s (10^9 bytes of tensor data per second) and the ratios to the
+raw read / write speeds and to the link. ``--tiny`` runs a 4-layer hidden-256 model (a few MB; the
+CPU runner's smoke run). ``--verify`` checks that the exported files hold the source tensors bit for bit
+and, at more than one rank, that rank 0 of ``load_hf`` read about 1/world of the bytes while the old
+path read all of them; the exit status is 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks import _harness as harness
 
 QWEN2_WIDTHS: dict[str, int] = dict(hidden=1536, ffn=8960, heads=12, kv=2, vocab=151936)
 TINY_WIDTHS: dict[str, int] = dict(hidden=256, ffn=512, heads=4, kv=2, vocab=4096)
@@ -258,7 +262,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
     def load_old() -> None:
         read["old_sequential_load"] = sequential_load(engine, model)
 
-    for _ in range(args.repeat):
+    for _ in range(args.repeats):
         for label, fn in (("load_hf", load_new), ("old_sequential_load", load_old)):
             if args.cache == "cold" and rank == 0:
                 drop_cache(files)
@@ -272,7 +276,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
         exp = FSDP2WeightLoader(export_buffer_bytes=1 << 30 if label == "export_hf" else 0)
         exp.export_hf(engine, out / f"export_{label}", dtype=torch.bfloat16, max_shard_bytes=shard_bytes)
 
-    for _ in range(args.repeat):
+    for _ in range(args.repeats):
         for label in exports:
             exports[label].append(_timed(lambda label=label: export(label), cdev))  # type: ignore[misc]
     res.update({f"{k}_s": v for k, v in exports.items()})
@@ -301,20 +305,18 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, queue: Any) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for the model, exports and weights_io.json")
+    ap = harness.parser(__doc__)
     ap.add_argument("--gb", type=float, default=3.0, help="model size in GB of bf16 tensors")
     ap.add_argument("--world", type=int, default=2, help="ranks (cuda: one GPU each)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--file-mb", type=int, default=512, help="safetensors shard size, MiB")
     ap.add_argument("--bucket-mb", type=int, default=256, help="load_hf round size, MiB")
     ap.add_argument("--cache", default="warm", choices=("warm", "cold"))
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.set_defaults(repeats=2)
     ap.add_argument("--tiny", action="store_true", help="a few-MB model (tests)")
     ap.add_argument("--verify", action="store_true", help="check the exports equal the source bit for bit")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.out_dir(args)
     cfg = model_config(args.gb, args.tiny)
     t0 = time.perf_counter()
     write_model(out / "model", cfg, args.file_mb << 20)
@@ -347,7 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     raw_gbps = file_bytes / read_s / 1e9
     write_gbps = file_bytes / write_raw_s / 1e9
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": args.device,
         "world": args.world,
         "cache": args.cache,
@@ -385,11 +386,23 @@ def main(argv: list[str] | None = None) -> int:
     report["export_speedup_vs_sequential"] = round(
         min(res["sequential_export_s"]) / min(res["export_hf_s"]), 3
     )
-    report["torch"] = torch.__version__
-    text = json.dumps(report, indent=1)
-    print(text)
-    (out / "weights_io.json").write_text(text)
-    return 0
+    ok = True
+    if args.verify:
+        ok = all(report[k].get("bit_equal_to_source", False) for k in ("export_hf", "sequential_export"))
+        read = report["rank0_tensor_bytes_read"]
+        if args.world > 1:
+            ok &= read["old_sequential_load"] == tensor_bytes
+            ok &= abs(read["load_hf"] - tensor_bytes / args.world) < 0.1 * tensor_bytes
+        report["verified"] = ok
+    summary = (
+        f"{report['tensor_gb']} GB, {args.world} rank(s): load_hf {report['load_hf']['gbps']} GB/s "
+        f"({report['load_hf']['ratio_to_raw_read']} of raw read, {report['load_speedup_vs_old']}x the "
+        f"sequential load); export_hf {report['export_hf']['gbps']} GB/s "
+        f"({report['export_hf']['ratio_to_raw_write']} of raw write)"
+        + (f"; verified {ok}" if args.verify else "")
+    )
+    harness.report("weights_io", report, summary, out)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
