@@ -165,7 +165,9 @@ def profile_step(step: Callable[[], Any], label: str, out: Path) -> str:
     trace.unlink()
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
-    text = f"profiled step ({label}): wall {wall:.3f} s ('Self CUDA time total' is kernel time)\n{table}\n{gaps}"
+    text = (
+        f"profiled step ({label}): wall {wall:.3f} s ('Self CUDA time total' is kernel time)\n{table}\n{gaps}"
+    )
     (Path(out) / f"profile_{label}.txt").write_text(text)
     print(text, flush=True)
     return text
