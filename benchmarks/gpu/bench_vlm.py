@@ -22,7 +22,7 @@ Run on the GPU host from the repo root (one H200, about 2 minutes)::
 
     python -m benchmarks.gpu.bench_vlm [--out DIR]
 
-Writes ``DIR/vlm_bench.json`` and prints a table. ``--device cpu --quick`` is a smoke run at tiny size.
+Writes ``OUT/vlm.json`` and prints a table. ``--device cpu --quick`` is a smoke run at tiny size.
 """
 
 from __future__ import annotations
