@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Run the maintained benchmarks of one machine kind. From anywhere in the repository:
 #
-#     bash benchmarks/run.sh cpu [NAME ...] [--out DIR]     # the CPU set at smoke sizes (about 3 minutes)
-#     bash benchmarks/run.sh gpu [NAME ...] [--out DIR]     # one H200: the figures of benchmarks/results/
+#     bash benchmarks/run.sh cpu [NAME ...] [--out DIR]                # the CPU set at smoke sizes (2-3 min)
+#     bash benchmarks/run.sh gpu [NAME ...] [--out DIR] [--wheels DIR] # one H200: benchmarks/results/
 #
 # NAME: one of the names below (default: all of that kind). Each benchmark writes OUT/<name>.json and
 # prints one summary line; OUT defaults to a new temporary directory (never the repository). The GPU set
 # needs the wheels of scripts/gpu_wheels.sh for mcore (megatron-core) and the Liger row of logprob:
-# install them first (e.g. `bash scripts/test_gpu.sh --wheels .whl --collect-only` shows how) or set
-# PYTHONPATH. Exit status: the number of benchmarks that failed.
+# --wheels DIR installs them into a temporary directory put first on PYTHONPATH.
+# Exit status: the number of benchmarks that failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -46,15 +46,23 @@ usage() { echo "usage: bash benchmarks/run.sh {cpu|gpu} [NAME ...] [--out DIR]" 
 KIND=$1; shift
 case "$KIND" in cpu|gpu) ;; *) usage ;; esac
 OUT=""
+WHEELS=""
 NAMES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
     --out=*) OUT="${1#--out=}"; shift ;;
+    --wheels) WHEELS="${2:?--wheels needs a directory}"; shift 2 ;;
     -h|--help) usage ;;
     *) NAMES+=("$1"); shift ;;
   esac
 done
+if [ -n "$WHEELS" ]; then
+  SITE="$(mktemp -d "${TMPDIR:-/tmp}/underlay-site.XXXXXX")"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+    || { echo "run.sh: installing the wheels of $WHEELS failed" >&2; exit 2; }
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
 [ -n "$OUT" ] || OUT="$(mktemp -d "${TMPDIR:-/tmp}/underlay-bench.XXXXXX")"
 mkdir -p "$OUT"
 if [ "$KIND" = cpu ]; then ORDER=("${CPU_ORDER[@]}"); else ORDER=("${GPU_ORDER[@]}"); fi
