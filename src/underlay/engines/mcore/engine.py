@@ -352,7 +352,7 @@ class MCoreEngine:
             self._tf_config,
             a.hidden,
             bias=a.value_bias,
-            dropout=a.value_dropout,
+            dropout=a.value_dropout if self._config.model.training_randomness == "keep" else 0.0,
             seed=self._config.model.seed * 65_537 + rank,
             tp_group=ps.get_tensor_model_parallel_group(),
         )
@@ -1187,6 +1187,14 @@ class MCoreEngine:
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The mcore engine has no LoRA adapters: always empty."""
         return iter(())
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """The mcore engine has no LoRA adapters: ``InvalidInput``, as for any engine without them."""
+        raise InvalidInput(
+            "disable_adapter: the engine has no LoRA adapters (the mcore engine runs without LoRA)"
+        )
+        yield  # pragma: no cover - a generator for contextmanager
 
     def _owner_rank(self, stage: int, e: int, expert: bool) -> int:
         """The global rank that broadcasts a tensor owned by pipeline ``stage`` (and expert rank ``e``):
