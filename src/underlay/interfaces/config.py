@@ -6,6 +6,7 @@ from plain dicts through ``from_dict`` (OmegaConf containers: pass ``OmegaConf.t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -98,7 +99,12 @@ class ModelConfig:
     Exactly one of ``path`` (a local Hugging Face directory: ``config.json``, ``*.safetensors``, optional
     tokenizer files) or ``hf_config`` (a ``transformers.PretrainedConfig``; random initialisation from
     ``seed``) is given. ``kind`` is ``"causal_lm"`` (policy/reference: log-probs) or ``"value"``
-    (critic/reward: one scalar per token).
+    (critic/reward: one scalar per token). ``overrides`` changes fields of the Hugging Face config
+    before the model is built and its weights load (``{"max_position_embeddings": 8192,
+    "rope_scaling": {...}}``, dotted keys for sub-configs: ``"text_config.rope_scaling"``); the engine's
+    ``hf_config`` and exports carry them. Keys must exist in the config, keep their value's type, not
+    change parameter shapes while loading from ``path``, and not have a field of their own here
+    (``attention``, ``kind``) or in ``EngineConfig`` (``param_dtype``): ``ConfigError`` otherwise.
     """
 
     path: str | None = None
@@ -111,8 +117,16 @@ class ModelConfig:
     fused_head: bool = True
     tiled_mlp_tiles: int | None = None
     lora: LoraConfig | None = None
+    overrides: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.overrides is not None:
+            if not isinstance(self.overrides, Mapping) or not all(isinstance(k, str) for k in self.overrides):
+                raise ConfigError(
+                    f"ModelConfig.overrides={self.overrides!r}: give a mapping of Hugging Face config keys "
+                    "to values, e.g. {'max_position_embeddings': 8192}"
+                )
+            object.__setattr__(self, "overrides", copy.deepcopy(dict(self.overrides)))
         if (self.path is None) == (self.hf_config is None):
             raise ConfigError(
                 "ModelConfig: give exactly one of path= (a local HF model directory) or hf_config= "

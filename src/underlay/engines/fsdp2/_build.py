@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from underlay.interfaces import CheckpointError, ConfigError, LoraConfig, ModelConfig
+from underlay.models.overrides import apply_overrides
 
 __all__ = [
     "build_model",
@@ -33,7 +34,7 @@ def hf_config_of(model_cfg: ModelConfig) -> Any:
     if model_cfg.hf_config is not None:
         import copy
 
-        return copy.deepcopy(model_cfg.hf_config)
+        return apply_overrides(copy.deepcopy(model_cfg.hf_config), model_cfg)
     from transformers import AutoConfig
 
     assert model_cfg.path is not None
@@ -43,7 +44,7 @@ def hf_config_of(model_cfg: ModelConfig) -> Any:
             f"ModelConfig.path={model_cfg.path!r} has no config.json; give a local Hugging Face model "
             "directory (nothing is downloaded)"
         )
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return apply_overrides(AutoConfig.from_pretrained(str(path), local_files_only=True), model_cfg)
 
 
 @contextlib.contextmanager
