@@ -164,6 +164,12 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         from underlay import get_engine
 
         self._engine = get_engine(self.underlay_config, self.underlay_engine_name)
+        if self.model_type == "value_model":
+            # verl builds critics with classifier_dropout=0 (load_valuehead_model's config); transformers'
+            # token-classification head would otherwise drop 10% of the hidden state in training
+            for module in self._engine.model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         if self.is_param_offload_enabled or self.is_optimizer_offload_enabled:
             self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
                     grad=self.is_param_offload_enabled)
