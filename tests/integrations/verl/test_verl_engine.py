@@ -20,7 +20,12 @@ import torch
 pytest.importorskip("verl")
 pytest.importorskip("tensordict")
 
-from tests._dist import run_distributed  # noqa: E402
+import torch.multiprocessing as mp
+
+from tests._dist import START_METHOD, run_distributed
+
+if START_METHOD == "forkserver":  # ranks fork from a server that imported verl once (~9 s per import)
+    mp.set_forkserver_preload(["underlay.integrations.verl", "verl.workers.utils.losses", "transformers"])
 
 pytestmark = [pytest.mark.distributed]
 
@@ -33,8 +38,14 @@ def _tiny(tmp: Path) -> tuple[str, str]:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, Qwen2Config
 
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp / "policy")
@@ -51,16 +62,18 @@ def _rows() -> list[dict[str, torch.Tensor]]:
     out = []
     for i in range(B):
         p, r = 2 + i % 3, 3 + (i * 2) % 5
-        out.append({
-            "prompt": torch.randint(1, VOCAB, (p,), generator=g),
-            "response": torch.randint(1, VOCAB, (r,), generator=g),
-            "response_mask": (torch.rand(r, generator=g) > 0.15).long(),
-            "old_log_probs": -torch.rand(r, generator=g) * 4 - 1.0,
-            "ref_log_prob": -torch.rand(r, generator=g) * 4 - 1.0,
-            "advantages": torch.randn(r, generator=g),
-            "values": torch.randn(r, generator=g),
-            "returns": torch.randn(r, generator=g),
-        })
+        out.append(
+            {
+                "prompt": torch.randint(1, VOCAB, (p,), generator=g),
+                "response": torch.randint(1, VOCAB, (r,), generator=g),
+                "response_mask": (torch.rand(r, generator=g) > 0.15).long(),
+                "old_log_probs": -torch.rand(r, generator=g) * 4 - 1.0,
+                "ref_log_prob": -torch.rand(r, generator=g) * 4 - 1.0,
+                "advantages": torch.randn(r, generator=g),
+                "values": torch.randn(r, generator=g),
+                "returns": torch.randn(r, generator=g),
+            }
+        )
     return out
 
 
@@ -75,21 +88,30 @@ def _verl_batch(rows: list[dict[str, torch.Tensor]], **non_tensor: Any) -> Any:
     prompts = torch.zeros(n, pmax, dtype=torch.long)
     responses = torch.zeros(n, rmax, dtype=torch.long)
     attn = torch.zeros(n, pmax + rmax, dtype=torch.long)
-    fields = {k: torch.zeros(n, rmax) for k in ("old_log_probs", "ref_log_prob", "advantages", "values", "returns")}
+    fields = {
+        k: torch.zeros(n, rmax) for k in ("old_log_probs", "ref_log_prob", "advantages", "values", "returns")
+    }
     rmask = torch.zeros(n, rmax, dtype=torch.long)
     for i, r in enumerate(rows):
         p, q = len(r["prompt"]), len(r["response"])
-        prompts[i, pmax - p:] = r["prompt"]  # left-padded prompt, right-padded response (verl's layout)
+        prompts[i, pmax - p :] = r["prompt"]  # left-padded prompt, right-padded response (verl's layout)
         responses[i, :q] = r["response"]
-        attn[i, pmax - p: pmax + q] = 1
+        attn[i, pmax - p : pmax + q] = 1
         rmask[i, :q] = r["response_mask"]
         for k in fields:
             fields[k][i, :q] = r[k]
     input_ids = torch.cat([prompts, responses], 1)
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)
     td = tu.get_tensordict(
-        {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids, "prompts": prompts,
-         "responses": responses, "response_mask": rmask, **fields},
+        {
+            "input_ids": input_ids,
+            "attention_mask": attn,
+            "position_ids": position_ids,
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": rmask,
+            **fields,
+        },
     )
     td = left_right_2_no_padding(td)
     for k, v in non_tensor.items():
@@ -106,17 +128,32 @@ def _configs(path: str, model_type: str, lr: float, **engine: Any) -> dict[str, 
     model = HFModelConfig(path=path, load_tokenizer=False, enable_gradient_checkpointing=False)
     eng = UnderlayEngineConfig(mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"}, **engine)
     optim = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, total_training_steps=10)
-    return {"model_type": model_type, "backend": "underlay", "model_config": model, "engine_config": eng,
-            "optimizer_config": optim, "checkpoint_config": CheckpointConfig()}
+    return {
+        "model_type": model_type,
+        "backend": "underlay",
+        "model_config": model,
+        "engine_config": eng,
+        "optimizer_config": optim,
+        "checkpoint_config": CheckpointConfig(),
+    }
 
 
 def _actor_config(mode: str) -> Any:
     from verl.workers.config import ActorConfig
 
     return ActorConfig(
-        strategy="fsdp", ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=mode,
-        clip_ratio=0.2, clip_ratio_c=3.0, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-        kl_loss_type="low_var_kl", use_dynamic_bsz=True, ppo_max_token_len_per_gpu=64,
+        strategy="fsdp",
+        ppo_mini_batch_size=B,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=mode,
+        clip_ratio=0.2,
+        clip_ratio_c=3.0,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="low_var_kl",
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=64,
         rollout_n=1,
     )
 
@@ -152,7 +189,7 @@ def _ref_loss(path: str, td: Any, loss_fn: Any, value: bool) -> tuple[float, dic
     model = cls.from_pretrained(path, dtype=torch.float64)
     td = td.clone()
     tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(td["loss_mask"].sum()))
-    loss, metrics = loss_fn(model_output=_ref_outputs(model, td, value), data=td, dp_group=None)
+    loss, _metrics = loss_fn(model_output=_ref_outputs(model, td, value), data=td, dp_group=None)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return float(loss), grads, model
@@ -166,7 +203,9 @@ def _full_grads(engine: Any) -> dict[str, torch.Tensor]:
         if g is None:
             continue
         full = g.full_tensor() if hasattr(g, "full_tensor") else g
-        out[name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")] = full.detach().double()
+        out[name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")] = (
+            full.detach().double()
+        )
     return out
 
 
@@ -174,17 +213,23 @@ def _full_grads(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str) -> dict[str, Any]:
-    import underlay.integrations.verl  # noqa: F401  (registers the backend)
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import CriticConfig
     from verl.workers.engine import EngineRegistry
     from verl.workers.utils.losses import ppo_loss, value_loss
 
+    import underlay.integrations.verl  # noqa: F401  (registers the backend)
+
     torch.manual_seed(0)
     rows = _rows()
     mine = rows[rank::world]  # this rank's data-parallel shard
-    common = {"temperature": 1.0, "global_batch_size": B, "calculate_entropy": True, "use_dynamic_bsz": True,
-              "max_token_len_per_gpu": 64}
+    common = {
+        "temperature": 1.0,
+        "global_batch_size": B,
+        "calculate_entropy": True,
+        "use_dynamic_bsz": True,
+        "max_token_len_per_gpu": 64,
+    }
     result: dict[str, Any] = {}
 
     # -- actor: EngineRegistry.new + initialize, infer_batch, one PPO update through verl's ppo_loss
@@ -203,7 +248,6 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
         out = actor.forward_backward_batch(_verl_batch(mine, **common), loss_fn)
         result["actor_grads"] = _full_grads(actor)
         result["actor_grad_norm"] = actor.optimizer_step()
-    print("LOSSES", out["loss"], flush=True)
     local = torch.tensor([sum(out["loss"])], dtype=torch.float64)
     torch.distributed.all_reduce(local)
     result["actor_loss"] = float(local) / world
@@ -211,9 +255,16 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
     result["weights"] = {n: t.double().clone() for n, t in actor.get_per_tensor_param()[0]}
 
     # -- critic: verl's value_loss
-    ccfg = CriticConfig(strategy="fsdp", ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=1,
-                        loss_agg_mode=mode, cliprange_value=0.5, rollout_n=1, use_dynamic_bsz=True,
-                        ppo_max_token_len_per_gpu=64)
+    ccfg = CriticConfig(
+        strategy="fsdp",
+        ppo_mini_batch_size=B,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=mode,
+        cliprange_value=0.5,
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=64,
+    )
     critic = EngineRegistry.new(**_configs(critic, "value_model", 1e-3, micro_batch_max_tokens=64))
     critic.initialize()
     with critic.train_mode():
@@ -230,10 +281,12 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
 
     # -- save, a further step, load (back to the saved state), continue: identical to the first continuation
     actor.save_checkpoint(ckpt, global_step=1)
+
     def step() -> float:
         with actor.train_mode():
             o = actor.train_batch(_verl_batch(mine, **common), loss_fn)
         return float(o["metrics"]["grad_norm"])
+
     first = step()
     actor.load_checkpoint(ckpt)
     again = step()
@@ -276,7 +329,9 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
             torch.testing.assert_close(ent, ref_ent[i], rtol=0, atol=2e-5)
 
     # actor: loss and gradient equal to verl's ppo_loss over the global batch in float64
-    ref_loss, ref_grads, _ = _ref_loss(policy, full, functools.partial(ppo_loss, _actor_config(mode)), value=False)
+    ref_loss, ref_grads, _ = _ref_loss(
+        policy, full, functools.partial(ppo_loss, _actor_config(mode)), value=False
+    )
     for r in res:
         assert r["actor_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
         assert set(r["actor_grads"]) == set(ref_grads)
@@ -287,8 +342,16 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
         assert {"actor/pg_loss", "actor/entropy_loss", "kl_loss"} <= set(r["metrics_keys"])
 
     # critic: verl's value_loss
-    ccfg = CriticConfig(strategy="fsdp", ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=mode,
-                        cliprange_value=0.5, rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=64)
+    ccfg = CriticConfig(
+        strategy="fsdp",
+        ppo_mini_batch_size=B,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=mode,
+        cliprange_value=0.5,
+        rollout_n=1,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=64,
+    )
     cref_loss, cref_grads, _ = _ref_loss(critic, full, functools.partial(value_loss, ccfg), value=True)
     for r in res:
         assert r["critic_loss"] == pytest.approx(cref_loss, rel=1e-5, abs=1e-6)

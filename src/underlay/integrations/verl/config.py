@@ -16,7 +16,14 @@ from typing import Any
 
 from verl.workers.config import FSDPEngineConfig
 
-from underlay.interfaces import ConfigError, EngineConfig, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from underlay.interfaces import (
+    ConfigError,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+)
 
 __all__ = ["UnderlayEngineConfig", "to_underlay_config"]
 
@@ -71,12 +78,18 @@ def _model(model_config: Any, model_type: str, bad: list[str]) -> ModelConfig:
     """``HFModelConfig`` -> ``ModelConfig``."""
     path = _get(model_config, "local_path") or _get(model_config, "path")
     if not path:
-        raise ConfigError("HFModelConfig.local_path/path is empty: give the local Hugging Face model directory")
+        raise ConfigError(
+            "HFModelConfig.local_path/path is empty: give the local Hugging Face model directory"
+        )
     kind = {"language_model": "causal_lm", "value_model": "value"}.get(model_type)
     if kind is None:
-        raise ConfigError(f"model_type={model_type!r}: the underlay backend serves 'language_model' and 'value_model'")
+        raise ConfigError(
+            f"model_type={model_type!r}: the underlay backend serves 'language_model' and 'value_model'"
+        )
     if _get(model_config, "override_config"):
-        bad.append(f"model.override_config={dict(_get(model_config, 'override_config'))!r} (load a model whose config.json has it)")
+        bad.append(
+            f"model.override_config={dict(_get(model_config, 'override_config'))!r} (load a model whose config.json has it)"
+        )
     for name in ("use_liger", "enable_activation_offload"):
         if _get(model_config, name):
             bad.append(f"model.{name}=True (underlay has its own kernels and offload: set it False)")
@@ -92,13 +105,19 @@ def _model(model_config: Any, model_type: str, bad: list[str]) -> ModelConfig:
     if rank > 0:
         targets = _get(model_config, "target_modules")
         if isinstance(targets, str):
-            bad.append(f"model.target_modules={targets!r} (give the module names as a list, e.g. ['q_proj', 'v_proj'])")
+            bad.append(
+                f"model.target_modules={targets!r} (give the module names as a list, e.g. ['q_proj', 'v_proj'])"
+            )
             targets = None
         for name in ("target_parameters", "exclude_modules"):
             if _get(model_config, name):
-                bad.append(f"model.{name}={_get(model_config, name)!r} (underlay adapts whole linear modules only)")
+                bad.append(
+                    f"model.{name}={_get(model_config, name)!r} (underlay adapts whole linear modules only)"
+                )
         if targets:
-            lora = LoraConfig(rank=rank, alpha=float(_get(model_config, "lora_alpha", 16)), target_modules=tuple(targets))
+            lora = LoraConfig(
+                rank=rank, alpha=float(_get(model_config, "lora_alpha", 16)), target_modules=tuple(targets)
+            )
     return ModelConfig(
         path=str(path),
         kind=kind,  # type: ignore[arg-type]
@@ -115,7 +134,9 @@ def _optim(optim: Any, bad: list[str]) -> OptimConfig:
         return OptimConfig()
     name = str(_get(optim, "optimizer", "AdamW"))
     if name.lower() != "adamw" or _get(optim, "optimizer_impl", "torch.optim") != "torch.optim":
-        bad.append(f"optim.optimizer={name!r}/optimizer_impl={_get(optim, 'optimizer_impl')!r} (underlay trains with torch.optim.AdamW)")
+        bad.append(
+            f"optim.optimizer={name!r}/optimizer_impl={_get(optim, 'optimizer_impl')!r} (underlay trains with torch.optim.AdamW)"
+        )
     if _get(optim, "override_optimizer_config"):
         bad.append(f"optim.override_optimizer_config={dict(_get(optim, 'override_optimizer_config'))!r}")
     kind = _get(optim, "lr_scheduler_type", "constant")
@@ -128,7 +149,9 @@ def _optim(optim: Any, bad: list[str]) -> OptimConfig:
         warmup = int(float(_get(optim, "lr_warmup_steps_ratio", 0.0) or 0.0) * total) if total > 0 else 0
     if kind == "cosine":
         if not math.isclose(float(_get(optim, "num_cycles", 0.5)), 0.5):
-            bad.append(f"optim.num_cycles={_get(optim, 'num_cycles')!r} (underlay's cosine is one half cycle: 0.5)")
+            bad.append(
+                f"optim.num_cycles={_get(optim, 'num_cycles')!r} (underlay's cosine is one half cycle: 0.5)"
+            )
         if total <= 0:
             bad.append("optim.lr_scheduler_type='cosine' with total_training_steps <= 0")
     if not _get(optim, "zero_indexed_step", True):
@@ -157,9 +180,15 @@ def _precision(engine: Any, bad: list[str]) -> tuple[str, str]:
     reduce = _DTYPES.get(str(_get(mp, "reduce_dtype", "fp32")))
     buffer = _DTYPES.get(str(_get(mp, "buffer_dtype", "fp32")))
     if param is None or reduce is None or buffer != "float32":
-        bad.append(f"engine.mixed_precision={dict(mp)!r} (param/reduce dtype in fp32, bf16, fp16; buffers fp32)")
+        bad.append(
+            f"engine.mixed_precision={dict(mp)!r} (param/reduce dtype in fp32, bf16, fp16; buffers fp32)"
+        )
     master = _get(engine, "model_dtype", "fp32")
-    if master is not None and _DTYPES.get(str(master)) != "float32" and not _get(engine, "forward_only", False):
+    if (
+        master is not None
+        and _DTYPES.get(str(master)) != "float32"
+        and not _get(engine, "forward_only", False)
+    ):
         bad.append(f"engine.model_dtype={master!r} (underlay trains fp32 master weights: 'fp32')")
     return param or "bfloat16", reduce or "float32"
 
@@ -198,7 +227,9 @@ def to_underlay_config(
         if value != default and name != "use_fused_kernels":
             bad.append(f"engine.{name}={value!r}")
     if _get(engine_config, "wrap_policy"):
-        bad.append(f"engine.wrap_policy={dict(_get(engine_config, 'wrap_policy'))!r} (underlay shards per decoder layer)")
+        bad.append(
+            f"engine.wrap_policy={dict(_get(engine_config, 'wrap_policy'))!r} (underlay shards per decoder layer)"
+        )
     if _get(engine_config, "turbo_config"):
         bad.append("engine.turbo_config (fsdp_turbo is verl's own engine)")
     qat = _get(engine_config, "qat")
@@ -211,7 +242,9 @@ def to_underlay_config(
         for name in ("save_contents", "load_contents"):
             contents = set(_get(checkpoint_config, name, ["model", "optimizer", "extra"]) or ())
             if not {"model", "optimizer", "extra"} <= contents:
-                bad.append(f"checkpoint.{name}={sorted(contents)!r} (underlay checkpoints hold model, optimizer and extra together)")
+                bad.append(
+                    f"checkpoint.{name}={sorted(contents)!r} (underlay checkpoints hold model, optimizer and extra together)"
+                )
         for name in ("async_save", "save_lora_only"):
             if _get(checkpoint_config, name, False):
                 bad.append(f"checkpoint.{name}=True")
@@ -224,7 +257,9 @@ def to_underlay_config(
         else:
             replicate = world_size // fsdp_size
     optim = _optim(optimizer_config, bad)
-    budget = _get(engine_config, "micro_batch_max_tokens") or _get(engine_config, "max_token_len_per_gpu") or 16384
+    budget = (
+        _get(engine_config, "micro_batch_max_tokens") or _get(engine_config, "max_token_len_per_gpu") or 16384
+    )
     temperature = float(_get(engine_config, "temperature", 1.0))
     seed = int(_get(engine_config, "seed", 42))
     _refuse(bad)

@@ -31,8 +31,8 @@ from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
-from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, TokenOutputs
 from underlay.integrations.verl.config import to_underlay_config
+from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, TokenOutputs
 
 __all__ = ["UnderlayLMEngine", "UnderlayValueEngine", "to_token_batch", "to_verl_outputs"]
 
@@ -46,7 +46,8 @@ def _lengths(nested: torch.Tensor, what: str) -> torch.Tensor:
             f"verl batch field {what!r} is a {type(nested).__name__}, not a jagged nested tensor: convert the "
             "batch with verl.workers.utils.padding.left_right_2_no_padding (pad_mode NO_PADDING)"
         )
-    return nested.offsets().diff()
+    offsets: torch.Tensor = nested.offsets()  # type: ignore[attr-defined]
+    return offsets.diff()
 
 
 def to_token_batch(data: TensorDict) -> TokenBatch:
@@ -63,7 +64,7 @@ def to_token_batch(data: TensorDict) -> TokenBatch:
     padded = torch.nested.to_padded_tensor(ids, 0, output_size=(b, width)).to(torch.long)
     positions = torch.arange(width, device=padded.device)
     attention = (positions.unsqueeze(0) < lengths.to(padded.device).unsqueeze(1)).to(torch.long)
-    if "responses" in data.keys() and "response_mask" in data.keys():
+    if "responses" in data and "response_mask" in data:
         responses = data["responses"]
         if responses.is_nested:
             resp_len = _lengths(responses, "responses").to(padded.device)
@@ -72,12 +73,16 @@ def to_token_batch(data: TensorDict) -> TokenBatch:
         start = lengths.to(padded.device) - resp_len
         mask = data["response_mask"]
         rw = int(resp_len.max())
-        resp = torch.nested.to_padded_tensor(mask, 0, output_size=(b, rw)).to(torch.long) if mask.is_nested else mask
+        resp = (
+            torch.nested.to_padded_tensor(mask, 0, output_size=(b, rw)).to(torch.long)
+            if mask.is_nested
+            else mask
+        )
         rel = positions.unsqueeze(0) - start.unsqueeze(1)
         inside = (rel >= 0) & (rel < resp_len.unsqueeze(1))
         gathered = torch.gather(resp, 1, rel.clamp(0, max(rw - 1, 0)))
         loss = torch.where(inside, gathered, torch.zeros_like(gathered))
-    elif "loss_mask" in data.keys():
+    elif "loss_mask" in data:
         lm = data["loss_mask"]
         if not torch.equal(_lengths(lm, "loss_mask").to(lengths.device), lengths):
             raise InvalidInput("verl batch: loss_mask and input_ids have different sequence lengths")
@@ -88,7 +93,9 @@ def to_token_batch(data: TensorDict) -> TokenBatch:
     return TokenBatch(padded, attention, loss * attention, {ROW_KEY: rows})
 
 
-def to_verl_outputs(out: TokenOutputs, attention_mask: torch.Tensor, want_entropy: bool) -> dict[str, torch.Tensor]:
+def to_verl_outputs(
+    out: TokenOutputs, attention_mask: torch.Tensor, want_entropy: bool
+) -> dict[str, torch.Tensor]:
     """verl's ``model_output`` (jagged ``[b, j]``) from underlay's ``[b, S]`` outputs: ``values`` as they
     are (the head at each token), ``log_probs``/``entropy`` moved one position left (verl's position
     ``t`` predicts token ``t + 1``). Differentiable; one gather of the kept positions."""
@@ -119,7 +126,7 @@ def to_verl_outputs(out: TokenOutputs, attention_mask: torch.Tensor, want_entrop
 def _temperature(data: TensorDict) -> float | None:
     """The batch's single sampling temperature (``None`` when absent); ``InvalidInput`` for per-row
     temperatures that differ (underlay computes a micro-batch at one temperature)."""
-    if "temperature" not in data.keys():
+    if "temperature" not in data:
         return None
     t = data["temperature"]
     if isinstance(t, torch.Tensor):
@@ -127,7 +134,9 @@ def _temperature(data: TensorDict) -> float | None:
         if flat.numel() == 0:
             return None
         if not bool((flat == flat.reshape(-1)[0]).all()):
-            raise InvalidInput("verl batch has per-row temperatures that differ; the underlay backend uses one")
+            raise InvalidInput(
+                "verl batch has per-row temperatures that differ; the underlay backend uses one"
+            )
         return float(flat.reshape(-1)[0])
     return float(tu.get_non_tensor_data(data=data, key="temperature", default=1.0))
 
@@ -142,17 +151,26 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
 
     model_type = "language_model"
 
-    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
+    def __init__(
+        self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any
+    ) -> None:
         super().__init__()
         if not dist.is_initialized():
-            raise ConfigError("the underlay verl engine needs torch.distributed initialised (verl's workers do it)")
+            raise ConfigError(
+                "the underlay verl engine needs torch.distributed initialised (verl's workers do it)"
+            )
         self.model_config = model_config
         self.engine_config = engine_config
         self.optimizer_config = optimizer_config
         self.checkpoint_config = checkpoint_config
         self.mode: str | None = None
         self.underlay_config, self.underlay_engine_name = to_underlay_config(
-            model_config, engine_config, optimizer_config, checkpoint_config, self.model_type, dist.get_world_size()
+            model_config,
+            engine_config,
+            optimizer_config,
+            checkpoint_config,
+            self.model_type,
+            dist.get_world_size(),
         )
         self._engine: Any = None
         self._lora = self.underlay_config.model.lora is not None
@@ -171,8 +189,12 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
         if self.is_param_offload_enabled or self.is_optimizer_offload_enabled:
-            self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
-                    grad=self.is_param_offload_enabled)
+            self.to(
+                "cpu",
+                model=self.is_param_offload_enabled,
+                optimizer=self.is_optimizer_offload_enabled,
+                grad=self.is_param_offload_enabled,
+            )
 
     @property
     def underlay(self) -> Any:
@@ -235,7 +257,9 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
     def _prepare(self, data: TensorDict) -> tuple[TokenBatch, bool, bool]:
         pad_mode = tu.get_non_tensor_data(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING)
         if pad_mode != DatasetPadMode.NO_PADDING:
-            raise InvalidInput(f"verl batch pad_mode={pad_mode!r}: the underlay backend takes NO_PADDING, as verl's engines do")
+            raise InvalidInput(
+                f"verl batch pad_mode={pad_mode!r}: the underlay backend takes NO_PADDING, as verl's engines do"
+            )
         for flag in ("distillation_use_topk", "calculate_sum_pi_squared"):
             if tu.get_non_tensor_data(data=data, key=flag, default=False):
                 raise InvalidInput(f"verl batch flag {flag}=True is not supported by the underlay backend")
@@ -260,7 +284,7 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         batch, want_entropy, keep_outputs = self._prepare(data)
         group = self.get_data_parallel_group()
         dp_size = self.get_data_parallel_size()
-        count = data["loss_mask"].sum() if "loss_mask" in data.keys() else batch.loss_mask.sum()
+        count = data["loss_mask"].sum() if "loss_mask" in data else batch.loss_mask.sum()
         count = count.to(torch.float64).reshape(1)
         if dp_size > 1:
             dist.all_reduce(count, group=group)
@@ -330,7 +354,9 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
     def _manager(self, local_path: str, keep: int | None) -> Any:
         from underlay.checkpoint import CheckpointManager
 
-        return CheckpointManager(local_path, self.underlay, max_to_keep=keep if keep and keep > 0 else 1 << 30)
+        return CheckpointManager(
+            local_path, self.underlay, max_to_keep=keep if keep and keep > 0 else 1 << 30
+        )
 
     def save_checkpoint(
         self,
@@ -344,7 +370,9 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         (``underlay.checkpoint.CheckpointManager``; keeps ``max_ckpt_to_keep`` there). ``hdfs_path`` is
         refused (``InvalidInput``): copy the directory with your own tooling."""
         if hdfs_path is not None:
-            raise InvalidInput(f"save_checkpoint(hdfs_path={hdfs_path!r}): the underlay backend writes local paths only")
+            raise InvalidInput(
+                f"save_checkpoint(hdfs_path={hdfs_path!r}): the underlay backend writes local paths only"
+            )
         self._manager(local_path, max_ckpt_to_keep).save(int(global_step), {"global_step": int(global_step)})
 
     def load_checkpoint(
@@ -354,7 +382,9 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         is a ``step_<k>`` directory). ``CheckpointError`` when there is none or it does not match the
         model, before any state changes. ``del_local_after_load`` only concerns hdfs copies: ignored."""
         if hdfs_path is not None:
-            raise InvalidInput(f"load_checkpoint(hdfs_path={hdfs_path!r}): the underlay backend reads local paths only")
+            raise InvalidInput(
+                f"load_checkpoint(hdfs_path={hdfs_path!r}): the underlay backend reads local paths only"
+            )
         path = Path(local_path)
         if path.name.startswith("step_"):
             self._manager(str(path.parent), None).load(path)
