@@ -364,3 +364,51 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
         first, again = r["resume"]
         assert again == pytest.approx(first, rel=1e-6)
         assert r["temperature_refused"]
+
+
+def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
+    """verl's configs map field by field; every field underlay cannot honour is named in one ConfigError."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
+
+    from underlay.integrations.verl import UnderlayEngineConfig, to_underlay_config
+    from underlay.interfaces import ConfigError
+
+    policy, _ = models
+    model = HFModelConfig(path=policy, load_tokenizer=False)
+    optim = FSDPOptimizerConfig(
+        lr=3e-6,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        clip_grad=0.5,
+        lr_scheduler_type="cosine",
+        total_training_steps=100,
+        lr_warmup_steps=5,
+        min_lr_ratio=0.1,
+    )
+    eng = UnderlayEngineConfig(fsdp_size=2, ulysses_sequence_parallel_size=2, max_token_len_per_gpu=4096)
+    cfg, name = to_underlay_config(model, eng, optim, CheckpointConfig(), "language_model", 4)
+    assert name is None and cfg.model.path == policy and cfg.model.kind == "causal_lm"
+    assert (cfg.parallel.dp_replicate, cfg.parallel.ulysses, cfg.micro_batch_max_tokens) == (2, 2, 8192)
+    assert (cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.grad_clip) == (
+        3e-6,
+        (0.9, 0.95),
+        0.1,
+        0.5,
+    )
+    assert (cfg.optim.schedule, cfg.optim.warmup_steps, cfg.optim.total_steps, cfg.optim.min_lr_ratio) == (
+        "cosine",
+        5,
+        100,
+        0.1,
+    )
+    assert (cfg.param_dtype, cfg.reduce_dtype, cfg.recompute) == ("bfloat16", "float32", "full")
+
+    bad_eng = UnderlayEngineConfig(pad_to_length=True, wrap_policy={"min_num_params": 1}, model_dtype="bf16")
+    bad_optim = FSDPOptimizerConfig(lr=1e-6, override_optimizer_config={"eps": 1e-5})
+    with pytest.raises(ConfigError) as info:
+        to_underlay_config(model, bad_eng, bad_optim, CheckpointConfig(async_save=True), "language_model", 1)
+    for field in ("pad_to_length", "wrap_policy", "model_dtype", "override_optimizer_config", "async_save"):
+        assert field in str(info.value)
+    with pytest.raises(ConfigError, match="strategy"):
+        UnderlayEngineConfig(strategy="fsdp2")
