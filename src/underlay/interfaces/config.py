@@ -173,9 +173,102 @@ class ParallelConfig:
             raise ConfigError(f"ParallelConfig.vpp={self.vpp} needs pp > 1 (got pp={self.pp}); set vpp=1")
 
 
+# torch.optim optimizers that cannot be the engines' optimizer, and why
+_UNSUPPORTED_OPTIMIZERS = {
+    "lbfgs": "it needs a closure that re-evaluates the loss; the engines step once per optimizer_step",
+    "sparseadam": "it needs sparse gradients; the engines' gradients are dense",
+    "muon": "it updates 2-D weight matrices only; a model also has 1-D norms and biases",
+}
+# keyword arguments the engine sets itself (never through OptimConfig.options)
+_ENGINE_OWNED_OPTIONS = ("params", "lr", "weight_decay", "fused", "foreach", "differentiable")
+
+
+def standard_optimizer_args(cls: Any) -> tuple[str, ...]:
+    """Which of ``OptimConfig.betas`` / ``eps`` the optimizer class takes in their usual form (a pair of
+    floats, a float): those the engine passes; other forms (Adafactor's ``eps`` pair) go in ``options``."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    out = []
+    if "betas" in params and isinstance(params["betas"].default, tuple) and len(params["betas"].default) == 2:
+        out.append("betas")
+    if "eps" in params and isinstance(params["eps"].default, float):
+        out.append("eps")
+    return tuple(out)
+
+
+def optimizer_class(name: str) -> Any:
+    """The ``torch.optim`` class named ``name`` (case-insensitive; ``"adamw"`` is ``torch.optim.AdamW``).
+    ``ConfigError`` naming the choices for an unknown or unsupported name."""
+    import torch
+
+    classes = {
+        n.lower(): c
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
+    key = name.lower() if isinstance(name, str) else ""
+    if key in _UNSUPPORTED_OPTIMIZERS:
+        raise ConfigError(f"OptimConfig.name={name!r} is not supported: {_UNSUPPORTED_OPTIMIZERS[key]}")
+    if key not in classes:
+        known = sorted(c.__name__ for k, c in classes.items() if k not in _UNSUPPORTED_OPTIMIZERS)
+        raise ConfigError(f"OptimConfig.name={name!r}: not a torch.optim optimizer; use one of {known}")
+    return classes[key]
+
+
+def _check_optimizer(cfg: OptimConfig) -> None:
+    import inspect
+
+    cls = optimizer_class(cfg.name)
+    if not isinstance(cfg.options, Mapping):
+        raise ConfigError(
+            f"OptimConfig.options={cfg.options!r}: give a mapping of {cls.__name__} keyword arguments"
+        )
+    object.__setattr__(cfg, "options", dict(cfg.options))
+    params = inspect.signature(cls.__init__).parameters
+    standard = standard_optimizer_args(cls)
+    for key in cfg.options:
+        if key in _ENGINE_OWNED_OPTIONS or key in standard:
+            raise ConfigError(
+                f"OptimConfig.options[{key!r}]: set by the engine or by OptimConfig.{key} itself, not in options"
+            )
+        if key not in params:
+            accepted = sorted(k for k in params if k not in ("self", *_ENGINE_OWNED_OPTIONS, *standard))
+            raise ConfigError(
+                f"OptimConfig.options[{key!r}]: {cls.__name__} takes no such argument (it takes {accepted})"
+            )
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimConfig) if f.name in ("betas", "eps")}
+    for key in ("betas", "eps"):
+        if key not in standard and tuple(_as_tuple(getattr(cfg, key))) != tuple(_as_tuple(defaults[key])):
+            raise ConfigError(
+                f"OptimConfig.{key}={getattr(cfg, key)!r}: {cls.__name__} has no {key}; leave it at its default"
+            )
+    try:  # the optimizer's own argument checks (negative momentum, nesterov without momentum, ...)
+        import torch
+
+        probe = torch.nn.Parameter(torch.zeros(1))
+        kw = {k: getattr(cfg, k) for k in standard}
+        cls([probe], lr=cfg.lr, weight_decay=cfg.weight_decay, **kw, **cfg.options)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ConfigError(f"OptimConfig: {cls.__name__} refuses options {cfg.options!r}: {exc}") from exc
+
+
+def _as_tuple(v: Any) -> tuple[Any, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW and its learning-rate schedule.
+    """The optimizer and its learning-rate schedule.
+
+    ``name``: ``"adamw"`` (default; the engines' fused or host-offloaded AdamW) or the name of any
+    ``torch.optim`` optimizer (case-insensitive: ``"SGD"``, ``"Adam"``, ``"RMSprop"``, ``"Adagrad"``,
+    ``"NAdam"``, ``"RAdam"``, ``"Adamax"``, ``"Adadelta"``, ``"ASGD"``; not ``LBFGS`` (needs a closure) or
+    ``SparseAdam`` (sparse gradients)). ``lr`` and ``weight_decay`` go to every optimizer; ``betas`` and
+    ``eps`` to those that take them (changing them for one that does not is refused); ``options`` are the
+    optimizer's other keyword arguments (``{"momentum": 0.9, "nesterov": True}`` for SGD), checked
+    against its signature. Engines may support fewer optimizers (Megatron-Core: ``adamw`` and ``sgd``)
+    and refuse the others by name.
 
     ``schedule``: ``"constant"`` (after linear warmup), ``"cosine"`` (warmup, then cosine to
     ``min_lr_ratio * lr`` at ``total_steps``), ``"wsd"`` (warmup-stable-decay; ``decay_ratio`` of the
@@ -193,6 +286,8 @@ class OptimConfig:
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
     decay_ratio: float = 0.1
+    name: str = "adamw"
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # a NaN/inf lr or eps turns every weight into NaN while the step still reports success, and a
@@ -228,6 +323,7 @@ class OptimConfig:
             raise ConfigError(f"OptimConfig.schedule={self.schedule!r}: use 'constant', 'cosine' or 'wsd'")
         if self.schedule != "constant" and not self.total_steps:
             raise ConfigError(f"OptimConfig.schedule={self.schedule!r} needs total_steps > 0")
+        _check_optimizer(self)
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,9 @@ class FSDP2Engine:
         fused = bool(options.fused_adamw) and device.is_accelerator
         optim = config.optim
         self._optimizer: torch.optim.Optimizer
-        if options.optimizer_offload:
+        if optim.name.lower() != "adamw":
+            self._optimizer = _named_optimizer(trainable, optim, bool(options.optimizer_offload))
+        elif options.optimizer_offload:
             from underlay.engines.fsdp2.optim_offload import HostOffloadAdamW
 
             self._optimizer = HostOffloadAdamW(
@@ -1120,3 +1122,24 @@ def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
         if hasattr(module, "lora_A") and hasattr(module, "scaling") and hasattr(module, "base_layer"):
             found[name] = module
     return found
+
+
+def _named_optimizer(params: list[torch.nn.Parameter], optim: Any, offload: bool) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer ``optim.name`` (not AdamW) over ``params``: ``lr``,
+    ``weight_decay``, the ``betas``/``eps`` it takes, and ``optim.options`` (validated by
+    ``OptimConfig``). Host-offloaded state exists for AdamW only: ``ConfigError`` with
+    ``optimizer_offload``."""
+    from underlay.interfaces.config import optimizer_class, standard_optimizer_args
+
+    cls = optimizer_class(optim.name)
+    if offload:
+        raise ConfigError(
+            f"optimizer_offload keeps AdamW's state in host memory; OptimConfig.name={optim.name!r} has no "
+            "host-offloaded variant: use name='adamw' or turn optimizer_offload off (engine.offload() still "
+            "moves any optimizer's state between steps)"
+        )
+    kw = {k: getattr(optim, k) for k in standard_optimizer_args(cls)}
+    opt: torch.optim.Optimizer = cls(
+        params, lr=optim.lr, weight_decay=optim.weight_decay, **kw, **optim.options
+    )
+    return opt

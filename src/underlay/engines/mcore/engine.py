@@ -150,6 +150,7 @@ class MCoreEngine:
             raise ConfigError(
                 f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
             )
+        _megatron_optimizer(config.optim)  # refuse an optimizer megatron lacks before anything is built
         from underlay.engines.mcore._hf import hf_config_of, value_hf_config
 
         self._value = mc.kind == "value"
@@ -479,8 +480,10 @@ class MCoreEngine:
 
         o = self._config.optim
         clip = o.grad_clip if o.grad_clip is not None and o.grad_clip > 0 else 0.0
+        kind, extra = _megatron_optimizer(o)
         oc = OptimizerConfig(
-            optimizer="adam",
+            optimizer=kind,
+            **extra,
             lr=o.lr,
             min_lr=0.0,
             weight_decay=o.weight_decay,
@@ -1532,3 +1535,23 @@ def _swap_in(saved: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         storage = t.untyped_storage()
         storage.resize_(nbytes)
         storage.copy_(host.untyped_storage())
+
+
+def _megatron_optimizer(o: Any) -> tuple[str, dict[str, Any]]:
+    """Megatron-Core's name and extra ``OptimizerConfig`` fields for ``OptimConfig`` ``o``: ``adamw``
+    -> ``"adam"`` (megatron's Adam is AdamW: decoupled weight decay), ``sgd`` -> ``"sgd"`` with
+    ``sgd_momentum``. ``ConfigError`` for any other optimizer or SGD option megatron does not have."""
+    name = o.name.lower()
+    if name == "adamw" and not o.options:
+        return "adam", {}
+    if name == "sgd":
+        unknown = sorted(k for k, v in o.options.items() if k != "momentum" and v not in (0, 0.0, False))
+        if not unknown:
+            return "sgd", {"sgd_momentum": float(o.options.get("momentum", 0.0))}
+        raise ConfigError(
+            f"the mcore engine's SGD (megatron-core's) takes momentum only; OptimConfig.options sets {unknown}"
+        )
+    raise ConfigError(
+        f"OptimConfig.name={o.name!r} (options {dict(o.options)!r}): the mcore engine runs megatron-core's "
+        "optimizers, 'adamw' (no options) and 'sgd' (momentum); use one of them or the fsdp2 engine"
+    )
