@@ -385,6 +385,7 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
         total_training_steps=100,
         lr_warmup_steps=5,
         min_lr_ratio=0.1,
+        override_optimizer_config={"eps": 1e-6},
     )
     eng = UnderlayEngineConfig(fsdp_size=2, ulysses_sequence_parallel_size=2, max_token_len_per_gpu=4096)
     cfg, name = to_underlay_config(model, eng, optim, CheckpointConfig(), "language_model", 4)
@@ -402,13 +403,23 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
         100,
         0.1,
     )
+    assert (cfg.optim.name, cfg.optim.eps) == ("adamw", 1e-6)
     assert (cfg.param_dtype, cfg.reduce_dtype, cfg.recompute) == ("bfloat16", "float32", "full")
 
     bad_eng = UnderlayEngineConfig(pad_to_length=True, wrap_policy={"min_num_params": 1}, model_dtype="bf16")
-    bad_optim = FSDPOptimizerConfig(lr=1e-6, override_optimizer_config={"eps": 1e-5})
+    bad_optim = FSDPOptimizerConfig(
+        lr=1e-6, optimizer_impl="torchao.optim", override_optimizer_config={"lr": 1.0}
+    )
     with pytest.raises(ConfigError) as info:
         to_underlay_config(model, bad_eng, bad_optim, CheckpointConfig(async_save=True), "language_model", 1)
-    for field in ("pad_to_length", "wrap_policy", "model_dtype", "override_optimizer_config", "async_save"):
+    for field in (
+        "pad_to_length",
+        "wrap_policy",
+        "model_dtype",
+        "optimizer_impl",
+        "override_optimizer_config",
+        "async_save",
+    ):
         assert field in str(info.value)
     with pytest.raises(ConfigError, match="strategy"):
         UnderlayEngineConfig(strategy="fsdp2")

@@ -128,17 +128,23 @@ def _model(model_config: Any, model_type: str, bad: list[str]) -> ModelConfig:
 
 
 def _optim(optim: Any, bad: list[str]) -> OptimConfig:
-    """``FSDPOptimizerConfig`` -> ``OptimConfig``: AdamW (torch.optim) with a constant (linear warmup)
-    or cosine (warmup, half cycle) schedule."""
+    """``FSDPOptimizerConfig`` -> ``OptimConfig``: the ``torch.optim`` optimizer verl names, its
+    ``override_optimizer_config`` as options (``eps`` to ``OptimConfig.eps``), with a constant (linear
+    warmup) or cosine (warmup, half cycle) schedule."""
     if optim is None:  # forward-only engines (reference policy) carry no optimizer config
         return OptimConfig()
     name = str(_get(optim, "optimizer", "AdamW"))
-    if name.lower() != "adamw" or _get(optim, "optimizer_impl", "torch.optim") != "torch.optim":
+    if _get(optim, "optimizer_impl", "torch.optim") != "torch.optim":
         bad.append(
-            f"optim.optimizer={name!r}/optimizer_impl={_get(optim, 'optimizer_impl')!r} (underlay trains with torch.optim.AdamW)"
+            f"optim.optimizer_impl={_get(optim, 'optimizer_impl')!r} (underlay builds torch.optim optimizers by name)"
         )
-    if _get(optim, "override_optimizer_config"):
-        bad.append(f"optim.override_optimizer_config={dict(_get(optim, 'override_optimizer_config'))!r}")
+    # verl's build_optimizer: lr and weight_decay always, betas for Adam-like names, then the overrides
+    options = dict(_get(optim, "override_optimizer_config") or {})
+    for key in ("lr", "weight_decay", "betas"):
+        if key in options:
+            bad.append(f"optim.override_optimizer_config[{key!r}] (set optim.{key} instead)")
+            options.pop(key)
+    eps = float(options.pop("eps", 1e-8))
     kind = _get(optim, "lr_scheduler_type", "constant")
     if kind not in ("constant", "cosine"):
         bad.append(f"optim.lr_scheduler_type={kind!r} (use 'constant' or 'cosine')")
@@ -160,9 +166,13 @@ def _optim(optim: Any, bad: list[str]) -> OptimConfig:
     if clip is None:
         clip = _get(optim, "grad_clip", None)
     min_lr = _get(optim, "min_lr_ratio", None)
+    adam_like = "adam" in name.lower()
     return OptimConfig(
+        name=name.lower(),
+        options=options,
         lr=float(_get(optim, "lr", 1e-6)),
-        betas=tuple(float(b) for b in _get(optim, "betas", (0.9, 0.999))),  # type: ignore[arg-type]
+        eps=eps,
+        betas=tuple(float(b) for b in _get(optim, "betas", (0.9, 0.999))) if adam_like else (0.9, 0.999),  # type: ignore[arg-type]
         weight_decay=float(_get(optim, "weight_decay", 0.01)),
         grad_clip=None if clip is None else float(clip),
         schedule=kind,
