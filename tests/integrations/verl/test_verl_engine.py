@@ -383,7 +383,6 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
         clip_grad=0.5,
         lr_scheduler_type="cosine",
         total_training_steps=100,
-        lr_warmup_steps=5,
         min_lr_ratio=0.1,
         override_optimizer_config={"eps": 1e-6},
     )
@@ -399,7 +398,7 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
     )
     assert (cfg.optim.schedule, cfg.optim.warmup_steps, cfg.optim.total_steps, cfg.optim.min_lr_ratio) == (
         "cosine",
-        5,
+        0,
         100,
         0.1,
     )

@@ -153,6 +153,12 @@ def _optim(optim: Any, bad: list[str]) -> OptimConfig:
     warmup = int(_get(optim, "lr_warmup_steps", -1) or -1)
     if warmup <= 0:
         warmup = int(float(_get(optim, "lr_warmup_steps_ratio", 0.0) or 0.0) * total) if total > 0 else 0
+    if warmup > 0:
+        bad.append(
+            f"optim warmup of {warmup} steps (lr_warmup_steps/lr_warmup_steps_ratio): verl's warmup factor is "
+            "k/warmup at step k, underlay's (k+1)/warmup; train without warmup or use verl's engine"
+        )
+        warmup = 0
     if kind == "cosine":
         if not math.isclose(float(_get(optim, "num_cycles", 0.5)), 0.5):
             bad.append(
