@@ -360,7 +360,10 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
 
     # weights stream with HF names; resume reproduces the continuation; a wrong temperature is refused
     for r in res:
-        assert set(r["weights"]) == {n for n, _ in ref_model.named_parameters()}
+        # verl's test_per_tensor_generator property: every HF name, with its HF shape
+        assert {n: tuple(t.shape) for n, t in r["weights"].items()} == {
+            n: tuple(p.shape) for n, p in ref_model.named_parameters()
+        }
         first, again = r["resume"]
         assert again == pytest.approx(first, rel=1e-6)
         assert r["temperature_refused"]
