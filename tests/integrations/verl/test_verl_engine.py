@@ -425,3 +425,19 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
         assert field in str(info.value)
     with pytest.raises(ConfigError, match="strategy"):
         UnderlayEngineConfig(strategy="fsdp2")
+
+    # a recipe's actor.strategy=underlay: verl copies it into its FSDP engine config, whose registry
+    # lookup then finds this backend (for every device verl may report)
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.engine import EngineRegistry
+
+    from underlay.integrations.verl import UnderlayLMEngine, UnderlayValueEngine
+
+    actor = FSDPActorConfig(
+        strategy="underlay", rollout_n=1, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1
+    )
+    assert actor.engine.strategy == "underlay"
+    cfg, _ = to_underlay_config(model, actor.engine, optim, CheckpointConfig(), "language_model", 1)
+    assert cfg.micro_batch_max_tokens == 16384
+    assert EngineRegistry.get_engine_cls("language_model", "underlay") is UnderlayLMEngine
+    assert EngineRegistry.get_engine_cls("value_model", "underlay") is UnderlayValueEngine
