@@ -267,6 +267,9 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
     )
     critic = EngineRegistry.new(**_configs(critic, "value_model", 1e-3, micro_batch_max_tokens=64))
     critic.initialize()
+    with critic.eval_mode():
+        vals = critic.infer_batch(_verl_batch(mine, **common))["model_output"]["values"]
+    result["critic_values"] = [t.double() for t in vals.unbind()]
     with critic.train_mode():
         critic.optimizer_zero_grad()
         cout = critic.forward_backward_batch(_verl_batch(mine, **common), functools.partial(value_loss, ccfg))
@@ -275,9 +278,13 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
     local = torch.tensor([sum(cout["loss"])], dtype=torch.float64)
     torch.distributed.all_reduce(local)
     result["critic_loss"] = float(local) / world
-    with critic.eval_mode():
-        vals = critic.infer_batch(_verl_batch(mine, **common))["model_output"]["values"]
-    result["critic_values_shape"] = [tuple(t.shape) for t in vals.unbind()]
+
+    # -- offload and onload (verl's BaseEngineCtx calls to() with its device name): outputs unchanged
+    before = actor.infer_batch(_verl_batch(mine, **common))["model_output"]["log_probs"].values()
+    actor.to("cpu")
+    actor.to("cuda")
+    after = actor.infer_batch(_verl_batch(mine, **common))["model_output"]["log_probs"].values()
+    result["offload_roundtrip"] = bool(torch.equal(before, after))
 
     # -- save, a further step, load (back to the saved state), continue: identical to the first continuation
     actor.save_checkpoint(ckpt, global_step=1)
@@ -352,7 +359,13 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
         use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=64,
     )
-    cref_loss, cref_grads, _ = _ref_loss(critic, full, functools.partial(value_loss, ccfg), value=True)
+    cref_loss, cref_grads, cref_model = _ref_loss(
+        critic, full, functools.partial(value_loss, ccfg), value=True
+    )
+    ref_values = _ref_outputs(cref_model, full, value=True)["values"].unbind()
+    for rank, r in enumerate(res):
+        for j, v in enumerate(r["critic_values"]):
+            torch.testing.assert_close(v, ref_values[rank + j * world].detach(), rtol=0, atol=2e-5)
     for r in res:
         assert r["critic_loss"] == pytest.approx(cref_loss, rel=1e-5, abs=1e-6)
         for name, g in cref_grads.items():
@@ -367,6 +380,7 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
         first, again = r["resume"]
         assert again == pytest.approx(first, rel=1e-6)
         assert r["temperature_refused"]
+        assert r["offload_roundtrip"]
 
 
 def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
