@@ -77,19 +77,71 @@ def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA adapters (through peft): only adapter weights train."""
+    """LoRA adapters (through peft): only adapter weights train.
+
+    ``target_modules``: module names to adapt, or ``"all-linear"`` (every linear layer except the
+    output head, peft's rule). ``exclude_modules``: names (or a regex string) never adapted, even when
+    ``target_modules`` matches them. ``adapter_path``: a peft adapter directory
+    (``adapter_config.json`` + ``adapter_model.safetensors``, e.g. from ``export_adapters``) whose
+    weights the adapters start from; its rank, alpha and targets must equal these (build the config
+    with :meth:`from_adapter` to take them from the file). ``ConfigError`` for invalid values.
+    """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
+    exclude_modules: tuple[str, ...] | str = ()
+    adapter_path: str | None = None
 
     def __post_init__(self) -> None:
         _int("LoraConfig", "rank", self.rank, 1)
         _real("LoraConfig", "alpha", self.alpha, 0.0, math.inf, closed_high=False)
         _real("LoraConfig", "dropout", self.dropout, 0.0, 1.0, closed_high=False)
+        for name in ("target_modules", "exclude_modules"):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                object.__setattr__(self, name, tuple(v))
+                v = getattr(self, name)
+            if not isinstance(v, (str, tuple)) or (
+                isinstance(v, tuple) and not all(isinstance(x, str) for x in v)
+            ):
+                raise ConfigError(f"LoraConfig.{name}={v!r}: give module names (a tuple of str) or one str")
         if not self.target_modules:
-            raise ConfigError("LoraConfig.target_modules is empty: name the linear layers to adapt")
+            raise ConfigError(
+                "LoraConfig.target_modules is empty: name the linear layers to adapt, or 'all-linear'"
+            )
+        if self.adapter_path is not None and not isinstance(self.adapter_path, str):
+            object.__setattr__(self, "adapter_path", str(self.adapter_path))
+
+    @classmethod
+    def from_adapter(cls, path: str, **overrides: Any) -> LoraConfig:
+        """The config of the peft adapter directory ``path`` (rank, alpha, dropout, targets and
+        exclusions from its ``adapter_config.json``), starting from its weights. ``ConfigError`` when the
+        directory has no adapter config or it is not a LoRA adapter."""
+        import json
+        from pathlib import Path
+
+        f = Path(path) / "adapter_config.json"
+        if not f.is_file():
+            raise ConfigError(f"LoraConfig.from_adapter({path!r}): no adapter_config.json there")
+        data = json.loads(f.read_text())
+        if str(data.get("peft_type", "LORA")).upper() != "LORA":
+            raise ConfigError(
+                f"LoraConfig.from_adapter({path!r}): peft_type {data.get('peft_type')!r} is not LORA"
+            )
+        targets = data.get("target_modules") or ()
+        excl = data.get("exclude_modules") or ()
+        kw: dict[str, Any] = dict(
+            rank=int(data.get("r", 8)),
+            alpha=float(data.get("lora_alpha", 16.0)),
+            dropout=float(data.get("lora_dropout", 0.0)),
+            target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
+            exclude_modules=excl if isinstance(excl, str) else tuple(sorted(excl)),
+            adapter_path=str(path),
+        )
+        kw.update(overrides)
+        return cls(**kw)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from underlay.interfaces import CheckpointError, ConfigError, LoraConfig, ModelC
 from underlay.models.overrides import apply_overrides
 
 __all__ = [
+    "adapter_tensors",
     "build_model",
+    "check_adapter_dir",
     "copy_into_param",
     "hf_config_of",
     "hf_name",
@@ -92,19 +95,77 @@ def _add_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
         from peft import get_peft_model
     except ImportError as exc:
         raise ConfigError("ModelConfig.lora needs peft: pip install 'underlay[hf]'") from exc
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    excl = lora.exclude_modules if isinstance(lora.exclude_modules, str) else list(lora.exclude_modules)
     peft_cfg = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
+        exclude_modules=excl or None,
         bias="none",
     )
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as exc:
         raise ConfigError(
-            f"LoraConfig.target_modules={lora.target_modules}: {exc}; name linear layers of the model"
+            f"LoraConfig.target_modules={lora.target_modules} (exclude_modules={lora.exclude_modules}): {exc}; "
+            "name linear layers of the model"
         ) from exc
+
+
+def check_adapter_dir(lora: LoraConfig) -> tuple[Path, dict[str, Any]]:
+    """The adapter directory of ``lora.adapter_path`` and its ``adapter_config.json``, after checking
+    that rank, alpha and targets equal ``lora``'s. ``ConfigError`` naming the difference or the missing
+    file (before anything is built)."""
+    import json
+
+    assert lora.adapter_path is not None
+    root = Path(lora.adapter_path)
+    cfg_file, weights = root / "adapter_config.json", root / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ConfigError(
+            f"LoraConfig.adapter_path={lora.adapter_path!r}: needs adapter_config.json and "
+            "adapter_model.safetensors (peft's save_pretrained / export_adapters layout)"
+        )
+    data = json.loads(cfg_file.read_text())
+    file_targets = data.get("target_modules") or ()
+    file_targets = file_targets if isinstance(file_targets, str) else tuple(sorted(file_targets))
+    mine = lora.target_modules if isinstance(lora.target_modules, str) else tuple(sorted(lora.target_modules))
+    diff = {
+        k: (a, b)
+        for k, a, b in (
+            ("rank", lora.rank, data.get("r")),
+            ("alpha", float(lora.alpha), float(data.get("lora_alpha", -1))),
+            ("target_modules", mine, file_targets),
+        )
+        if a != b
+    }
+    if diff and not (set(diff) == {"target_modules"} and mine == "all-linear"):
+        text = ", ".join(f"{k}: config {a!r} vs file {b!r}" for k, (a, b) in diff.items())
+        raise ConfigError(
+            f"LoraConfig.adapter_path={lora.adapter_path!r} differs from the LoraConfig ({text}); "
+            "build it with LoraConfig.from_adapter(path)"
+        )
+    return root, data
+
+
+def adapter_tensors(lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The adapter weights of ``lora.adapter_path`` under the engine's parameter names (peft's saved
+    ``...lora_A.weight`` is the live ``...lora_A.default.weight``)."""
+    from safetensors.torch import load_file
+
+    root, _ = check_adapter_dir(lora)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(root / "adapter_model.safetensors")).items():
+        live = re.sub(r"\.(lora_[AB])\.weight$", r".\1.default.weight", name)
+        if live == name:
+            raise CheckpointError(
+                f"LoraConfig.adapter_path={lora.adapter_path!r}: tensor {name!r} is not a LoRA A/B weight of a "
+                "linear layer (the engines adapt linear layers only)"
+            )
+        out[live] = t
+    return out
 
 
 def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.nn.Module:
@@ -113,6 +174,8 @@ def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.
     model ``models.vision_value_model``), with peft LoRA adapters when ``model_cfg.lora`` is set. With ``meta`` the parameters are on
     the meta device (no memory); otherwise they are initialised on the cpu from ``model_cfg.seed``
     (rank independent, so every rank builds the same values as a single process would)."""
+    if model_cfg.lora is not None and model_cfg.lora.adapter_path is not None:
+        check_adapter_dir(model_cfg.lora)
     if meta:
         with meta_params():
             model = _auto_model(model_cfg, hf_config)

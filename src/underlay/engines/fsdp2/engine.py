@@ -200,6 +200,7 @@ class FSDP2Engine:
         # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
         self._grads_pending = False
         self._offloaded: dict[str, Any] = {}
+        self._adapter_disabled = False
         self._logprob_kernel = self._pick_logprob_kernel()
 
     # ------------------------------------------------------------------------------ construction
@@ -247,6 +248,15 @@ class FSDP2Engine:
             if not fill and mc.lora is None:
                 return
         full = _build.seeded_state(mc, self._hf_config)
+        if mc.lora is not None and mc.lora.adapter_path is not None:
+            adapters = _build.adapter_tensors(mc.lora)
+            live = {n for n, _ in self._model.named_parameters() if "lora_" in n}
+            if set(adapters) != live:
+                raise CheckpointError(
+                    f"LoraConfig.adapter_path={mc.lora.adapter_path!r} does not fit the adapted model: missing "
+                    f"{sorted(live - set(adapters))[:4]}, unexpected {sorted(set(adapters) - live)[:4]}"
+                )
+            full.update(adapters)
         for name, param in self._model.named_parameters():
             if fill is None or "lora_" in name or name in fill:
                 _build.copy_into_param(param, full[name], name)
@@ -485,6 +495,11 @@ class FSDP2Engine:
         call then syncs per micro-batch, so unsharded and sharded gradients never add up). The same
         gradients up to floating-point summation order. An exception leaves no gradient behind (the
         earlier calls' included), resets FSDP's per-iteration state and restores gradient sync."""
+        if self._adapter_disabled:
+            raise InvalidInput(
+                "forward_backward inside disable_adapter(): the adapters are bypassed there, nothing would "
+                "train; leave the block first (use it for the reference log-probs of infer)"
+            )
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         dp_group = self._dp_group
@@ -769,6 +784,24 @@ class FSDP2Engine:
 
     def _params_by_name(self) -> dict[str, torch.Tensor]:
         return dict(self._model.named_parameters())
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Inside the block the LoRA adapters are bypassed: ``infer`` gives the base model's outputs
+        (the reference policy of LoRA RL, without a second copy of the model). ``forward_backward``
+        inside it raises ``InvalidInput`` (nothing trains there). ``InvalidInput`` for an engine
+        without LoRA. Not re-entrant; every rank enters it together."""
+        toggle = getattr(self._model, "disable_adapter", None)
+        if self._config.model.lora is None or toggle is None:
+            raise InvalidInput("disable_adapter: the engine has no LoRA adapters (ModelConfig.lora is None)")
+        if self._adapter_disabled:
+            raise InvalidInput("disable_adapter: already inside a disable_adapter() block")
+        self._adapter_disabled = True
+        try:
+            with toggle():
+                yield
+        finally:
+            self._adapter_disabled = False
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full LoRA adapter tensors (peft names without the ``.default`` adapter segment, as

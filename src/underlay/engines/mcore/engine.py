@@ -1188,6 +1188,14 @@ class MCoreEngine:
         """The mcore engine has no LoRA adapters: always empty."""
         return iter(())
 
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """The mcore engine has no LoRA adapters: ``InvalidInput``, as for any engine without them."""
+        raise InvalidInput(
+            "disable_adapter: the engine has no LoRA adapters (the mcore engine runs without LoRA)"
+        )
+        yield  # pragma: no cover - a generator for contextmanager
+
     def _owner_rank(self, stage: int, e: int, expert: bool) -> int:
         """The global rank that broadcasts a tensor owned by pipeline ``stage`` (and expert rank ``e``):
         the lowest rank with that pp rank (and ep rank)."""
