@@ -119,13 +119,19 @@ def _verl_batch(rows: list[dict[str, torch.Tensor]], **non_tensor: Any) -> Any:
     return td
 
 
-def _configs(path: str, model_type: str, lr: float, **engine: Any) -> dict[str, Any]:
+def _configs(path: str, model_type: str, lr: float, lora_rank: int = 0, **engine: Any) -> dict[str, Any]:
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
 
     from underlay.integrations.verl import UnderlayEngineConfig
 
-    model = HFModelConfig(path=path, load_tokenizer=False, enable_gradient_checkpointing=False)
+    model = HFModelConfig(
+        path=path,
+        load_tokenizer=False,
+        enable_gradient_checkpointing=False,
+        lora_rank=lora_rank,
+        target_modules=["q_proj", "v_proj"],
+    )
     eng = UnderlayEngineConfig(mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"}, **engine)
     optim = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, total_training_steps=10)
     return {
@@ -298,6 +304,18 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
     actor.load_checkpoint(ckpt)
     again = step()
     result["resume"] = (first, again)
+    if world == 1:  # LoRA: verl's reference log-probs come from the same engine with the adapters off
+        lora = EngineRegistry.new(
+            **_configs(policy, "language_model", 1e-1, lora_rank=4, micro_batch_max_tokens=64)
+        )
+        lora.initialize()
+        with lora.train_mode():
+            lora.train_batch(_verl_batch(mine, **common), loss_fn)
+        with lora.eval_mode(), lora.disable_adapter():
+            base = lora.infer_batch(_verl_batch(mine, **common))["model_output"]["log_probs"]
+        tuned = lora.infer_batch(_verl_batch(mine, **common))["model_output"]["log_probs"]
+        result["lora_base"] = [t.double() for t in base.unbind()]
+        result["lora_tuned"] = [t.double() for t in tuned.unbind()]
     tu.assign_non_tensor(td, temperature=0.5)
     try:
         actor.infer_batch(td)
@@ -334,6 +352,11 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
             i = rank + j * world
             torch.testing.assert_close(lp, ref_lp[i], rtol=0, atol=2e-5)
             torch.testing.assert_close(ent, ref_ent[i], rtol=0, atol=2e-5)
+
+    if world == 1:  # LoRA after a step: adapters off give the base model, on they do not
+        for i, (base, tuned) in enumerate(zip(res[0]["lora_base"], res[0]["lora_tuned"])):
+            torch.testing.assert_close(base, ref_lp[i], rtol=0, atol=2e-5)
+            assert float((tuned - ref_lp[i]).abs().max()) > 1e-3
 
     # actor: loss and gradient equal to verl's ppo_loss over the global batch in float64
     ref_loss, ref_grads, _ = _ref_loss(
@@ -421,6 +444,14 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
     )
     assert (cfg.optim.name, cfg.optim.eps) == ("adamw", 1e-6)
     assert (cfg.param_dtype, cfg.reduce_dtype, cfg.recompute) == ("bfloat16", "float32", "full")
+
+    lora_model = HFModelConfig(
+        path=policy, load_tokenizer=False, lora_rank=4, lora_alpha=8, exclude_modules=["o_proj"]
+    )
+    lcfg, _ = to_underlay_config(lora_model, eng, optim, CheckpointConfig(), "language_model", 4)
+    assert lcfg.model.lora is not None
+    assert (lcfg.model.lora.rank, lcfg.model.lora.alpha) == (4, 8.0)
+    assert (lcfg.model.lora.target_modules, lcfg.model.lora.exclude_modules) == ("all-linear", ("o_proj",))
 
     bad_eng = UnderlayEngineConfig(pad_to_length=True, wrap_policy={"min_num_params": 1}, model_dtype="bf16")
     bad_optim = FSDPOptimizerConfig(

@@ -96,28 +96,27 @@ def _model(model_config: Any, model_type: str, bad: list[str]) -> ModelConfig:
     mtp = _get(model_config, "mtp")
     if mtp is not None and _get(mtp, "enable", False):
         bad.append("model.mtp.enable=True (multi-token prediction heads are not trained by underlay)")
-    if _get(model_config, "lora_adapter_path"):
-        bad.append("model.lora_adapter_path (underlay starts adapters from scratch)")
     tiled = _get(model_config, "tiled_mlp") or {}
     tiles = int(_get(tiled, "num_shards", 4)) if _get(tiled, "enabled", False) else None
     lora = None
+    adapter = _get(model_config, "lora_adapter_path")
     rank = int(_get(model_config, "lora_rank", 0) or 0)
-    if rank > 0:
-        targets = _get(model_config, "target_modules")
-        if isinstance(targets, str):
+    if adapter:  # verl's PeftModel.from_pretrained: the adapter directory's own rank, alpha and targets
+        lora = LoraConfig.from_adapter(str(adapter))
+    elif rank > 0:
+        if _get(model_config, "target_parameters"):
             bad.append(
-                f"model.target_modules={targets!r} (give the module names as a list, e.g. ['q_proj', 'v_proj'])"
+                f"model.target_parameters={_get(model_config, 'target_parameters')!r} (underlay adapts linear "
+                "modules, not bare parameters)"
             )
-            targets = None
-        for name in ("target_parameters", "exclude_modules"):
-            if _get(model_config, name):
-                bad.append(
-                    f"model.{name}={_get(model_config, name)!r} (underlay adapts whole linear modules only)"
-                )
-        if targets:
-            lora = LoraConfig(
-                rank=rank, alpha=float(_get(model_config, "lora_alpha", 16)), target_modules=tuple(targets)
-            )
+        targets = _get(model_config, "target_modules") or "all-linear"
+        exclude = _get(model_config, "exclude_modules") or ()
+        lora = LoraConfig(
+            rank=rank,
+            alpha=float(_get(model_config, "lora_alpha", 16)),
+            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            exclude_modules=exclude if isinstance(exclude, str) else tuple(exclude),
+        )
     return ModelConfig(
         path=str(path),
         kind=kind,  # type: ignore[arg-type]

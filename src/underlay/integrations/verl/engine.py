@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -392,14 +392,12 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
             self._manager(local_path, None).load()
 
     def disable_adapter(self) -> contextlib.AbstractContextManager[Any]:
-        """No adapters: a no-op context. With LoRA: ``ConfigError`` (underlay cannot switch adapters off
-        inside one engine; compute reference log-probs with a separate engine on the base model)."""
-        if self._lora:
-            raise ConfigError(
-                "disable_adapter: the underlay engine cannot switch its LoRA adapters off; give the reference "
-                "policy its own engine (ref.strategy=underlay) on the base model"
-            )
-        return contextlib.nullcontext()
+        """verl's reference policy under LoRA: the underlay engine's ``disable_adapter()`` (``infer``
+        gives the base model's outputs inside it; training inside it raises ``InvalidInput``). Without
+        adapters a no-op context, as verl's engines give."""
+        if not self._lora:
+            return contextlib.nullcontext()
+        return cast("contextlib.AbstractContextManager[Any]", self.underlay.disable_adapter())
 
 
 @EngineRegistry.register(model_type="language_model", backend="underlay", device=["cpu", "cuda", "npu"])
