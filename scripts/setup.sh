@@ -38,6 +38,6 @@ if [ "$extras" = "verl,hf" ]; then
   exit 0
 fi
 "$venv/bin/python" -c "import torch, underlay; print('underlay', underlay.__version__, 'torch', torch.__version__)"
-if [ "$extras" = "dev" ] && [ -z "${UNDERLAY_VENV:-}" ]; then
-  "$0" verl
+if [ "$extras" = "dev" ]; then
+  bash scripts/setup.sh verl
 fi

@@ -343,6 +343,18 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
 
         return gen(), None
 
+    def get_per_tensor_param_shard(self, **kwargs: Any) -> Any:
+        """Refused (``ConfigError``): verl's sharded/delta checkpoint engines read FSDP DTensor shards;
+        the underlay backend streams full tensors (``get_per_tensor_param``)."""
+        raise ConfigError(
+            "get_per_tensor_param_shard: the underlay backend streams full tensors only; use a full-tensor "
+            "checkpoint engine (rollout.checkpoint_engine.backend other than the delta/sharded ones)"
+        )
+
+    def get_per_tensor_param_delta_shard(self, **kwargs: Any) -> Any:
+        """Refused (``ConfigError``), as :meth:`get_per_tensor_param_shard`."""
+        return self.get_per_tensor_param_shard(**kwargs)
+
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         """``"cpu"``: ``offload`` the chosen state; any other device: ``onload`` it (bit-identical)."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
