@@ -87,7 +87,7 @@ def _model_dir(name: str) -> str:
     return path
 
 
-def _batch(args: argparse.Namespace, vocab: int) -> Any:
+def _batch(args: argparse.Namespace, vocab: int, remove_padding: bool) -> Any:
     """The GRPO batch verl's actor receives, NO_PADDING layout, with verl's own advantages."""
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
     from verl.utils import tensordict_utils as tu
@@ -138,6 +138,7 @@ def _batch(args: argparse.Namespace, vocab: int) -> Any:
         "calculate_entropy": False,
         "use_dynamic_bsz": True,
         "max_token_len_per_gpu": args.max_tokens,
+        "use_remove_padding": remove_padding,
     }.items():
         tu.assign_non_tensor_data(td, key, value)
     return td, sum(rlens) + n * plen
@@ -200,7 +201,7 @@ def _run(backend: str, path: str, args: argparse.Namespace, remove_padding: bool
     times = []
     tokens = 0
     for step in range(args.steps + 1):
-        td, tokens = _batch(args, vocab)
+        td, tokens = _batch(args, vocab, remove_padding)
         if cuda:
             torch.cuda.synchronize()
             if step == 1:
@@ -237,7 +238,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, tiny batch (smoke run)")
     args = p.parse_args()
     if args.quick:
-        args.model, args.prompts, args.group, args.prompt_len = "tiny", 2, 2, 8
+        args.model, args.prompts, args.group, args.prompt_len = "tiny", 2, 4, 8
         args.median_response, args.max_response, args.max_tokens, args.steps = 16, 32, 128, 1
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
