@@ -173,6 +173,7 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
             dist.get_world_size(),
         )
         self._engine: Any = None
+        self._solo: Any = None
         self._lora = self.underlay_config.model.lora is not None
 
     # ---- construction, modes, parallel groups -------------------------------------------------
@@ -182,6 +183,11 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         from underlay import get_engine
 
         self._engine = get_engine(self.underlay_config, self.underlay_engine_name)
+        self._solo = None
+        if self._engine.layout.groups.dp is None and dist.get_world_size() > 1:
+            # one data-parallel rank per model replica (e.g. all ranks in one Ulysses group): verl's
+            # losses get a group of this rank alone, not the world
+            self._solo, _ = dist.new_subgroups(group_size=1)  # type: ignore[no-untyped-call]
         if self.model_type == "value_model":
             # verl builds critics with classifier_dropout=0 (load_valuehead_model's config); transformers'
             # token-classification head would otherwise drop 10% of the hidden state in training
@@ -231,9 +237,12 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         return 0 if group is None else int(dist.get_rank(group))
 
     def get_data_parallel_group(self) -> Any:
-        """The data-parallel process group (the world when there is one data-parallel rank alone)."""
+        """The data-parallel process group (a group of this rank alone when the engine has one
+        data-parallel rank over several processes; the world when there is one process)."""
         group = self.underlay.layout.groups.dp
-        return group if group is not None else dist.group.WORLD
+        if group is not None:
+            return group
+        return self._solo if self._solo is not None else dist.group.WORLD
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         """Whether this rank is the first of its model-parallel group (every rank holds the outputs)."""
