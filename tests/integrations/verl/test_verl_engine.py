@@ -161,7 +161,13 @@ def _actor_config(mode: str) -> Any:
         use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=64,
         rollout_n=1,
+        # a fixed horizon: without it seq-mean-token-sum-norm divides by each micro-batch's padded width
+        loss_scale_factor=8 if mode == "seq-mean-token-sum-norm" else None,
     )
+
+
+# the other aggregation modes, checked by gradient (token-mean and seq-mean-token-mean run the full flow)
+OTHER_MODES = ("seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
 # ---- float64 reference -------------------------------------------------------------------------
@@ -250,6 +256,13 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
     acfg = _actor_config(mode)
     loss_fn = functools.partial(ppo_loss, acfg)
     with actor.train_mode():
+        result["mode_grads"] = {}
+        for other in OTHER_MODES[world - 1 :: 2]:  # split over the two world sizes
+            actor.optimizer_zero_grad()
+            actor.forward_backward_batch(
+                _verl_batch(mine, **common), functools.partial(ppo_loss, _actor_config(other))
+            )
+            result["mode_grads"][other] = _full_grads(actor)
         actor.optimizer_zero_grad()
         out = actor.forward_backward_batch(_verl_batch(mine, **common), loss_fn)
         result["actor_grads"] = _full_grads(actor)
@@ -370,6 +383,14 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
         norm = math.sqrt(sum(float((g * g).sum()) for g in ref_grads.values()))
         assert r["actor_grad_norm"] == pytest.approx(norm, rel=1e-5)
         assert {"actor/pg_loss", "actor/entropy_loss", "kl_loss"} <= set(r["metrics_keys"])
+
+    for other in res[0]["mode_grads"]:  # every loss_agg_mode: the gradient of verl's global-batch loss
+        _, mode_grads, _ = _ref_loss(
+            policy, full, functools.partial(ppo_loss, _actor_config(other)), value=False
+        )
+        for r in res:
+            for name, g in mode_grads.items():
+                torch.testing.assert_close(r["mode_grads"][other][name], g, rtol=1e-4, atol=2e-6)
 
     # critic: verl's value_loss
     ccfg = CriticConfig(
