@@ -264,7 +264,10 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
             )
             result["mode_grads"][other] = _full_grads(actor)
         actor.optimizer_zero_grad()
-        out = actor.forward_backward_batch(_verl_batch(mine, **common), loss_fn)
+        out = actor.forward_backward_batch(_verl_batch(mine, return_model_output=True, **common), loss_fn)
+        trained = out["model_output"]["log_probs"].values()
+        expected = inferred["model_output"]["log_probs"].values()
+        result["train_outputs"] = bool(torch.allclose(trained, expected, rtol=0, atol=1e-5))
         result["actor_grads"] = _full_grads(actor)
         result["actor_grad_norm"] = actor.optimizer_step()
     local = torch.tensor([sum(out["loss"])], dtype=torch.float64)
@@ -425,6 +428,7 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
         assert again == pytest.approx(first, rel=1e-6)
         assert r["temperature_refused"]
         assert r["offload_roundtrip"]
+        assert r["train_outputs"]  # return_model_output: the training forward's outputs, rows in order
 
 
 def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
