@@ -185,10 +185,9 @@ def packed_forward(
     ``entropy[t]`` is the entropy of that same predicting distribution. The first token of every
     sequence has no prediction and gets 0 in both. They are computed from the final hidden states and
     the ``lm_head`` weight by the :class:`~underlay.interfaces.LogprobKernel` (``logprob_kernel``, or the
-    registry's selection), never materialising ``[T, vocab]`` logits, except for models with a final
-    logit softcap (Gemma 2/3: ``logits = c * tanh(logits / c)`` before the temperature), which the fused
-    kernels do not apply: those take :func:`softcapped_logprobs` (``[T_local, vocab]`` fp32 logits, and
-    ``logprob_kernel`` is not used). Token-classification (value)
+    registry's selection), never materialising ``[T, vocab]`` logits, models with a final logit softcap
+    included (Gemma 2/3: ``logits = c * tanh(logits / c)`` before the temperature; the kernel applies
+    it inside its chunks or tiles). Token-classification (value)
     models with ``num_labels == 1`` return ``values`` fp32 ``[T]``: ``values[t]`` is the score head at
     token ``t`` (no shift). ``ops.pad(x, packed)`` maps any ``[T]`` field back to ``[B, S]``.
 
@@ -245,7 +244,7 @@ def packed_forward(
     head = _head_of(inner)
     kernel = None
     cap = caps.final_logit_softcap
-    if head == "lm" and cap is None:
+    if head == "lm":
         kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
     outs = _run_inside(
         model,
@@ -390,12 +389,15 @@ def _packed_body(
 
     def fused_head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a tuple of tensors, so hooks on lm_head (FSDP2) see the outputs they must hook for backward
-        if final_softcap is not None:
-            return softcapped_logprobs(
-                h, lm_head.weight, labels, final_softcap, temperature=temperature, with_entropy=with_entropy
-            )
         assert kernel is not None
-        res = kernel(h, lm_head.weight, labels, temperature=temperature, with_entropy=with_entropy)
+        res = kernel(
+            h,
+            lm_head.weight,
+            labels,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            softcap=final_softcap,
+        )
         return res.log_probs, res.entropy
 
     lp_local, ent_local = _run_inside(lm_head, fused_head, hidden)
