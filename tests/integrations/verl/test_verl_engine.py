@@ -451,7 +451,9 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
         min_lr_ratio=0.1,
         override_optimizer_config={"eps": 1e-6},
     )
-    eng = UnderlayEngineConfig(fsdp_size=2, ulysses_sequence_parallel_size=2, max_token_len_per_gpu=4096)
+    eng = UnderlayEngineConfig(
+        fsdp_size=2, ulysses_sequence_parallel_size=2, max_token_len_per_gpu=4096, offload_policy=True
+    )
     cfg, name = to_underlay_config(model, eng, optim, CheckpointConfig(), "language_model", 4)
     assert name is None and cfg.model.path == policy and cfg.model.kind == "causal_lm"
     assert (cfg.parallel.dp_replicate, cfg.parallel.ulysses, cfg.micro_batch_max_tokens) == (2, 2, 8192)
@@ -467,7 +469,7 @@ def test_config_mapping_and_refusals(models: tuple[str, str]) -> None:
         100,
         0.1,
     )
-    assert (cfg.optim.name, cfg.optim.eps) == ("adamw", 1e-6)
+    assert (cfg.optim.name, cfg.optim.eps, cfg.cpu_offload) == ("adamw", 1e-6, True)
     assert (cfg.param_dtype, cfg.reduce_dtype, cfg.recompute) == ("bfloat16", "float32", "full")
 
     lora_model = HFModelConfig(

@@ -230,17 +230,13 @@ def to_underlay_config(
     model = _model(model_config, model_type, bad)
     param_dtype, reduce_dtype = _precision(engine_config, bad)
     refused = {
-        "pad_to_length": False,
-        "forward_prefetch": False,
-        "full_determinism": False,
-        "offload_policy": False,
-        "entropy_checkpointing": False,
-        "use_fused_kernels": False,
+        "pad_to_length": "static packed lengths; underlay packs each micro-batch to its own length",
+        "full_determinism": "underlay does not switch torch into deterministic algorithms",
     }
-    for name, default in refused.items():
-        value = _get(engine_config, name, default)
-        if value != default and name != "use_fused_kernels":
-            bad.append(f"engine.{name}={value!r}")
+    for name, why in refused.items():
+        value = _get(engine_config, name, False)
+        if value:
+            bad.append(f"engine.{name}={value!r} ({why})")
     if _get(engine_config, "wrap_policy"):
         bad.append(
             f"engine.wrap_policy={dict(_get(engine_config, 'wrap_policy'))!r} (underlay shards per decoder layer)"
@@ -294,6 +290,7 @@ def to_underlay_config(
         reduce_dtype=reduce_dtype,
         recompute="full" if _get(model_config, "enable_gradient_checkpointing", True) else "none",
         temperature=temperature,
+        cpu_offload=bool(_get(engine_config, "offload_policy", False)),
         with_entropy=model.kind == "causal_lm",
     )
     return config, _get(engine_config, "underlay_engine")
