@@ -82,6 +82,15 @@ def _auto_model(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
 
         return AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-any-return,no-untyped-call]
     if model_cfg.kind == "value":
+        from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+            raise ConfigError(
+                f"ModelConfig(kind='value'): transformers has no token-classification (value head) class "
+                f"for model_type {model_type!r}, so underlay cannot build its value model; use a model type "
+                "with an AutoModelForTokenClassification class"
+            )
         hf_config.num_labels = 1
         model = AutoModelForTokenClassification.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     else:
