@@ -32,7 +32,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from underlay.integrations.verl.config import to_underlay_config
-from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, TokenOutputs
+from underlay.interfaces import ConfigError, InvalidInput, LossContext, TokenBatch, TokenOutputs
 
 __all__ = ["UnderlayLMEngine", "UnderlayValueEngine", "to_token_batch", "to_verl_outputs"]
 
@@ -315,7 +315,7 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         kept: dict[int, dict[str, torch.Tensor]] = {}
 
         def loss_fn(
-            outputs: TokenOutputs, sub: TokenBatch, ctx: Any = None
+            outputs: TokenOutputs, sub: TokenBatch, ctx: LossContext
         ) -> tuple[torch.Tensor, Mapping[str, Any]]:
             rows = sub.extras[ROW_KEY].cpu()
             micro = tu.index_select_tensor_dict(data, rows)
@@ -326,8 +326,8 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
             if keep_outputs:
                 for i, r in enumerate(rows.tolist()):
                     kept[r] = {k: v.detach()[i] for k, v in model_output.items()}
-            if ctx is None:  # loss contract v2: the engine divides by the global loss-token count
-                return loss / dp_size * max(int(count.item()), 1), {}
+            # verl's loss is its micro-batch's share times dp_size (FSDP averages over ranks); loss
+            # contract v3 sums contributions over ranks
             return loss / dp_size, {}
 
         self.underlay.forward_backward(batch, loss_fn)
