@@ -255,6 +255,12 @@ def _flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode: str)
     result["infer_entropy"] = [t.double() for t in inferred["model_output"]["entropy"].unbind()]
     acfg = _actor_config(mode)
     loss_fn = functools.partial(ppo_loss, acfg)
+    # forward-only with verl's loss (TrainingWorker.infer_batch's compute_loss): the global loss
+    with actor.eval_mode():
+        scored = actor.infer_batch(_verl_batch(mine, **common), loss_function=loss_fn)
+    local = torch.tensor([sum(scored["loss"])], dtype=torch.float64)
+    torch.distributed.all_reduce(local)
+    result["infer_loss"] = float(local) / world
     with actor.train_mode():
         result["mode_grads"] = {}
         for other in OTHER_MODES[world - 1 :: 2]:  # split over the two world sizes
@@ -380,6 +386,7 @@ def test_verl_flow_matches_float64_reference(world: int, models: tuple[str, str]
     )
     for r in res:
         assert r["actor_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+        assert r["infer_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
         assert set(r["actor_grads"]) == set(ref_grads)
         for name, g in ref_grads.items():
             torch.testing.assert_close(r["actor_grads"][name], g, rtol=1e-4, atol=2e-6)
