@@ -188,12 +188,6 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
             # one data-parallel rank per model replica (e.g. all ranks in one Ulysses group): verl's
             # losses get a group of this rank alone, not the world
             self._solo, _ = dist.new_subgroups(group_size=1)  # type: ignore[no-untyped-call]
-        if self.model_type == "value_model":
-            # verl builds critics with classifier_dropout=0 (load_valuehead_model's config); transformers'
-            # token-classification head would otherwise drop 10% of the hidden state in training
-            for module in self._engine.model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
         if self.is_param_offload_enabled or self.is_optimizer_offload_enabled:
             self.to(
                 "cpu",
