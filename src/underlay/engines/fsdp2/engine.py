@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
+from underlay.engines._core import LiveState, check_token_batch, load_transaction, report_nonfinite
 from underlay.engines.fsdp2 import _auto, _build
 from underlay.engines.fsdp2.act_offload import ActivationOffloader, install_activation_offload
 from underlay.engines.fsdp2.options import FSDP2Options
@@ -197,6 +198,7 @@ class FSDP2Engine:
         self._global_step = 0
         # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
         self._grads_pending = False
+        self._skip_next = False  # a non-finite loss or metric since the last optimizer step
         self._offloaded: dict[str, Any] = {}
         self._logprob_kernel = self._pick_logprob_kernel()
 
@@ -384,34 +386,9 @@ class FSDP2Engine:
     # --------------------------------------------------------------------------------- compute
 
     def _check_batch(self, batch: TokenBatch) -> TokenBatch:
-        ids, mask = batch.input_ids, batch.attention_mask
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
-        if batch.batch_size < 1:
-            raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
-        for name, m in (("attention_mask", mask), ("loss_mask", batch.loss_mask)):
-            if bool(((m != 0) & (m != 1)).any()):
-                raise InvalidInput(
-                    f"TokenBatch.{name} holds values other than 0/1 ({sorted(set(m[(m != 0) & (m != 1)].tolist()))[:5]}); "
-                    "masks select tokens, weight the loss in loss_fn instead"
-                )
-        if bool(((batch.loss_mask != 0) & (mask == 0)).any()):
-            rows = torch.nonzero(((batch.loss_mask != 0) & (mask == 0)).any(dim=1)).flatten().tolist()
-            raise InvalidInput(
-                f"TokenBatch.loss_mask marks padding (attention_mask 0) in rows {rows[:5]}; the loss "
-                "token count would include padding: set loss_mask = loss_mask * attention_mask"
-            )
-        lengths = mask.sum(dim=1)
-        if bool((lengths < 1).any()):
-            rows = torch.nonzero(lengths < 1).flatten().tolist()
-            raise InvalidInput(
-                f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
-            )
-        vocab = int(getattr(self._hf_config, "vocab_size", 0) or 0)
-        if (vocab and int(ids.max()) >= vocab) or int(ids.min()) < 0:
-            raise InvalidInput(
-                f"TokenBatch.input_ids out of range [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}"
-            )
+        """``batch`` validated (``_core.check_token_batch``, then the vision inputs) and on the device;
+        ``InvalidInput`` before any state changes."""
+        check_token_batch(batch, int(getattr(self._hf_config, "vocab_size", 0) or 0))
         from underlay.models import check_vision_batch
 
         check_vision_batch(self._hf_config, batch)
@@ -539,7 +516,10 @@ class FSDP2Engine:
         stacked = torch.stack([sums[k].to(torch.float64).reshape(()) for k in keys]).to(self._torch_device)
         dist.all_reduce(stacked, group=dp_group)
         values = (stacked / denom).tolist()
-        return StepResult(dict(zip(keys, values)), len(plan), n_tokens)
+        metrics = dict(zip(keys, values))
+        if report_nonfinite("forward_backward", metrics, sums, self._torch_device):
+            self._skip_next = True
+        return StepResult(metrics, len(plan), n_tokens)
 
     def _dummy_backward(self, batch: TokenBatch) -> None:
         """This rank has no sequence for a micro-batch that other dp ranks run: take part in FSDP's
@@ -638,10 +618,13 @@ class FSDP2Engine:
         """Drop accumulated gradients (set to ``None``)."""
         self._optimizer.zero_grad(set_to_none=True)
         self._grads_pending = False
+        self._skip_next = False
 
     def optimizer_step(self) -> OptimizerStepResult:
         """Clip to ``optim.grad_clip`` by the global L2 norm over all shards, then step AdamW; a
-        non-finite norm skips the update. Gradients are zeroed in both cases; ``global_step`` grows."""
+        non-finite norm, or a non-finite loss/metric in a ``forward_backward`` since the last step or
+        ``zero_grad``, skips the update on every rank. Gradients are zeroed in both cases;
+        ``global_step`` grows."""
         self._ensure_onloaded("optimizer_step")
         params = [p for p in self._model.parameters() if p.requires_grad and p.grad is not None]
         lr = float(self._optimizer.param_groups[0]["lr"])
@@ -658,7 +641,8 @@ class FSDP2Engine:
             norm = float(norm_t.item())
         else:
             norm = 0.0
-        skipped = not math.isfinite(norm)
+        # a non-finite loss or metric since the last step (reported by forward_backward) skips too
+        skipped = not math.isfinite(norm) or self._skip_next
         if not skipped:
             self._optimizer.step()
         self.zero_grad()
@@ -904,10 +888,14 @@ class FSDP2Engine:
         model_sd = _fresh(get_model_state_dict(self._model))
         optim_sd = _fresh(get_optimizer_state_dict(self._model, self._optimizer))
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        safe_dcp_load(state, directory)
-        set_model_state_dict(self._model, model_sd)
-        set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
-        self._scheduler.load_state_dict(scheduler_state)
+        live = LiveState(
+            [*self._model.parameters(), *_optim_params(self._optimizer)], [self._optimizer], [self._scheduler]
+        )
+        with load_transaction(f"load_checkpoint({directory})", live):
+            safe_dcp_load(state, directory)
+            set_model_state_dict(self._model, model_sd)
+            set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
+            self._scheduler.load_state_dict(scheduler_state)
         self._global_step = step
         self.zero_grad()
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
+from underlay.engines._core import LiveState, check_token_batch, load_transaction, report_nonfinite
 from underlay.engines._inductor import inductor_ok
 from underlay.engines.mcore.config import (
     MCoreArch,
@@ -256,6 +257,9 @@ class MCoreEngine:
         self._build_weight_map()
         self._build_optimizer()
         self._global_step = 0
+        self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
+        self._skip_next = False  # a non-finite loss or metric since the last optimizer step
+        self._masters_stale = False  # parameters written outside the optimizer (see _sync_master_params)
         self._offloaded: dict[str, Any] = {}
         from underlay.registry import get_logprob_kernel
 
@@ -417,6 +421,7 @@ class MCoreEngine:
                     )
                 with torch.no_grad():
                     param.copy_(piece.to(param.dtype))
+                self._masters_stale = True
                 loaded += 1
         return loaded, missing
 
@@ -465,7 +470,12 @@ class MCoreEngine:
             )
             for i, c in enumerate(chunks)
         ]
-        self._tf_config.finalize_model_grads_func = finalize_model_grads
+        # megatron's schedule would call finalize_model_grads at the end of every forward_backward: it
+        # reduces (DP, TP-duplicated norms, tied embeddings) the WHOLE grad buffer, so a second call
+        # before the optimizer step would reduce the first call's already reduced gradients again.
+        # The engine reduces once per optimizer step instead (``finalize_grads``).
+        self._tf_config.finalize_model_grads_func = None
+        self._finalize_model_grads = finalize_model_grads
         self._tf_config.no_sync_func = (
             [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         )
@@ -563,11 +573,6 @@ class MCoreEngine:
         validated, planned and packed without any device->host synchronisation; a batch given on the
         device is copied to the host once here (one synchronisation instead of one per check and per
         micro-batch). ``InvalidInput`` before any state changes."""
-        ids = batch.input_ids
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
-        if batch.batch_size < 1:
-            raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
         if batch.has_vision:
             raise InvalidInput(
                 "TokenBatch carries images/videos but the mcore engine runs text decoders only; train "
@@ -575,17 +580,7 @@ class MCoreEngine:
             )
         tensors = [batch.input_ids, batch.attention_mask, batch.loss_mask, *batch.extras.values()]
         host = batch if all(t.device.type == "cpu" for t in tensors) else batch.to(torch.device("cpu"))
-        ids, mask = host.input_ids, host.attention_mask
-        lengths = mask.sum(dim=1)
-        if bool((lengths < 1).any()):
-            rows = torch.nonzero(lengths < 1).flatten().tolist()
-            raise InvalidInput(
-                f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
-            )
-        vocab = self._arch.vocab
-        low, high = int(ids.min()), int(ids.max())
-        if high >= vocab or low < 0:
-            raise InvalidInput(f"TokenBatch.input_ids out of range [0, {vocab}): min {low}, max {high}")
+        check_token_batch(host, self._arch.vocab)
         return host
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -850,7 +845,18 @@ class MCoreEngine:
 
         host = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
+        if self._grads == "reduced":
+            raise InvalidInput(
+                "forward_backward: the accumulated gradients were already reduced over the ranks "
+                "(finalize_grads); call optimizer_step or zero_grad before the next forward_backward"
+            )
         local_tokens = int(host.loss_mask.sum())
+        # each call's gradient is that of its own token-mean loss: divide by the global loss-token
+        # count of this call before the backward (a device value: no host read here)
+        denom = torch.full((), float(local_tokens), dtype=torch.float32, device=self._torch_device)
+        if self._layout.dp_shard > 1:
+            dist.all_reduce(denom, group=self._pg["dp"])
+        denom = denom.clamp(min=1.0)
         plan = self._plan(host)
         mbs = self._micro_batches(host, plan)
         sums: dict[str, torch.Tensor] = {}
@@ -874,14 +880,17 @@ class MCoreEngine:
             tokens = mb.sub.loss_mask.sum().to(torch.int)
             if cp_rank:  # each CP rank holds the whole loss: count its tokens once over dp x cp
                 tokens = torch.zeros_like(tokens)
-            return loss_sum, tokens, {}
+            return loss_sum / denom.to(loss_sum.dtype), tokens, {}
 
         for c in self._chunks:
             c.train()
+        self._grads = "local"
         self._run_schedule(mbs, loss_func, forward_only=False)
         metrics, n_tokens = self._share_metrics(
             sums, local_tokens, ps.is_pipeline_last_stage(ignore_virtual=True)
         )
+        if report_nonfinite("forward_backward", metrics, sums, self._torch_device):
+            self._skip_next = True
         return StepResult(metrics, len(plan), n_tokens)
 
     def _share_metrics(
@@ -955,11 +964,35 @@ class MCoreEngine:
             return TokenOutputs(None, None, main)
         return TokenOutputs(main, ent, None)
 
+    def finalize_grads(self) -> None:
+        """Reduce the gradients accumulated since the last ``zero_grad`` once: megatron's
+        ``finalize_model_grads`` (data-parallel all-reduce or reduce-scatter, TP all-reduce of the
+        replicated norm weights, tied-embedding sync over the pipeline). ``optimizer_step`` calls it;
+        call it yourself only to read ``main_grad``; a ``forward_backward`` after it and before
+        ``optimizer_step``/``zero_grad`` raises ``InvalidInput`` (its gradients would be reduced
+        twice). Idempotent. Collective."""
+        if self._grads == "local":
+            self._finalize_model_grads(self._chunks, num_tokens=None)
+        if self._grads != "clean":
+            self._grads = "reduced"
+
     def zero_grad(self) -> None:
         """Drop accumulated gradients (megatron's grad buffers are zeroed)."""
         for c in self._chunks:
             c.zero_grad_buffer()  # type: ignore[operator]
         self._optimizer.zero_grad()
+        self._grads = "clean"
+        self._skip_next = False
+
+    def _sync_master_params(self) -> None:
+        """Copy the model parameters into the optimizer's fp32 master copies when something wrote the
+        parameters outside the optimizer (``load_tensors``, ``copy_full_parameter``): with bf16/fp16
+        parameters megatron's optimizer steps its masters and copies them back, so a load it missed
+        would be undone by the next step. No-op for fp32 parameters (no masters) and when clean."""
+        if self._masters_stale:
+            with torch.no_grad():
+                self._optimizer.reload_model_params()
+            self._masters_stale = False
 
     def optimizer_step(self) -> OptimizerStepResult:
         """Global grad norm over all shards (TP, PP, DP, EP); a non-finite norm skips the update
@@ -972,9 +1005,12 @@ class MCoreEngine:
         self._ensure_onloaded("optimizer_step")
         opt = self._optimizer
         lr = float(_torch_optimizers(opt)[0].param_groups[0]["lr"])
+        self._sync_master_params()
+        self.finalize_grads()
         opt.prepare_grads()
         norm = _grad_norm(opt, self._torch_device)
-        skipped = not math.isfinite(norm)
+        skipped = not math.isfinite(norm) or self._skip_next
+        self._skip_next = False
         if not skipped:
             clip = self._config.optim.grad_clip
             if clip is not None and clip > 0:
@@ -1178,6 +1214,7 @@ class MCoreEngine:
             param = dict(_unwrap(self._chunks[chunk]).named_parameters())[local_name]
             with torch.no_grad():
                 param.copy_(piece.to(param.device, param.dtype))
+            self._masters_stale = True
             written += param.numel() * param.element_size()
         return written
 
@@ -1257,6 +1294,7 @@ class MCoreEngine:
         # CPU (gloo) runs, so the host-device case writes from the rank's own process
         threads = 2 if self._device.is_accelerator else 1
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+        self._sync_master_params()
         self._init_optimizer_state()
         state = self._model_state_for_ckpt()
         state["optimizer"] = self._optimizer_sharded_state(state, is_loading=False)
@@ -1265,6 +1303,7 @@ class MCoreEngine:
             "global_step": self._global_step,
             "schedulers": [s.state_dict() for s in self._schedulers],
             "layout": self._layout_key(),
+            "distributed_optimizer": bool(self._opts.distributed_optimizer),
         }
         torch.save(extra, directory / f"rank{current_rank()}_{_STATE_FILE}")
         if current_rank() == 0:
@@ -1301,6 +1340,11 @@ class MCoreEngine:
     def _model_state_for_ckpt(self) -> dict[str, Any]:
         return self._sharded_state()
 
+    def _refuse_layout(self, directory: Path, extra: Mapping[str, Any]) -> None:
+        """``CheckpointError`` for a saved layout that this engine cannot resume exactly, before any
+        state changes. Every TP/PP/VPP/DP/CP change resumes exactly (megatron's ``fully_reshardable``
+        optimizer format and sharded model tensors)."""
+
     def _layout_key(self) -> list[int]:
         lay = self._layout
         return [lay.world_size, lay.tp, lay.pp, self._layout.vpp, lay.cp, lay.ep, self._layout.etp]
@@ -1331,32 +1375,59 @@ class MCoreEngine:
         directory = Path(directory)
         self.check_signature(directory)
         self._ensure_onloaded("load_checkpoint")
-        extra_path = directory / f"rank{current_rank()}_{_STATE_FILE}"
-        extra = torch.load(extra_path, weights_only=False) if extra_path.is_file() else None
-        if extra is None:
-            extra = torch.load(directory / f"rank0_{_STATE_FILE}", weights_only=False)
-        self._init_optimizer_state()
-        state = self._model_state_for_ckpt()
-        state["optimizer"] = self._optimizer_sharded_state(state, is_loading=True)
-        loaded = dist_checkpointing.load(state, str(directory / "model"))
-        for i, c in enumerate(self._chunks):
-            key = f"model{i}" if len(self._chunks) > 1 else "model"
-            _unwrap(c).load_state_dict(loaded[key], strict=False)
-        # with fp32 parameters megatron's "main" params are the model params themselves (leaves that
-        # require grad): its in-place copies of the loaded state must not be recorded by autograd
-        with torch.no_grad(), _step_kept_aside(self._optimizer):
-            self._optimizer.load_state_dict(loaded["optimizer"])
-        # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE tensor
-        # shared by every parameter's state; torch's foreach Adam increments each in place, so a shared
-        # tensor would advance once per parameter per step: give each state its own copy
-        for o in _torch_optimizers(self._optimizer):
-            for st in o.state.values():
-                if "step" in st:
-                    st["step"] = st["step"].clone()
-        for s, st in zip(self._schedulers, extra["schedulers"]):
-            s.load_state_dict(st)
+        extra = self._read_engine_state(directory)
+        live = LiveState(
+            [*self._param_tensors(), *self._optim_tensors()],
+            _torch_optimizers(self._optimizer),
+            self._schedulers,
+        )
+        # every phase writes live tensors in place (megatron loads into the parameters' own storage):
+        # a failure anywhere puts everything back and raises CheckpointError
+        with load_transaction(f"load_checkpoint({directory})", live):
+            self._init_optimizer_state()
+            state = self._model_state_for_ckpt()
+            state["optimizer"] = self._optimizer_sharded_state(state, is_loading=True)
+            loaded = dist_checkpointing.load(state, str(directory / "model"))
+            for i, c in enumerate(self._chunks):
+                key = f"model{i}" if len(self._chunks) > 1 else "model"
+                _unwrap(c).load_state_dict(loaded[key], strict=False)
+            # with fp32 parameters megatron's "main" params are the model params themselves (leaves
+            # that require grad): its in-place copies of the loaded state must not be recorded by autograd
+            with torch.no_grad(), _step_kept_aside(self._optimizer):
+                self._optimizer.load_state_dict(loaded["optimizer"])
+            # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE
+            # tensor shared by every parameter's state; torch's foreach Adam increments each in place,
+            # so a shared tensor would advance once per parameter per step: give each its own copy
+            for o in _torch_optimizers(self._optimizer):
+                for st in o.state.values():
+                    if "step" in st:
+                        st["step"] = st["step"].clone()
+            for s, st in zip(self._schedulers, extra["schedulers"]):
+                s.load_state_dict(st)
         self._global_step = int(extra["global_step"])
+        self._masters_stale = False
         self.zero_grad()
+
+    def _read_engine_state(self, directory: Path) -> dict[str, Any]:
+        """This rank's ``engine_state.pt`` (rank 0's when the saving world was smaller), checked:
+        ``CheckpointError`` for an unreadable file, a malformed content, or a layout this engine
+        cannot resume exactly (``_refuse_layout``). Changes nothing."""
+        path = directory / f"rank{current_rank()}_{_STATE_FILE}"
+        if not path.is_file():
+            path = directory / f"rank0_{_STATE_FILE}"
+        try:
+            extra = torch.load(path, weights_only=False)
+            step = extra["global_step"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"global_step={step!r} is not an int >= 0")
+            if len(extra["schedulers"]) != len(self._schedulers):
+                raise ValueError(
+                    f"{len(extra['schedulers'])} LR schedules saved, this engine has {len(self._schedulers)}"
+                )
+        except Exception as exc:
+            raise CheckpointError(f"{path}: unreadable engine state ({type(exc).__name__}: {exc})") from exc
+        self._refuse_layout(directory, extra)
+        return dict(extra)
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -1,0 +1,196 @@
+"""What every engine does the same way, in one place: batch validation, the non-finite step report and
+the all-or-nothing restore of live state around a checkpoint load.
+
+Engines import these; nothing here knows an engine (the ``ParallelEngine`` protocol and plain torch
+objects only), so the engines stay independent of each other.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from underlay.interfaces import CheckpointError, InvalidInput, TokenBatch, UnderlayError
+
+__all__ = [
+    "LiveState",
+    "check_token_batch",
+    "load_transaction",
+    "report_nonfinite",
+]
+
+log = logging.getLogger("underlay.engines")
+
+
+def check_token_batch(batch: TokenBatch, vocab: int) -> None:
+    """Validate a ``TokenBatch`` where it enters an engine (``docs/reliability.md`` §7), reading only
+    the tensors where they are (give host tensors for no device synchronisation).
+
+    Raises ``InvalidInput`` naming the bad value and the fix for: ``input_ids`` not int64/int32; an
+    empty batch (``B = 0``); an ``attention_mask`` or ``loss_mask`` with values other than 0/1; a
+    ``loss_mask`` that marks padding (``attention_mask`` 0: it would change the loss-token count that
+    normalises the loss); a row without tokens; token ids outside ``[0, vocab)`` (``vocab`` 0: no
+    upper bound). Changes nothing."""
+    ids, mask, loss = batch.input_ids, batch.attention_mask, batch.loss_mask
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
+    if batch.batch_size < 1:
+        raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
+    for name, m in (("attention_mask", mask), ("loss_mask", loss)):
+        bad = (m != 0) & (m != 1)
+        if bool(bad.any()):
+            raise InvalidInput(
+                f"TokenBatch.{name} holds values other than 0/1 ({sorted(set(m[bad].tolist()))[:5]}); "
+                "masks select tokens, weight the loss in loss_fn instead"
+            )
+    padding_loss = (loss != 0) & (mask == 0)
+    if bool(padding_loss.any()):
+        rows = torch.nonzero(padding_loss.any(dim=1)).flatten().tolist()
+        raise InvalidInput(
+            f"TokenBatch.loss_mask marks padding (attention_mask 0) in rows {rows[:5]}; the loss "
+            "token count would include padding: set loss_mask = loss_mask * attention_mask"
+        )
+    lengths = mask.sum(dim=1)
+    if bool((lengths < 1).any()):
+        rows = torch.nonzero(lengths < 1).flatten().tolist()
+        raise InvalidInput(f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab and high >= vocab):
+        raise InvalidInput(f"TokenBatch.input_ids out of range [0, {vocab}): min {low}, max {high}")
+
+
+def report_nonfinite(
+    what: str,
+    reduced: Mapping[str, float],
+    local: Mapping[str, torch.Tensor],
+    device: torch.device,
+    group: Any = None,
+) -> bool:
+    """After a step's metrics were reduced (``reduced``: the same keys and values on every rank of
+    ``group``): ``False`` when all are finite (no communication). Otherwise every rank learns which
+    ranks had which non-finite local values (``local``: this rank's metric sums before the
+    reduction; missing keys count as finite, e.g. on non-last pipeline stages) through one
+    ``all_gather`` of a ``[len(reduced)]`` flag vector on ``device`` over ``group`` (default: the
+    world), logs one warning naming them on logger ``underlay.engines`` and returns ``True``: the
+    engine then skips its next optimizer step. Collective over ``group`` in that case only; every
+    rank takes the same branch because ``reduced`` is the same everywhere."""
+    if all(math.isfinite(v) for v in reduced.values()):
+        return False
+    keys = sorted(reduced)
+    flags = torch.tensor(
+        [0.0 if k not in local or math.isfinite(float(local[k])) else 1.0 for k in keys], device=device
+    )
+    rows = [flags]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        rows = [torch.empty_like(flags) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, flags, group=group)
+    ranks = dist.get_process_group_ranks(group) if dist.is_initialized() and group is not None else None
+    named = []
+    for i, row in enumerate(rows):
+        bad_here = [k for k, f in zip(keys, row.tolist()) if f]
+        if bad_here:
+            rank = ranks[i] if ranks is not None else i
+            named.append(f"rank {rank}: " + ", ".join(bad_here))
+    bad = [k for k in keys if not math.isfinite(reduced[k])]
+    log.warning(
+        "%s: non-finite %s (%s); the next optimizer_step skips the update on every rank and changes "
+        "no parameter (check the loss_fn and the batch of those ranks)",
+        what,
+        ", ".join(bad),
+        "; ".join(named) or "no rank had a non-finite local value: the reduction overflowed",
+    )
+    return True
+
+
+@dataclass
+class _OptimizerCopy:
+    optimizer: torch.optim.Optimizer
+    state: Any  # the state mapping object itself (a load may replace it)
+    per_param: list[tuple[Any, dict[str, Any]]]  # (key, shallow copy of its state dict)
+    groups: list[dict[str, Any]]  # param-group settings (without the params)
+
+
+class LiveState:
+    """A host copy of an engine's live training state: the given tensors' values (parameters, master
+    copies, optimizer moments), each torch optimizer's state mapping and param-group settings, and
+    each LR scheduler's state. ``restore()`` puts all of it back in place (same tensor objects, same
+    state mapping objects), so whatever a failed load wrote is undone.
+
+    Memory: one host copy of every given tensor (what a checkpoint of this rank holds)."""
+
+    def __init__(
+        self,
+        tensors: Iterable[torch.Tensor],
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any] = (),
+    ) -> None:
+        self._tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for t in tensors:
+            local = _local(t)
+            if id(local) in seen:
+                continue
+            seen.add(id(local))
+            self._tensors.append((local, local.detach().to("cpu", copy=True)))
+        self._optims = []
+        for opt in optimizers:
+            per = [(k, dict(v)) for k, v in opt.state.items()]
+            for _, st in per:
+                for v in st.values():
+                    if torch.is_tensor(v) and id(_local(v)) not in seen:
+                        seen.add(id(_local(v)))
+                        self._tensors.append((_local(v), _local(v).detach().to("cpu", copy=True)))
+            groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            self._optims.append(_OptimizerCopy(opt, opt.state, per, groups))
+        self._schedulers = [(s, copy.deepcopy(s.state_dict())) for s in schedulers]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put every value back (in place)."""
+        for o in self._optims:
+            o.optimizer.state = o.state
+            o.state.clear()
+            for key, st in o.per_param:
+                o.state[key] = st
+            for g, saved in zip(o.optimizer.param_groups, o.groups):
+                g.update(copy.deepcopy(saved))
+        for live, host in self._tensors:
+            live.copy_(host.to(live.device))
+        for s, st in self._schedulers:
+            s.load_state_dict(copy.deepcopy(st))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (the object to copy into), else ``t``."""
+    to_local = getattr(t, "_local_tensor", None)
+    return to_local if isinstance(to_local, torch.Tensor) else t
+
+
+@contextmanager
+def load_transaction(what: str, state: LiveState) -> Iterator[None]:
+    """Run a checkpoint load all-or-nothing: any failure inside, ``BaseException``s that are not
+    ``KeyboardInterrupt``/``SystemExit`` included (torch's ``CheckpointException`` is one), puts
+    ``state`` back and raises ``CheckpointError`` naming ``what`` and the cause (an ``UnderlayError``
+    keeps its type); the live state is then exactly what it was before the load."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        state.restore()
+        raise
+    except BaseException as exc:
+        state.restore()
+        if isinstance(exc, UnderlayError):
+            raise
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+        raise CheckpointError(
+            f"{what}: {type(exc).__name__}: {reason}; nothing was changed (the engine's parameters, "
+            "optimizer state and LR schedule are as before the call)"
+        ) from exc
