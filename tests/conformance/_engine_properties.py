@@ -140,10 +140,12 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _nan_on_last_rank(world: int) -> Callable[..., Any]:
+def _nan_on_last_dp_rank(dp_rank: int, dp_size: int) -> Callable[..., Any]:
+    """``H.pg_loss``, NaN on the last data-parallel rank (model-parallel peers compute one loss)."""
+
     def loss_fn(outputs: Any, batch: TokenBatch) -> Any:
         loss_sum, metrics = H.pg_loss(outputs, batch)
-        if dist.get_rank() == world - 1:
+        if dp_rank == dp_size - 1:
             loss_sum = loss_sum * float("nan")
         return loss_sum, metrics
 
@@ -249,7 +251,7 @@ def job_properties(
         # non-finite loss on the last rank: skipped everywhere, a warning naming the rank and metric
         handler.messages.clear()
         kept = _hf_state(loader, engine)
-        engine.forward_backward(H.shard(b1, dpi, dps), _nan_on_last_rank(world))
+        engine.forward_backward(H.shard(b1, dpi, dps), _nan_on_last_dp_rank(dpi, dps))
         skip = engine.optimizer_step()
         out["nonfinite_skipped"] = skip.skipped
         out["nonfinite_changed"] = H.max_diff(_hf_state(loader, engine), kept)
