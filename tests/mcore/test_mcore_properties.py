@@ -23,3 +23,9 @@ def test_mcore_training_properties(model: str, tmp_path: Path) -> None:
         P.job_properties, 2, "mcore", str(tmp_path), device_name(), model, P.chains("mcore", 2)[model]
     )
     P.check_properties(results, 2, tolerance())
+
+
+def test_mcore_checkpoint_load_fails_whole(tmp_path: Path) -> None:
+    """A load failing right after each phase (files read, model, optimizer, LR schedule; torch's
+    ``CheckpointException`` too) raises ``CheckpointError`` with the live state unchanged."""
+    P.check_load_faults(fixture_launcher(P.job_load_faults, 2, "mcore", str(tmp_path), device_name()))

@@ -165,7 +165,7 @@ class LiveState:
         for live, host in self._tensors:
             live.copy_(host.to(live.device))
         for s, st in self._schedulers:
-            s.load_state_dict(copy.deepcopy(st))
+            type(s).load_state_dict(s, copy.deepcopy(st))  # the class's: never a wrapper that failed
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

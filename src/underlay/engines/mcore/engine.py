@@ -1343,7 +1343,27 @@ class MCoreEngine:
     def _refuse_layout(self, directory: Path, extra: Mapping[str, Any]) -> None:
         """``CheckpointError`` for a saved layout that this engine cannot resume exactly, before any
         state changes. Every TP/PP/VPP/DP/CP change resumes exactly (megatron's ``fully_reshardable``
-        optimizer format and sharded model tensors)."""
+        optimizer format and sharded model tensors). Another ``distributed_optimizer`` setting is
+        refused (megatron's formats differ). A MoE model saved at another expert-parallel
+        size is refused: megatron keeps the experts in an optimizer of their own only when ep > 1 (its
+        ``chained_0``/``chained_1`` state), so the optimizer state does not map across."""
+        saved = list(extra.get("layout", []))
+        mine = bool(self._opts.distributed_optimizer)
+        if extra.get("distributed_optimizer", mine) != mine:
+            raise CheckpointError(
+                f"load_checkpoint({directory}): saved with distributed_optimizer="
+                f"{not mine}, this engine has {mine}: megatron's two optimizers store their state in "
+                "formats that do not load into each other; resume with the saving run's setting, or start "
+                "from the weights (export_hf, then load_hf) with a fresh optimizer"
+            )
+        if self._arch.is_moe and len(saved) == 7 and (saved[5] > 1) != (self._layout.ep > 1):
+            raise CheckpointError(
+                f"load_checkpoint({directory}): saved with expert parallelism ep={saved[5]}, this engine "
+                f"has ep={self._layout.ep}: megatron's optimizer keeps experts apart only when ep > 1, "
+                "so their optimizer state cannot be resumed across; resume with "
+                f"{'ep > 1' if saved[5] > 1 else 'ep=1'}, or start from the weights (export_hf, then "
+                "load_hf) with a fresh optimizer"
+            )
 
     def _layout_key(self) -> list[int]:
         lay = self._layout
