@@ -73,10 +73,18 @@ def _inputs(
 
 
 def _reference(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 log-prob of ``labels`` and entropy of ``softmax(hidden @ weight.T / T)``; 0 where ignored."""
-    z = hidden.double() @ weight.double().T / temperature
+    """float64 log-prob of ``labels`` and entropy of ``softmax(hidden @ weight.T / T)`` (with ``softcap``
+    ``c``: of ``softmax(c * tanh(hidden @ weight.T / c) / T)``); 0 where ignored."""
+    z = hidden.double() @ weight.double().T
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
     logp = torch.log_softmax(z, dim=-1)
     valid = labels != IGNORE_INDEX
     lp = logp.gather(1, labels.clamp(min=0)[:, None])[:, 0]
@@ -92,10 +100,12 @@ def _run(
     g_lp: torch.Tensor,
     g_ent: torch.Tensor | None,
     temperature: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
-    out = kernel(h, w, labels, temperature=temperature, with_entropy=g_ent is not None)
+    kw = {} if softcap is None else {"softcap": softcap}
+    out = kernel(h, w, labels, temperature=temperature, with_entropy=g_ent is not None, **kw)
     loss = (out.log_probs.double() * g_lp).sum()
     if out.entropy is not None and g_ent is not None:
         loss = loss + (out.entropy.double() * g_ent).sum()
@@ -254,7 +264,47 @@ def check_refuses_bad_input(kernel: LogprobKernel, name: str, dev: torch.device)
     assert kernel.supports(torch.int32), "int32 is not a dtype a log-prob kernel can take"
 
 
+def check_softcap(kernel: LogprobKernel, name: str, dev: torch.device) -> None:
+    """Gemma's final-logit cap ``c * tanh(z / c)`` before the temperature: log-probs, entropy and both
+    gradients against float64 for caps that bend the logits (2.5) and barely touch them (30), at two
+    temperatures; ``softcap=None`` and ``0`` equal the uncapped call; a negative or NaN cap is refused."""
+    n, h, v = _sizes(dev)
+    for dtype in (torch.float32, torch.bfloat16):
+        if kernel.supports(dtype):
+            continue
+        tol, gtol = TOL[dtype]
+        for cap, temperature in ((2.5, 1.0), (30.0, 0.7), (2.5, 0.7)):
+            hidden, weight, labels = _inputs(f"{name}-cap-{cap}-{temperature}-{dtype}", n, h, v, dtype, dev)
+            if dtype == torch.float32:  # logits of tens: the cap of 2.5 saturates many of them (half
+                hidden = hidden * 4  # precision rounds logits of that size beyond its tolerance)
+            gen = torch.Generator().manual_seed(int(cap * 10))
+            g_lp = torch.randn(n, generator=gen, dtype=torch.float64).to(dev)
+            g_ent = torch.randn(n, generator=gen, dtype=torch.float64).to(dev)
+            lp, ent, gh, gw = _run(kernel, hidden, weight, labels, g_lp, g_ent, temperature, cap)
+            hd = hidden.double().requires_grad_()
+            wd = weight.double().requires_grad_()
+            rlp, rent = _reference(hd, wd, labels, temperature, cap)
+            ((rlp * g_lp).sum() + (rent * g_ent).sum()).backward()
+            assert ent is not None and hd.grad is not None and wd.grad is not None
+            where = f"{name} {dtype} softcap={cap} T={temperature}"
+            assert float((lp.double() - rlp).abs().max()) <= tol, where
+            assert float((ent.double() - rent).abs().max()) <= tol, where
+            assert _rel(gh, hd.grad) <= gtol and _rel(gw, wd.grad) <= gtol, where
+    hidden, weight, labels = _inputs(f"{name}-cap-none", n, h, v, torch.float32, dev)
+    plain = kernel(hidden, weight, labels)
+    for off in (None, 0.0):
+        same = kernel(hidden, weight, labels, softcap=off)
+        assert torch.equal(same.log_probs, plain.log_probs), off
+    for bad in (-1.0, float("nan"), float("inf")):
+        try:
+            kernel(hidden, weight, labels, softcap=bad)
+        except InvalidInput:
+            continue
+        raise AssertionError(f"accepted softcap={bad}")
+
+
 CHECKS: dict[str, Callable[[LogprobKernel, str, torch.device], None]] = {
+    "softcap": check_softcap,
     "protocol": check_protocol,
     "matches_float64": check_matches_float64,
     "ignore_index": check_ignore_index,

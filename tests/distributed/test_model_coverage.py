@@ -41,6 +41,8 @@ def _fsdp_step_and_export(rank: int, world: int, arch: str, root: Path) -> dict[
     ref = H.reference_model(copy.deepcopy(hf_config), 0)
     loss, norm, ref_w = H.reference_step(ref, gb, ec, mask_keys=False)  # right-padded batch
     weights = {n: t.detach().cpu().clone() for b in engine.iter_weights(1 << 29) for n, t in b}
+    # iter_weights yields checkpoint names (Mixtral: per-expert block_sparse_moe.*): map the modules' too
+    ref_w = dict(engine.weight_map.to_hf(ref_w.items()))
     out = {
         "loss": abs(res.metrics["loss"] - loss),
         "norm": abs(st.grad_norm - norm),
@@ -51,7 +53,9 @@ def _fsdp_step_and_export(rank: int, world: int, arch: str, root: Path) -> dict[
     if rank == 0:
         assert exported is not None
         reloaded = AutoModelForCausalLM.from_pretrained(str(exported), attn_implementation="eager")
-        out["export_weights"] = H.max_diff(dict(reloaded.state_dict()), weights)
+        out["export_weights"] = H.max_diff(
+            dict(engine.weight_map.to_hf(reloaded.state_dict().items())), weights
+        )
         # the reloaded model against the reference after the same step (float64 -> fp32 weights)
         ref_f32 = copy.deepcopy(ref).float()
         batch = H.global_batch(5)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,10 +31,13 @@ from underlay.interfaces import ConfigError, InvalidInput, ParallelConfig, Paral
 from underlay.launch.ray import (  # noqa: E402
     RankFailure,
     RankResources,
+    ResourcePool,
     WorkerGroup,
+    detached_groups,
     dispatch_batch,
     dp_coordinates,
     gather_outputs,
+    remove_detached,
     split_batch,
 )
 
@@ -251,6 +256,16 @@ def _torchrun_step(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+_REFERENCE: list[Any] = []
+
+
+def _torchrun_reference() -> list[dict[str, Any]]:
+    """``_torchrun_step`` on 2 processes, computed once for the module (two tests compare to it)."""
+    if not _REFERENCE:
+        _REFERENCE.extend(run_distributed(_torchrun_step, 2, timeout_s=240))
+    return list(_REFERENCE)
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -270,7 +285,7 @@ def test_rank_threads_follow_the_cpu_reservation_not_the_inherited_env() -> None
 def test_fsdp2_step_through_ray_equals_torchrun_processes() -> None:
     # both sides compute with one intra-op thread per rank (run_distributed sets 1; a Ray rank takes
     # its one reserved CPU), so the comparison is exact
-    ref = run_distributed(_torchrun_step, 2, timeout_s=240)
+    ref = _torchrun_reference()
     batch = global_batch(seed=11, n=STEP_ROWS)
     with WorkerGroup(2, device="cpu", engines={"actor": engine_config(llama_config())}) as g:
         actor = g.engine("actor")
@@ -424,3 +439,115 @@ def test_demo_ray_launcher_refuses_bad_input_before_starting(
     assert cli.main([*argv, "--out-dir", str(tmp_path)]) == 2
     assert "does not split over 2" in capsys.readouterr().err
     assert not _live_placement_groups()
+
+
+# ------------------------------------------------------------------- pools and detached groups
+
+
+def _threads_and_pid() -> tuple[int, int]:
+    return torch.get_num_threads(), os.getpid()
+
+
+def test_pool_splits_and_shares_bundles_and_refuses_overcommit_before_starting() -> None:
+    with pytest.raises(ConfigError, match="more than the cluster has"):
+        ResourcePool(CPUS + 1, device="cpu")
+    with pytest.raises(ConfigError, match="without a pool"):
+        WorkerGroup(1, device="cpu", share=0.5)
+    with ResourcePool(2, device="cpu", name="split") as pool:
+        assert len(_live_placement_groups()) == 1
+        with pytest.raises(InvalidInput, match="adding up to at most 2"):
+            pool.split([2, 1])
+        a, b = pool.split([1, 1])
+        ga = WorkerGroup(1, device="cpu", pool=a, name="rollout")
+        gb = WorkerGroup(1, device="cpu", pool=b, name="critic")
+        assert (ga.ranks[0].bundle, gb.ranks[0].bundle) == (0, 1)
+        assert pool.shares_used() == [1.0, 1.0]
+        assert len(_live_placement_groups()) == 1  # the groups placed no groups of their own
+        with pytest.raises(ConfigError, match="bundle 0 has 0 left"):
+            WorkerGroup(1, device="cpu", pool=pool, share=0.5, name="over")
+        with pytest.raises(ConfigError, match="detached"):
+            WorkerGroup(1, device="cpu", pool=pool, detached=True)
+        with pytest.raises(ConfigError, match="world_size=2 > the 1 bundles"):
+            WorkerGroup(2, device="cpu", pool=a)
+        assert pool.shares_used() == [1.0, 1.0]
+        ga.shutdown()
+        assert pool.shares_used() == [0.0, 1.0]
+        # two halves of bundle 0: both live, each computing with one thread, in two processes
+        h1 = WorkerGroup(1, device="cpu", pool=pool.slice(0, 1), share=0.5, name="half1")
+        h2 = WorkerGroup(1, device="cpu", pool=pool.slice(0, 1), share=0.5, name="half2")
+        (t1, p1), (t2, p2) = h1.run(_threads_and_pid)[0], h2.run(_threads_and_pid)[0]
+        assert (t1, t2) == (1, 1) and p1 != p2 and h1.ranks[0].bundle == h2.ranks[0].bundle == 0
+        assert pool.shares_used() == [1.0, 1.0]
+    assert not gb.alive and not h1.alive and not h2.alive  # the pool's shutdown ended its groups
+    assert _all_free() and not _live_placement_groups()
+
+
+@pytest.mark.slow
+def test_actor_and_reference_share_one_pool_and_take_turns() -> None:
+    want = _torchrun_reference()[0]
+    batch = global_batch(seed=11, n=STEP_ROWS)
+    cfg = engine_config(llama_config())
+    with ResourcePool(2, device="cpu", name="shared") as pool:
+        actor_g = WorkerGroup(2, device="cpu", pool=pool, share=0.5, name="actor", engines={"actor": cfg})
+        ref_g = WorkerGroup(2, device="cpu", pool=pool, share=0.5, name="ref", engines={"reference": cfg})
+        actor, ref = actor_g.engine("actor"), ref_g.engine("reference")
+        before = ref.infer(batch)
+        with pool.colocated(actor):
+            res = actor.forward_backward(batch, pg_loss)
+            opt = actor.optimizer_step()
+        assert ref_g.call_log()[-1][:2] == ("reference", "offload")
+        assert [m for r, m, _ in actor_g.call_log() if m in ("offload", "onload")] == []
+        with pool.colocated(ref):
+            after = ref.infer(batch)
+        with pool.colocated(ref):  # a second turn of the same role moves nothing
+            pass
+        turns = [(r, m) for r, m, _ in actor_g.call_log() + ref_g.call_log() if m in ("offload", "onload")]
+        assert turns == [("actor", "offload"), ("reference", "offload"), ("reference", "onload")]
+        # actor's step equals the torchrun processes' (one thread per rank on both sides: exact);
+        # the reference, offloaded and back, did not change
+        assert res.metrics == want["metrics"] and opt.grad_norm == want["grad_norm"]
+        assert before.log_probs is not None and after.log_probs is not None
+        assert torch.equal(before.log_probs, after.log_probs)
+    assert _all_free() and not _live_placement_groups()
+
+
+DRIVER = """
+import json, sys, ray, torch
+from tests.distributed._fsdp_helpers import global_batch
+from underlay.launch.ray import WorkerGroup
+ray.init(address=sys.argv[1], log_to_driver=False)
+g = WorkerGroup.attach(sys.argv[2])
+out = g.engine("actor").infer(global_batch(seed=3, n=3))
+print(json.dumps({"log_probs": out.log_probs.tolist(), "roles": sorted(g._layouts), "world": g.world_size}))
+"""
+
+
+@pytest.mark.slow
+def test_detached_group_outlives_its_driver_and_a_new_driver_attaches() -> None:
+    name = "detached-actor"
+    g = WorkerGroup(
+        1, device="cpu", name=name, detached=True, engines={"actor": engine_config(llama_config())}
+    )
+    want = g.engine("actor").infer(global_batch(seed=3, n=3)).log_probs
+    with pytest.raises(ConfigError, match="is alive"):
+        WorkerGroup(1, device="cpu", name=name, detached=True)
+    del g  # this driver lets go of its handle; the named actors stay
+    assert name in detached_groups()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, address, name], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["roles"] == ["actor"] and got["world"] == 1
+    assert want is not None and torch.equal(torch.tensor(got["log_probs"]), want)
+    # the other driver has exited: the group is still there for a third attach, then removed
+    assert name in detached_groups()
+    again = WorkerGroup.attach(name)
+    assert again.ranks[0].pid > 0 and again._resident == {"actor": True}
+    remove_detached(name)
+    assert name not in detached_groups()
+    with pytest.raises(InvalidInput, match="no detached worker group"):
+        WorkerGroup.attach(name)
+    assert _all_free() and not _live_placement_groups()

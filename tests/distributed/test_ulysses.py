@@ -75,13 +75,17 @@ def _check_model(arch: str, heads: int, kv_heads: int, value: bool) -> None:
         out = packed_forward(model, packed, temperature=0.9, logprob_kernel=logprob_kernel())
         fields = [t for t in (out.log_probs, out.entropy, out.values) if t is not None]
         loss = sum((t * w).sum() for t, w in zip(fields, (w1, w2)))
+        if out.aux_loss is not None:  # MoE router auxiliary loss: over the whole packed batch on every rank
+            loss = loss + 3.0 * out.aux_loss
+            fields.append(out.aux_loss.reshape(1).expand(packed.total_tokens))
         loss.backward()  # type: ignore[union-attr]
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         return [t.detach() for t in fields], grads
 
     single, single_grads = run(None)
     sp_out, sp_grads = run(dist.group.WORLD)
-    assert len(single) == len(sp_out) == (1 if value else 2)
+    moe_aux = 1 if not value and arch in ("mixtral", "qwen3_moe", "gpt_oss") else 0
+    assert len(single) == len(sp_out) == (1 if value else 2) + moe_aux
     for a, b in zip(sp_out, single):
         assert a.shape == (packed.total_tokens,)
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
@@ -117,8 +121,28 @@ def _check_padded_input_is_refused_and_tiny_batches_work() -> None:
     out.log_probs.sum().backward()
 
 
+def _check_long_rope() -> None:
+    """Phi-3 long-rope under sp=2: a sequence split across the ranks gets its whole length's factor
+    (rank 0 alone sees 11 of its 30 positions, below the original length 16), as in one process."""
+    from tests.unit.models._f64 import f64_model, packed
+    from tests.unit.models.test_model_fixes import LONGROPE
+    from underlay.models import packed_forward, prepare_model
+    from underlay.registry import get_logprob_kernel
+
+    ref = f64_model("phi3", **LONGROPE)
+    g = torch.Generator().manual_seed(2)
+    batch = packed([torch.randint(3, 96, (n,), generator=g) for n in (8, 30)])
+    outs = []
+    for group in (None, dist.group.WORLD):
+        model = prepare_model(copy.deepcopy(ref), attention="eager", sp_group=group)
+        with torch.no_grad():
+            outs.append(packed_forward(model, batch, logprob_kernel=get_logprob_kernel("torch")).log_probs)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=0)
+
+
 def _worker(rank: int, world: int) -> int:
     _check_primitives(rank, world)
+    _check_long_rope()
     _check_padded_input_is_refused_and_tiny_batches_work()
     for case in CASES:
         _check_model(*case)

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from underlay.data.tokenizer import apply_template, render_many, validate_messages, with_system_prompt
+from underlay.data.tokenizer import (
+    apply_template,
+    check_template_kwargs,
+    render_many,
+    validate_messages,
+    with_system_prompt,
+)
 from underlay.interfaces import ConfigError, InvalidInput
 
 __all__ = [
@@ -281,6 +287,21 @@ class _Base(abc.ABC):
         return self._encode(index, self.rows[index])
 
 
+def _check_tools(tools: Any, where: str) -> list[dict[str, Any]] | None:
+    """``tools`` as a list of dicts (``None`` stays ``None``); ``InvalidInput`` naming ``where`` for
+    anything but a list of mappings (tool schemas, e.g. ``{"type": "function", "function": {...}}``)."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidInput(f"{where}: tools must be a list of tool-schema dicts, got {type(tools).__name__}")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, Mapping):
+            raise InvalidInput(f"{where}: tool {i} is a {type(t).__name__}; give a JSON-schema dict")
+        out.append(dict(t))
+    return out
+
+
 def _require(index: int, row: Mapping[str, Any], key: str, kind: str) -> Any:
     if key not in row:
         raise InvalidInput(f"{kind} row {index}: missing column {key!r} (columns: {sorted(row)})")
@@ -293,7 +314,12 @@ class RLPromptDataset(_Base):
     (used as is when the tokenizer has no template or ``apply_chat_template=False``). Every other
     column listed in ``field_keys`` (default: all other columns) is carried in ``sample.fields`` for
     the reward function, e.g. ``ground_truth``. Items are :class:`PromptSample`; overlong prompts
-    follow ``overlong`` (``truncate_left`` keeps the end, where the generation prompt is)."""
+    follow ``overlong`` (``truncate_left`` keeps the end, where the generation prompt is).
+
+    Tool schemas (JSON-schema dicts, rendered into the template's ``tools`` variable) come from
+    column ``tools_key`` of a row when it is set and not null, else from ``tools`` (every row);
+    ``template_kwargs`` are extra template variables for every row (``{"enable_thinking": False}``),
+    validated by :func:`underlay.data.tokenizer.check_template_kwargs`."""
 
     kind = "rl"
 
@@ -308,17 +334,26 @@ class RLPromptDataset(_Base):
         overlong: OverlongPolicy = "filter",
         system_prompt: str | None = None,
         apply_chat_template: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools_key: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
         lazy: bool = False,
         cache_dir: str | Path | None = None,
     ) -> None:
         self.prompt_key, self.system_prompt = prompt_key, system_prompt
         self.apply_chat_template = apply_chat_template
         self.field_keys = None if field_keys is None else list(field_keys)
+        self.tools = _check_tools(tools, "RLPromptDataset(tools=...)")
+        self.tools_key = tools_key
+        self.template_kwargs = check_template_kwargs(template_kwargs, "RLPromptDataset(template_kwargs=...)")
         settings = {
             "prompt_key": prompt_key,
             "fields": self.field_keys,
             "sys": system_prompt,
             "tpl": apply_chat_template,
+            "tools": self.tools,
+            "tools_key": tools_key,
+            "tkw": self.template_kwargs,
         }
         super().__init__(
             rows,
@@ -339,6 +374,12 @@ class RLPromptDataset(_Base):
                 raise InvalidInput(f"RLPromptDataset row {index}: empty {self.prompt_key!r}")
         else:
             validate_messages(prompt, f"RLPromptDataset row {index} column {self.prompt_key!r}")
+        if self.tools_key is not None:
+            _check_tools(row.get(self.tools_key), f"RLPromptDataset row {index} column {self.tools_key!r}")
+
+    def _row_tools(self, row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        own = row.get(self.tools_key) if self.tools_key is not None else None
+        return list(own) if own is not None else self.tools
 
     def _plain(self, prompt: Any) -> bool:
         return isinstance(prompt, str) and (
@@ -348,6 +389,9 @@ class RLPromptDataset(_Base):
     def _encode_chunk(self, start: int, rows: list[dict[str, Any]]) -> list[Any]:
         """Render the chunk's templated prompts in one call and tokenize all of it in one call; a
         template failure is re-raised for the first failing row alone (so the error names it)."""
+        if self.tools_key is not None and any(r.get(self.tools_key) is not None for r in rows):
+            # one batched render takes one tool list: rows with their own tools render one by one
+            return [self._encode(start + j, r) for j, r in enumerate(rows)]
         convs, texts = [], []
         for r in rows:
             prompt = r[self.prompt_key]
@@ -355,7 +399,9 @@ class RLPromptDataset(_Base):
                 msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 convs.append(with_system_prompt(list(msgs), self.system_prompt))
         try:
-            rendered = iter(render_many(self.tokenizer, convs, None, True))
+            rendered = iter(
+                render_many(self.tokenizer, convs, self.tools, True, template_kwargs=self.template_kwargs)
+            )
         except InvalidInput:
             return [self._encode(start + j, r) for j, r in enumerate(rows)]
         plain_flags = [self._plain(r[self.prompt_key]) for r in rows]
@@ -393,9 +439,11 @@ class RLPromptDataset(_Base):
                 self.tokenizer,
                 msgs,
                 system_prompt=self.system_prompt,
+                tools=self._row_tools(row),
                 add_generation_prompt=True,
                 tokenize=True,
                 where=f"RLPromptDataset row {index}",
+                template_kwargs=self.template_kwargs,
             )
         return self._finish(index, row, ids)
 
@@ -420,6 +468,7 @@ def _encode_conversation(
     where: str,
     train_roles: tuple[str, ...],
     last_only: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """ids, loss mask and turn ids of a conversation, built from its prefixes: message ``k``'s tokens
     are those the rendering of ``msgs[:k+1]`` adds to that of ``msgs[:k]``; for trained assistant
@@ -432,8 +481,9 @@ def _encode_conversation(
     # render every prefix (and the generation header before each trained message), then tokenize them
     # in one batched call: the Rust tokenizer's batch path is several times faster than one call each
     heads = [k for k in range(1, len(msgs)) if trained[k]]
-    texts = render_many(tokenizer, [msgs[: k + 1] for k in range(len(msgs))], tools, False, where)
-    texts += render_many(tokenizer, [msgs[:k] for k in heads], tools, True, where)
+    tkw = template_kwargs
+    texts = render_many(tokenizer, [msgs[: k + 1] for k in range(len(msgs))], tools, False, where, tkw)
+    texts += render_many(tokenizer, [msgs[:k] for k in heads], tools, True, where, tkw)
     encoded: list[list[int]] = tokenizer(texts, add_special_tokens=False)["input_ids"]
     prefixes, head_ids = encoded[: len(msgs)], dict(zip(heads, encoded[len(msgs) :]))
     ids: list[int] = []
@@ -464,7 +514,8 @@ class SFTDataset(_Base):
     list (system/user/assistant/tool), optional column ``tools_key`` the tool schemas. The loss covers
     the assistant messages' tokens (content and end-of-turn, not the role header); with
     ``last_turn_only=True`` only the final assistant message. Items are :class:`SFTSample`; the
-    template must be turn-consistent (``InvalidInput`` naming the row otherwise)."""
+    template must be turn-consistent (``InvalidInput`` naming the row otherwise). ``template_kwargs``
+    are extra template variables for every row, as in :class:`RLPromptDataset`."""
 
     kind = "sft"
 
@@ -478,11 +529,15 @@ class SFTDataset(_Base):
         max_length: int = 2048,
         overlong: OverlongPolicy = "filter",
         last_turn_only: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
         lazy: bool = False,
         cache_dir: str | Path | None = None,
     ) -> None:
         self.messages_key, self.tools_key, self.last_turn_only = messages_key, tools_key, last_turn_only
-        settings = {"m": messages_key, "t": tools_key, "last": last_turn_only}
+        self.template_kwargs = check_template_kwargs(
+            template_kwargs, f"{type(self).__name__}(template_kwargs=...)"
+        )
+        settings = {"m": messages_key, "t": tools_key, "last": last_turn_only, "tkw": self.template_kwargs}
         super().__init__(
             rows,
             tokenizer,
@@ -504,7 +559,7 @@ class SFTDataset(_Base):
         self, index: int, msgs: list[dict[str, Any]], tools: Any, where: str
     ) -> SFTSample | None:
         ids, mask, turns = _encode_conversation(
-            self.tokenizer, msgs, tools, where, ("assistant",), self.last_turn_only
+            self.tokenizer, msgs, tools, where, ("assistant",), self.last_turn_only, self.template_kwargs
         )
         fitted = self._fit(index, ids, mask, turns)
         if fitted is None:
@@ -540,6 +595,7 @@ class PreferenceDataset(SFTDataset):
         rejected_key: str = "rejected",
         max_length: int = 2048,
         overlong: OverlongPolicy = "filter",
+        template_kwargs: Mapping[str, Any] | None = None,
         lazy: bool = False,
         cache_dir: str | Path | None = None,
     ) -> None:
@@ -551,6 +607,7 @@ class PreferenceDataset(SFTDataset):
             max_length=max_length,
             overlong=overlong,
             last_turn_only=True,
+            template_kwargs=template_kwargs,
             lazy=lazy,
             cache_dir=cache_dir,
         )

@@ -22,6 +22,7 @@ __all__ = [
     "ROLES",
     "TurnCheck",
     "apply_template",
+    "check_template_kwargs",
     "check_turn_consistency",
     "generation_eos_ids",
     "generation_prompt_ids",
@@ -214,6 +215,62 @@ def with_system_prompt(messages: list[dict[str, Any]], system_prompt: str | None
     return [{"role": "system", "content": system_prompt}, *messages]
 
 
+# apply_chat_template's own parameters: a template kwarg of the same name would be swallowed by it
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+    }
+)
+
+
+def check_template_kwargs(
+    template_kwargs: Mapping[str, Any] | None, where: str = "template_kwargs"
+) -> dict[str, Any]:
+    """``template_kwargs`` as a plain dict after validation (``{}`` for ``None``): extra variables for
+    the chat template (``{"enable_thinking": False}`` for Qwen3-style templates). Keys must be
+    identifiers and not one of ``apply_chat_template``'s own parameters (``tools``,
+    ``add_generation_prompt``, ...: those have their own arguments); values must be JSON-serialisable
+    (datasets key their on-disk cache by them). Raises ``ConfigError`` naming the bad key or value."""
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, Mapping):
+        raise ConfigError(
+            f"{where}={template_kwargs!r}: give a mapping of chat-template variables, e.g. {{'enable_thinking': False}}"
+        )
+    out: dict[str, Any] = {}
+    for key, value in template_kwargs.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ConfigError(f"{where} key {key!r}: template variables are named by identifiers")
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise ConfigError(
+                f"{where} key {key!r} is a parameter of apply_chat_template itself, not a template "
+                "variable; use the function's own argument (tools=, add_generation_prompt=, ...)"
+            )
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{where}[{key!r}]={value!r} is not JSON-serialisable ({exc}); use plain str/int/float/bool/list/dict"
+            ) from exc
+        out[key] = value
+    return out
+
+
 def apply_template(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -223,15 +280,19 @@ def apply_template(
     add_generation_prompt: bool = False,
     tokenize: bool = False,
     where: str = "sample",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Any:
     """Render ``messages`` with the tokenizer's chat template: the text, or with ``tokenize=True``
     the ``list[int]`` of its ids (the template's own special tokens, no extra BOS).
 
     ``system_prompt`` is prepended as a system message unless the conversation starts with one;
     ``tools`` (JSON-schema dicts) go to the template's ``tools`` variable; ``add_generation_prompt``
-    appends the assistant header. Raises ``ConfigError`` when there is no template and
-    ``InvalidInput`` naming ``where`` for bad messages or a template that fails to render.
+    appends the assistant header; ``template_kwargs`` are extra template variables (validated by
+    :func:`check_template_kwargs`, e.g. ``{"enable_thinking": False}``). Raises ``ConfigError`` when
+    there is no template or a template kwarg is invalid, and ``InvalidInput`` naming ``where`` for bad
+    messages or a template that fails to render.
     """
+    extra = check_template_kwargs(template_kwargs)
     require_chat_template(tokenizer)
     msgs = with_system_prompt(validate_messages(list(messages), where), system_prompt)
     try:
@@ -240,6 +301,7 @@ def apply_template(
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **extra,
         )
     except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, KeyError...
         raise InvalidInput(
@@ -257,11 +319,13 @@ def render_many(
     tools: Sequence[Mapping[str, Any]] | None,
     add_generation_prompt: bool,
     where: str = "sample",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Render already validated conversations in one batched ``apply_chat_template`` call (much
     cheaper per conversation than one call each); ``[]`` for none. Raises like :func:`apply_template`."""
     if not conversations:
         return []
+    extra = check_template_kwargs(template_kwargs)
     require_chat_template(tokenizer)
     try:
         out = tokenizer.apply_chat_template(
@@ -269,6 +333,7 @@ def render_many(
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **extra,
         )
     except Exception as exc:  # see apply_template
         raise InvalidInput(
@@ -277,13 +342,22 @@ def render_many(
     return [str(t) for t in out]
 
 
-def generation_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+def generation_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
     """The ids ``add_generation_prompt=True`` appends after ``messages`` (default: one user
-    message), e.g. ``<|im_start|>assistant\\n``. Raises ``InvalidInput`` when the rendering with the
-    prompt does not extend the one without (the template rewrites earlier text)."""
+    message), e.g. ``<|im_start|>assistant\\n`` (with a Qwen3-style template and
+    ``template_kwargs={"enable_thinking": False}``, the empty think block too). Raises ``InvalidInput``
+    when the rendering with the prompt does not extend the one without (the template rewrites earlier
+    text)."""
     msgs = list(messages) if messages is not None else [{"role": "user", "content": "hi"}]
-    base = apply_template(tokenizer, msgs, tokenize=True)
-    full = apply_template(tokenizer, msgs, tokenize=True, add_generation_prompt=True)
+    base = apply_template(tokenizer, msgs, tokenize=True, template_kwargs=template_kwargs)
+    full = apply_template(
+        tokenizer, msgs, tokenize=True, add_generation_prompt=True, template_kwargs=template_kwargs
+    )
     if full[: len(base)] != base:
         raise InvalidInput(
             "the chat template's generation prompt changes the tokens before it; it cannot be split off"
@@ -319,15 +393,18 @@ def check_turn_consistency(
     *,
     system_prompt: str | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> TurnCheck:
     """Tokenize ``messages[:k+1]`` for every ``k`` and check each is a prefix of the whole
     conversation's ids. Templates that rewrite earlier turns (dropping the reasoning of old assistant
     turns, inserting a date) or tokenizers that merge across turn boundaries fail; per-turn loss masks
-    built from prefixes would then be wrong. Returns a :class:`TurnCheck` naming where it breaks."""
+    built from prefixes would then be wrong (``template_kwargs`` as in :func:`apply_template`). Returns
+    a :class:`TurnCheck` naming where it breaks."""
     msgs = validate_messages(list(messages))
-    whole = apply_template(tokenizer, msgs, system_prompt=system_prompt, tools=tools, tokenize=True)
+    kw: dict[str, Any] = {"system_prompt": system_prompt, "tools": tools, "template_kwargs": template_kwargs}
+    whole = apply_template(tokenizer, msgs, tokenize=True, **kw)
     for k in range(1, len(msgs)):
-        part = apply_template(tokenizer, msgs[:k], system_prompt=system_prompt, tools=tools, tokenize=True)
+        part = apply_template(tokenizer, msgs[:k], tokenize=True, **kw)
         n = min(len(part), len(whole))
         pos = next((i for i in range(n) if part[i] != whole[i]), -1)
         if pos < 0 and len(part) > len(whole):

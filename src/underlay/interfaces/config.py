@@ -6,6 +6,7 @@ from plain dicts through ``from_dict`` (OmegaConf containers: pass ``OmegaConf.t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -76,19 +77,71 @@ def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA adapters (through peft): only adapter weights train."""
+    """LoRA adapters (through peft): only adapter weights train.
+
+    ``target_modules``: module names to adapt, or ``"all-linear"`` (every linear layer except the
+    output head, peft's rule). ``exclude_modules``: names (or a regex string) never adapted, even when
+    ``target_modules`` matches them. ``adapter_path``: a peft adapter directory
+    (``adapter_config.json`` + ``adapter_model.safetensors``, e.g. from ``export_adapters``) whose
+    weights the adapters start from; its rank, alpha and targets must equal these (build the config
+    with :meth:`from_adapter` to take them from the file). ``ConfigError`` for invalid values.
+    """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    target_modules: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
+    exclude_modules: tuple[str, ...] | str = ()
+    adapter_path: str | None = None
 
     def __post_init__(self) -> None:
         _int("LoraConfig", "rank", self.rank, 1)
         _real("LoraConfig", "alpha", self.alpha, 0.0, math.inf, closed_high=False)
         _real("LoraConfig", "dropout", self.dropout, 0.0, 1.0, closed_high=False)
+        for name in ("target_modules", "exclude_modules"):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                object.__setattr__(self, name, tuple(v))
+                v = getattr(self, name)
+            if not isinstance(v, (str, tuple)) or (
+                isinstance(v, tuple) and not all(isinstance(x, str) for x in v)
+            ):
+                raise ConfigError(f"LoraConfig.{name}={v!r}: give module names (a tuple of str) or one str")
         if not self.target_modules:
-            raise ConfigError("LoraConfig.target_modules is empty: name the linear layers to adapt")
+            raise ConfigError(
+                "LoraConfig.target_modules is empty: name the linear layers to adapt, or 'all-linear'"
+            )
+        if self.adapter_path is not None and not isinstance(self.adapter_path, str):
+            object.__setattr__(self, "adapter_path", str(self.adapter_path))
+
+    @classmethod
+    def from_adapter(cls, path: str, **overrides: Any) -> LoraConfig:
+        """The config of the peft adapter directory ``path`` (rank, alpha, dropout, targets and
+        exclusions from its ``adapter_config.json``), starting from its weights. ``ConfigError`` when the
+        directory has no adapter config or it is not a LoRA adapter."""
+        import json
+        from pathlib import Path
+
+        f = Path(path) / "adapter_config.json"
+        if not f.is_file():
+            raise ConfigError(f"LoraConfig.from_adapter({path!r}): no adapter_config.json there")
+        data = json.loads(f.read_text())
+        if str(data.get("peft_type", "LORA")).upper() != "LORA":
+            raise ConfigError(
+                f"LoraConfig.from_adapter({path!r}): peft_type {data.get('peft_type')!r} is not LORA"
+            )
+        targets = data.get("target_modules") or ()
+        excl = data.get("exclude_modules") or ()
+        kw: dict[str, Any] = dict(
+            rank=int(data.get("r", 8)),
+            alpha=float(data.get("lora_alpha", 16.0)),
+            dropout=float(data.get("lora_dropout", 0.0)),
+            target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
+            exclude_modules=excl if isinstance(excl, str) else tuple(sorted(excl)),
+            adapter_path=str(path),
+        )
+        kw.update(overrides)
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -98,7 +151,19 @@ class ModelConfig:
     Exactly one of ``path`` (a local Hugging Face directory: ``config.json``, ``*.safetensors``, optional
     tokenizer files) or ``hf_config`` (a ``transformers.PretrainedConfig``; random initialisation from
     ``seed``) is given. ``kind`` is ``"causal_lm"`` (policy/reference: log-probs) or ``"value"``
-    (critic/reward: one scalar per token).
+    (critic/reward: one scalar per token). ``overrides`` changes fields of the Hugging Face config
+    before the model is built and its weights load (``{"max_position_embeddings": 8192,
+    "rope_scaling": {...}}``, dotted keys for sub-configs: ``"text_config.rope_scaling"``); the engine's
+    ``hf_config`` and exports carry them. Keys must exist in the config, keep their value's type, not
+    change parameter shapes while loading from ``path``, and not have a field of their own here
+    (``attention``, ``kind``) or in ``EngineConfig`` (``param_dtype``): ``ConfigError`` otherwise.
+
+    ``training_randomness``: ``"off"`` (default) runs training forwards without any of the model's
+    training-mode randomness (no dropout of any kind, LoRA's ``LoraConfig.dropout`` included, no MoE
+    router jitter, in every module), so
+    ``forward_backward`` computes the log-probs ``infer`` computes for the same weights (on-policy
+    ratios are exactly 1); ``"keep"`` applies them as transformers' training does. Attention dropout is
+    refused either way (the attention kernels have none).
     """
 
     path: str | None = None
@@ -111,8 +176,22 @@ class ModelConfig:
     fused_head: bool = True
     tiled_mlp_tiles: int | None = None
     lora: LoraConfig | None = None
+    overrides: Mapping[str, Any] | None = None
+    training_randomness: Literal["off", "keep"] = "off"
 
     def __post_init__(self) -> None:
+        if self.training_randomness not in ("off", "keep"):
+            raise ConfigError(
+                f"ModelConfig.training_randomness={self.training_randomness!r}: use 'off' (no dropout, no "
+                "router jitter: training and inference forwards agree) or 'keep' (the model's own)"
+            )
+        if self.overrides is not None:
+            if not isinstance(self.overrides, Mapping) or not all(isinstance(k, str) for k in self.overrides):
+                raise ConfigError(
+                    f"ModelConfig.overrides={self.overrides!r}: give a mapping of Hugging Face config keys "
+                    "to values, e.g. {'max_position_embeddings': 8192}"
+                )
+            object.__setattr__(self, "overrides", copy.deepcopy(dict(self.overrides)))
         if (self.path is None) == (self.hf_config is None):
             raise ConfigError(
                 "ModelConfig: give exactly one of path= (a local HF model directory) or hf_config= "
@@ -159,9 +238,102 @@ class ParallelConfig:
             raise ConfigError(f"ParallelConfig.vpp={self.vpp} needs pp > 1 (got pp={self.pp}); set vpp=1")
 
 
+# torch.optim optimizers that cannot be the engines' optimizer, and why
+_UNSUPPORTED_OPTIMIZERS = {
+    "lbfgs": "it needs a closure that re-evaluates the loss; the engines step once per optimizer_step",
+    "sparseadam": "it needs sparse gradients; the engines' gradients are dense",
+    "muon": "it updates 2-D weight matrices only; a model also has 1-D norms and biases",
+}
+# keyword arguments the engine sets itself (never through OptimConfig.options)
+_ENGINE_OWNED_OPTIONS = ("params", "lr", "weight_decay", "fused", "foreach", "differentiable")
+
+
+def standard_optimizer_args(cls: Any) -> tuple[str, ...]:
+    """Which of ``OptimConfig.betas`` / ``eps`` the optimizer class takes in their usual form (a pair of
+    floats, a float): those the engine passes; other forms (Adafactor's ``eps`` pair) go in ``options``."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    out = []
+    if "betas" in params and isinstance(params["betas"].default, tuple) and len(params["betas"].default) == 2:
+        out.append("betas")
+    if "eps" in params and isinstance(params["eps"].default, float):
+        out.append("eps")
+    return tuple(out)
+
+
+def optimizer_class(name: str) -> Any:
+    """The ``torch.optim`` class named ``name`` (case-insensitive; ``"adamw"`` is ``torch.optim.AdamW``).
+    ``ConfigError`` naming the choices for an unknown or unsupported name."""
+    import torch
+
+    classes = {
+        n.lower(): c
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
+    key = name.lower() if isinstance(name, str) else ""
+    if key in _UNSUPPORTED_OPTIMIZERS:
+        raise ConfigError(f"OptimConfig.name={name!r} is not supported: {_UNSUPPORTED_OPTIMIZERS[key]}")
+    if key not in classes:
+        known = sorted(c.__name__ for k, c in classes.items() if k not in _UNSUPPORTED_OPTIMIZERS)
+        raise ConfigError(f"OptimConfig.name={name!r}: not a torch.optim optimizer; use one of {known}")
+    return classes[key]
+
+
+def _check_optimizer(cfg: OptimConfig) -> None:
+    import inspect
+
+    cls = optimizer_class(cfg.name)
+    if not isinstance(cfg.options, Mapping):
+        raise ConfigError(
+            f"OptimConfig.options={cfg.options!r}: give a mapping of {cls.__name__} keyword arguments"
+        )
+    object.__setattr__(cfg, "options", dict(cfg.options))
+    params = inspect.signature(cls.__init__).parameters
+    standard = standard_optimizer_args(cls)
+    for key in cfg.options:
+        if key in _ENGINE_OWNED_OPTIONS or key in standard:
+            raise ConfigError(
+                f"OptimConfig.options[{key!r}]: set by the engine or by OptimConfig.{key} itself, not in options"
+            )
+        if key not in params:
+            accepted = sorted(k for k in params if k not in ("self", *_ENGINE_OWNED_OPTIONS, *standard))
+            raise ConfigError(
+                f"OptimConfig.options[{key!r}]: {cls.__name__} takes no such argument (it takes {accepted})"
+            )
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimConfig) if f.name in ("betas", "eps")}
+    for key in ("betas", "eps"):
+        if key not in standard and tuple(_as_tuple(getattr(cfg, key))) != tuple(_as_tuple(defaults[key])):
+            raise ConfigError(
+                f"OptimConfig.{key}={getattr(cfg, key)!r}: {cls.__name__} has no {key}; leave it at its default"
+            )
+    try:  # the optimizer's own argument checks (negative momentum, nesterov without momentum, ...)
+        import torch
+
+        probe = torch.nn.Parameter(torch.zeros(1))
+        kw = {k: getattr(cfg, k) for k in standard}
+        cls([probe], lr=cfg.lr, weight_decay=cfg.weight_decay, **kw, **cfg.options)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ConfigError(f"OptimConfig: {cls.__name__} refuses options {cfg.options!r}: {exc}") from exc
+
+
+def _as_tuple(v: Any) -> tuple[Any, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW and its learning-rate schedule.
+    """The optimizer and its learning-rate schedule.
+
+    ``name``: ``"adamw"`` (default; the engines' fused or host-offloaded AdamW) or the name of any
+    ``torch.optim`` optimizer (case-insensitive: ``"SGD"``, ``"Adam"``, ``"RMSprop"``, ``"Adagrad"``,
+    ``"NAdam"``, ``"RAdam"``, ``"Adamax"``, ``"Adadelta"``, ``"ASGD"``; not ``LBFGS`` (needs a closure) or
+    ``SparseAdam`` (sparse gradients)). ``lr`` and ``weight_decay`` go to every optimizer; ``betas`` and
+    ``eps`` to those that take them (changing them for one that does not is refused); ``options`` are the
+    optimizer's other keyword arguments (``{"momentum": 0.9, "nesterov": True}`` for SGD), checked
+    against its signature. Engines may support fewer optimizers (Megatron-Core: ``adamw`` and ``sgd``)
+    and refuse the others by name.
 
     ``schedule``: ``"constant"`` (after linear warmup), ``"cosine"`` (warmup, then cosine to
     ``min_lr_ratio * lr`` at ``total_steps``), ``"wsd"`` (warmup-stable-decay; ``decay_ratio`` of the
@@ -179,6 +351,8 @@ class OptimConfig:
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
     decay_ratio: float = 0.1
+    name: str = "adamw"
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # a NaN/inf lr or eps turns every weight into NaN while the step still reports success, and a
@@ -214,6 +388,7 @@ class OptimConfig:
             raise ConfigError(f"OptimConfig.schedule={self.schedule!r}: use 'constant', 'cosine' or 'wsd'")
         if self.schedule != "constant" and not self.total_steps:
             raise ConfigError(f"OptimConfig.schedule={self.schedule!r} needs total_steps > 0")
+        _check_optimizer(self)
 
 
 @dataclass(frozen=True)

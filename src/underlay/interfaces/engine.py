@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -125,6 +126,11 @@ class ParallelEngine(Protocol):
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full LoRA adapter tensors in peft's saved naming, one at a time; empty without adapters.
         Collective."""
+
+    def disable_adapter(self) -> AbstractContextManager[None]:
+        """A context in which the LoRA adapters are bypassed: ``infer`` gives the base model's outputs
+        (reference log-probs from the same engine); ``forward_backward`` inside it raises
+        ``InvalidInput``. ``InvalidInput`` on entering it when the engine has no adapters."""
 
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
         """Run ``batch`` (this rank's data-parallel shard) in packed micro-batches of at most

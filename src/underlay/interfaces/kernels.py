@@ -102,9 +102,13 @@ class LogprobKernel(Protocol):
         temperature: float = 1.0,
         with_entropy: bool = True,
         vocab_group: Any | None = None,
+        softcap: float | None = None,
     ) -> LogprobOutput:
         """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``).
-        Raises ``InvalidInput`` on mismatched shapes/dtypes/devices or ``temperature <= 0``."""
+        ``softcap`` ``c`` (Gemma 2/3's final-logit cap; ``None`` or 0: none) makes the logits
+        ``c * tanh(hidden @ weight.T / c)`` before the temperature, still without an ``[N, V]`` buffer.
+        Raises ``InvalidInput`` on mismatched shapes/dtypes/devices, ``temperature <= 0`` or a negative
+        or non-finite ``softcap``."""
 
 
 @runtime_checkable

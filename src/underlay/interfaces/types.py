@@ -543,12 +543,17 @@ class TokenOutputs:
     """Per-token model outputs of one micro-batch, padded back to its ``[b, S]`` shape.
 
     ``log_probs`` fp32 (0 at position 0 and at padding); ``entropy`` fp32 or ``None``; ``values``
-    fp32 for value models (``None`` for policies).
+    fp32 for value models (``None`` for policies). ``aux_loss``: the model's router auxiliary
+    (load-balancing) loss over this micro-batch's tokens, a 0-dim differentiable tensor already scaled by
+    ``config.router_aux_loss_coef`` (exactly the term transformers adds to its own loss), for MoE models
+    whose transformers class defines one, else ``None``. It is never added by the engine: a ``loss_fn``
+    that wants it adds ``outputs.aux_loss * ctx.token_share`` (see ``docs/models.md``).
     """
 
     log_probs: torch.Tensor | None
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

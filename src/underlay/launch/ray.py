@@ -18,6 +18,13 @@ remove its placement group, then raise ``RankFailure`` naming the rank, its host
 blocked in a collective with the dead rank die with the group instead of waiting for the collective
 timeout. A new group can be started in the same driver afterwards.
 
+Pools and detached groups: a ``ResourcePool`` is one placement group that several worker groups use,
+split into disjoint bundle ranges (rollout on its own range, a critic on another) or shared by groups
+that each take a fraction (``share``) of every bundle (actor and reference on the same devices, taking
+turns through ``ResourcePool.colocated``). A group started with ``detached=True`` outlives its driver
+(named actors, a detached placement group); ``WorkerGroup.attach(name)`` gives a new driver its handle,
+``detached_groups()`` lists them and ``remove_detached(name)`` ends one.
+
 Data: ``TokenBatch`` shares and per-token outputs travel through Ray's object store as numpy arrays
 (``ray.put`` once per data-parallel share; every rank of a model-parallel group gets the same object
 ref), so a rank reads them from shared memory without a pickle copy; the rank copies a share once, onto
@@ -70,18 +77,26 @@ except ImportError as _exc:  # pragma: no cover - exercised only without ray ins
     ) from _exc
 
 __all__ = [
+    "NAMESPACE",
     "EngineGroup",
     "PlacementTimeout",
+    "PoolSlice",
     "RankFailure",
     "RankInfo",
     "RankResources",
+    "ResourcePool",
     "WorkerGroup",
+    "detached_groups",
     "dispatch_batch",
     "dp_coordinates",
     "ensure_ray",
     "gather_outputs",
+    "remove_detached",
     "split_batch",
 ]
+
+NAMESPACE = "underlay"
+"""The Ray namespace of detached worker groups' named actors (any driver finds them there)."""
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -147,7 +162,12 @@ class RankResources:
     @property
     def threads(self) -> int:
         """Intra-op threads of a rank: ``int(cpus_per_rank)``, at least 1."""
-        return max(1, int(self.cpus_per_rank))
+        return self.threads_at(1.0)
+
+    def threads_at(self, share: float) -> int:
+        """Intra-op threads of a rank holding ``share`` of its bundle: ``int(cpus_per_rank * share)``,
+        at least 1."""
+        return max(1, int(self.cpus_per_rank * share))
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle of one rank."""
@@ -158,14 +178,15 @@ class RankResources:
             out[self.accelerator] = 1.0
         return out
 
-    def actor_options(self) -> dict[str, Any]:
-        """``ActorClass.options(...)`` keywords reserving exactly one bundle (GPU through ``num_gpus``,
-        which Ray requires; other accelerators through ``resources``)."""
-        opts: dict[str, Any] = {"num_cpus": self.cpus_per_rank}
+    def actor_options(self, share: float = 1.0) -> dict[str, Any]:
+        """``ActorClass.options(...)`` keywords reserving ``share`` (0 < share <= 1) of one bundle (GPU
+        through ``num_gpus``, which Ray requires; other accelerators through ``resources``). Actors of
+        several groups that each hold a share of the same bundle see the same accelerator ids."""
+        opts: dict[str, Any] = {"num_cpus": self.cpus_per_rank * share}
         if self.accelerator == "GPU":
-            opts["num_gpus"] = 1
+            opts["num_gpus"] = share
         elif self.accelerator is not None:
-            opts["resources"] = {self.accelerator: 1}
+            opts["resources"] = {self.accelerator: share}
         return opts
 
 
@@ -411,6 +432,7 @@ class _RankWorker:
         self.calls: list[tuple[str, str, tuple[str, ...]]] = []
         self.device: Device | None = None
         self.failed_at: float | None = None
+        self.meta: dict[str, Any] = {}
 
     @contextmanager
     def _recording(self) -> Iterator[None]:
@@ -490,6 +512,12 @@ class _RankWorker:
     def call_log(self) -> list[tuple[str, str, tuple[str, ...]]]:
         return list(self.calls)
 
+    def set_meta(self, meta: dict[str, Any]) -> None:
+        self.meta = dict(meta)
+
+    def get_meta(self) -> dict[str, Any]:
+        return {**self.meta, "resident": dict(self.resident)}
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -526,6 +554,197 @@ def _check_parallel(parallel: ParallelConfig, world_size: int, what: str) -> Par
         raise ConfigError(f"{what}: {exc}") from exc
 
 
+# ----------------------------------------------------------------------------------- pools
+
+
+@dataclass(frozen=True)
+class PoolSlice:
+    """Bundles ``[start, stop)`` of a ``ResourcePool``: where a ``WorkerGroup`` places its ranks."""
+
+    pool: ResourcePool
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        """Number of bundles."""
+        return self.stop - self.start
+
+
+class ResourcePool:
+    """``size`` bundles of ``resources`` (one rank's worth each) in ONE placement group, which several
+    ``WorkerGroup``s use: split into disjoint ranges (``split``, ``slice``) or shared, each group
+    holding a ``share`` of every bundle of its range (``WorkerGroup(..., pool=..., share=0.5)``).
+
+    ``resources`` default: ``RankResources.from_device`` of ``device``. ``strategy`` is Ray's placement
+    strategy (``PACK``, ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``). Raises ``InvalidInput`` for
+    ``size < 1`` or an unknown strategy, ``ConfigError`` when the cluster has too few resources, and
+    ``PlacementTimeout`` when they stay taken for ``ready_timeout_s``, all before the pool exists.
+    Groups placed on a pool are shut down with it (``shutdown``).
+    """
+
+    STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        resources: RankResources | None = None,
+        device: str | None = None,
+        name: str = "underlay-pool",
+        strategy: str = "PACK",
+        ready_timeout_s: float = 180.0,
+    ) -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidInput(f"ResourcePool: size={size!r} must be an int >= 1")
+        if strategy not in self.STRATEGIES:
+            raise InvalidInput(f"ResourcePool: strategy={strategy!r}; use one of {self.STRATEGIES}")
+        if resources is None:
+            from underlay.registry import get_device
+
+            resources = RankResources.from_device(get_device(device))
+        ensure_ray()
+        self.size, self.resources, self.name = size, resources, name
+        _check_cluster(resources, size, f"ResourcePool {name!r}")
+        self._used = [0.0] * size  # share of each bundle held by live groups
+        self._groups: list[tuple[WorkerGroup, range, float]] = []
+        self.pg = placement_group([resources.bundle()] * size, strategy=strategy, name=f"{name}-pg")
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except GetTimeoutError as exc:
+            with suppress(RayError):
+                remove_placement_group(self.pg)
+            raise PlacementTimeout(
+                f"ResourcePool {name!r}: {size} bundles of {resources.bundle()} could not be reserved within "
+                f"{ready_timeout_s:g} s (available now: {_available()}); shut other groups down or wait longer"
+            ) from exc
+
+    @property
+    def whole(self) -> PoolSlice:
+        """Every bundle."""
+        return PoolSlice(self, 0, self.size)
+
+    def slice(self, start: int, stop: int) -> PoolSlice:
+        """Bundles ``[start, stop)``; ``InvalidInput`` unless ``0 <= start < stop <= size``."""
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= self.size):
+            raise InvalidInput(
+                f"ResourcePool {self.name!r}: slice({start!r}, {stop!r}) outside [0, {self.size})"
+            )
+        return PoolSlice(self, start, stop)
+
+    def split(self, sizes: Sequence[int]) -> list[PoolSlice]:
+        """Consecutive disjoint slices of the given sizes, from bundle 0; ``InvalidInput`` when a size is
+        below 1 or they add up to more than the pool."""
+        if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) > self.size:
+            raise InvalidInput(
+                f"ResourcePool {self.name!r}: split({list(sizes)!r}) needs sizes >= 1 adding up to at most {self.size}"
+            )
+        out, start = [], 0
+        for n in sizes:
+            out.append(PoolSlice(self, start, start + n))
+            start += n
+        return out
+
+    def shares_used(self) -> list[float]:
+        """The share of each bundle held by the live groups on it."""
+        return list(self._used)
+
+    def _reserve(self, group: WorkerGroup, bundles: range, share: float) -> None:
+        if self.pg is None:
+            raise InvalidInput(f"ResourcePool {self.name!r} is shut down; make a new one")
+        over = [b for b in bundles if self._used[b] + share > 1.0 + 1e-9]
+        if over:
+            raise ConfigError(
+                f"WorkerGroup {group.name!r}: share {share:g} of bundles {list(bundles)} of pool {self.name!r} "
+                f"does not fit: bundle {over[0]} has {1.0 - self._used[over[0]]:g} left; lower the share or "
+                "use another range"
+            )
+        for b in bundles:
+            self._used[b] += share
+        self._groups.append((group, bundles, share))
+
+    def _release(self, group: WorkerGroup) -> None:
+        for g, bundles, share in list(self._groups):
+            if g is group:
+                for b in bundles:
+                    self._used[b] = max(0.0, self._used[b] - share)
+                self._groups.remove((g, bundles, share))
+
+    @contextmanager
+    def colocated(self, engine: EngineGroup, *, timeout_s: float | None = None) -> Iterator[EngineGroup]:
+        """Give the devices of ``engine``'s bundles to it: offload every other role resident on any of
+        those bundles (in this or another group of the pool), onload ``engine``'s role if it is off,
+        and yield it. Roles stay where they are afterwards (a second turn of the same role is free)."""
+        mine = next((set(b) for g, b, _ in self._groups if g is engine.group), None)
+        if mine is None:
+            raise InvalidInput(f"role {engine.role!r} is not on pool {self.name!r}")
+        for group, bundles, _ in list(self._groups):
+            if not mine & set(bundles):
+                continue
+            for role in sorted(group._layouts):
+                if (group is not engine.group or role != engine.role) and group._resident.get(role, False):
+                    group.engine(role).offload(timeout_s=timeout_s)
+        if not engine.group._resident.get(engine.role, False):
+            engine.onload(timeout_s=timeout_s)
+        yield engine
+
+    def shutdown(self) -> None:
+        """Shut down every group on the pool, then remove its placement group. Idempotent."""
+        for group, _, _ in list(self._groups):
+            group.shutdown()
+        self._groups.clear()
+        if self.pg is not None:
+            with suppress(RayError):
+                remove_placement_group(self.pg)
+            self.pg = None
+
+    def __enter__(self) -> ResourcePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _check_cluster(res: RankResources, count: int, what: str) -> None:
+    total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    need = {k: v * count for k, v in res.bundle().items()}
+    if res.accelerator is not None and res.accelerator not in total:
+        known = sorted(k for k in total if not k.startswith("node:") and k not in ("memory",))
+        raise ConfigError(
+            f"{what}: the Ray cluster has no resource {res.accelerator!r} (it has {known}); "
+            "start Ray with it (ray start --resources / ray.init(resources=...)) or choose another device"
+        )
+    short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if total.get(k, 0.0) < v}
+    if short:
+        text = ", ".join(f"{k}: needs {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+        raise ConfigError(
+            f"{what}: {count} ranks need more than the cluster has ({text}); use fewer "
+            "ranks, fewer cpus_per_rank, or a larger cluster"
+        )
+
+
+def _actor_name(group: str, rank: int) -> str:
+    return f"{group}/rank{rank}"
+
+
+def detached_groups() -> list[str]:
+    """Names of the detached worker groups alive in the cluster (``WorkerGroup(..., detached=True)``)."""
+    ensure_ray()
+    names = ray.util.list_named_actors(all_namespaces=True)
+    found = {
+        n["name"].rsplit("/", 1)[0]
+        for n in names
+        if n.get("namespace") == NAMESPACE and n["name"].endswith("/rank0")
+    }
+    return sorted(found)
+
+
+def remove_detached(name: str) -> None:
+    """Kill the ranks of detached group ``name`` and remove its placement group; ``InvalidInput`` when
+    no such group is alive."""
+    WorkerGroup.attach(name).shutdown()
+
+
 class WorkerGroup:
     """``world_size`` ranks as Ray actors with an initialised default process group.
 
@@ -538,6 +757,14 @@ class WorkerGroup:
     starts. ``ready_timeout_s`` bounds waiting for the placement group and for the ranks to start;
     ``collective_timeout_s`` is the process group's timeout. ``failure_grace_s``: after a rank raises,
     how long the controller waits for the other ranks before naming the one that failed first.
+
+    ``pool``: place the ranks on bundles of a ``ResourcePool`` (a ``PoolSlice``, or the pool: its first
+    ``world_size`` bundles) instead of a placement group of the group's own; ``share`` (0 < share <= 1)
+    is the fraction of each of those bundles the group's ranks reserve, so that groups whose shares add
+    up to at most 1 live on the same devices. ``detached=True`` makes the ranks named actors (namespace
+    :data:`NAMESPACE`, names ``<name>/rank<r>``) that outlive this driver, in a detached placement group;
+    ``WorkerGroup.attach(name)`` reaches them from another driver; only ``shutdown`` (or
+    ``remove_detached``) ends them.
 
     Raises, before any actor starts: ``InvalidInput`` for ``world_size < 1``; ``ConfigError`` when an
     engine's parallel sizes do not divide ``world_size``, when the cluster has no resource of that name,
@@ -558,11 +785,39 @@ class WorkerGroup:
         ready_timeout_s: float = 180.0,
         collective_timeout_s: float = 1800.0,
         failure_grace_s: float = 5.0,
+        pool: ResourcePool | PoolSlice | None = None,
+        share: float = 1.0,
+        detached: bool = False,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise InvalidInput(f"WorkerGroup: world_size={world_size!r} must be an int >= 1")
         for role, cfg in (engines or {}).items():
             _check_parallel(cfg.parallel, world_size, f"WorkerGroup engine {role!r}")
+        if not (isinstance(share, (int, float)) and 0.0 < share <= 1.0):
+            raise InvalidInput(f"WorkerGroup: share={share!r} must be in (0, 1]")
+        if share != 1.0 and pool is None:
+            raise ConfigError(
+                f"WorkerGroup: share={share!r} without a pool; a share divides the bundles of a ResourcePool "
+                "between groups: pass pool="
+            )
+        slice_ = pool.whole if isinstance(pool, ResourcePool) else pool
+        if slice_ is not None:
+            if detached:
+                raise ConfigError(
+                    "WorkerGroup: detached=True with a pool; a detached group owns its placement group "
+                    "(it must outlive this driver, the pool does not)"
+                )
+            if world_size > slice_.size:
+                raise ConfigError(
+                    f"WorkerGroup: world_size={world_size} > the {slice_.size} bundles of pool "
+                    f"{slice_.pool.name!r} [{slice_.start}, {slice_.stop})"
+                )
+            if resources is not None and resources != slice_.pool.resources:
+                raise ConfigError(
+                    f"WorkerGroup: resources={resources} differ from pool {slice_.pool.name!r}'s "
+                    f"{slice_.pool.resources}; leave resources unset with a pool"
+                )
+            resources = slice_.pool.resources
         if resources is None:
             from underlay.registry import get_device
 
@@ -570,6 +825,8 @@ class WorkerGroup:
         ensure_ray()
         self.world_size, self.name, self.resources = world_size, name, resources
         self.failure_grace_s = failure_grace_s
+        self.share, self.detached = float(share), detached
+        self._slice = slice_
         self._device_name = device
         self._engine_name = engine_name
         self._actors: list[Any] = []
@@ -577,7 +834,15 @@ class WorkerGroup:
         self._infos: list[RankInfo] = []
         self._layouts: dict[str, ParallelLayout] = {}
         self._resident: dict[str, bool] = {}  # role -> on the device (not offloaded), as the ranks report
-        self._check_capacity()
+        if detached and name in detached_groups():
+            raise ConfigError(
+                f"WorkerGroup: a detached group named {name!r} is alive; attach to it "
+                "(WorkerGroup.attach) or remove it (remove_detached) first"
+            )
+        if slice_ is None:
+            self._check_capacity()
+        else:
+            slice_.pool._reserve(self, range(slice_.start, slice_.start + world_size), self.share)
         try:
             self._start(dict(env or {}), ready_timeout_s, collective_timeout_s)
         except BaseException:
@@ -589,49 +854,46 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------- start-up
 
     def _check_capacity(self) -> None:
-        total: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
-        res = self.resources
-        need = {k: v * self.world_size for k, v in res.bundle().items()}
-        if res.accelerator is not None and res.accelerator not in total:
-            known = sorted(k for k in total if not k.startswith("node:") and k not in ("memory",))
-            raise ConfigError(
-                f"WorkerGroup: the Ray cluster has no resource {res.accelerator!r} (it has {known}); "
-                "start Ray with it (ray start --resources / ray.init(resources=...)) or choose another device"
-            )
-        short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if total.get(k, 0.0) < v}
-        if short:
-            text = ", ".join(f"{k}: needs {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
-            raise ConfigError(
-                f"WorkerGroup: {self.world_size} ranks need more than the cluster has ({text}); use fewer "
-                "ranks, fewer cpus_per_rank, or a larger cluster"
-            )
+        _check_cluster(self.resources, self.world_size, "WorkerGroup")
 
     def _start(self, env: dict[str, str], ready_timeout_s: float, collective_timeout_s: float) -> None:
         res = self.resources
-        self._pg = placement_group([res.bundle()] * self.world_size, strategy="PACK", name=f"{self.name}-pg")
-        try:
-            ray.get(self._pg.ready(), timeout=ready_timeout_s)
-        except GetTimeoutError as exc:
-            raise PlacementTimeout(
-                f"WorkerGroup: {self.world_size} bundles of {res.bundle()} could not be reserved within "
-                f"{ready_timeout_s:g} s (available now: {_available()}); other groups hold "
-                "them: shut those down or raise ready_timeout_s"
-            ) from exc
-        node_of_bundle = placement_group_table(self._pg)["bundles_to_node_id"]
+        if self._slice is not None:
+            pg, first = self._slice.pool.pg, self._slice.start
+        else:
+            first = 0
+            pg = self._pg = placement_group(
+                [res.bundle()] * self.world_size,
+                strategy="PACK",
+                name=f"{self.name}-pg",
+                lifetime="detached" if self.detached else None,
+            )
+            try:
+                ray.get(pg.ready(), timeout=ready_timeout_s)
+            except GetTimeoutError as exc:
+                raise PlacementTimeout(
+                    f"WorkerGroup: {self.world_size} bundles of {res.bundle()} could not be reserved within "
+                    f"{ready_timeout_s:g} s (available now: {_available()}); other groups hold "
+                    "them: shut those down or raise ready_timeout_s"
+                ) from exc
+        node_of_bundle = placement_group_table(pg)["bundles_to_node_id"]
+        own = range(first, first + self.world_size)
         nodes: list[str] = []
-        for b in range(self.world_size):
+        for b in own:
             if node_of_bundle[b] not in nodes:
                 nodes.append(node_of_bundle[b])
-        bundles = sorted(range(self.world_size), key=lambda b: (nodes.index(node_of_bundle[b]), b))
+        bundles = sorted(own, key=lambda b: (nodes.index(node_of_bundle[b]), b))
         remote = _remote_worker()
         runtime_env = {"env_vars": env} if env else None
-        for b in bundles:
-            opts = res.actor_options()
+        for rank, b in enumerate(bundles):
+            opts = res.actor_options(self.share)
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self._pg, placement_group_bundle_index=b, placement_group_capture_child_tasks=True
+                pg, placement_group_bundle_index=b, placement_group_capture_child_tasks=True
             )
             if runtime_env:
                 opts["runtime_env"] = runtime_env
+            if self.detached:
+                opts.update(name=_actor_name(self.name, rank), namespace=NAMESPACE, lifetime="detached")
             self._actors.append(remote.options(**opts).remote())
         # provisional infos so that a failure while describing already names the rank
         self._infos = [
@@ -684,8 +946,65 @@ class WorkerGroup:
             }
             if info.visible_devices is not None and res.visible_devices_env:
                 rank_env[res.visible_devices_env] = info.visible_devices
-            setups.append(actor.setup.remote(rank_env, self._device_name, collective_timeout_s, res.threads))
+            setups.append(
+                actor.setup.remote(
+                    rank_env, self._device_name, collective_timeout_s, res.threads_at(self.share)
+                )
+            )
         self._wait(setups, "init_distributed", ready_timeout_s)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Record on rank 0 what ``attach`` needs to rebuild this handle (detached groups only)."""
+        if not self.detached or not self._actors:
+            return
+        meta = {
+            "world_size": self.world_size,
+            "resources": dataclasses.asdict(self.resources),
+            "share": self.share,
+            "infos": [dataclasses.asdict(i) for i in self._infos],
+            "layouts": {r: _layout_sizes(lay) for r, lay in self._layouts.items()},
+            "device_name": self._device_name,
+            "engine_name": self._engine_name,
+            "failure_grace_s": self.failure_grace_s,
+        }
+        self._wait([self._actors[0].set_meta.remote(meta)], "publishing the group", ranks=[0])
+
+    @classmethod
+    def attach(cls, name: str, *, timeout_s: float = 60.0) -> WorkerGroup:
+        """The handle of the detached group ``name`` started by any driver of this cluster: its ranks,
+        roles and which roles are on the device, as the ranks know them. Shutting the handle down ends
+        the group. ``InvalidInput`` when no detached group of that name is alive."""
+        ensure_ray()
+        try:
+            rank0 = ray.get_actor(_actor_name(name, 0), namespace=NAMESPACE)
+        except ValueError as exc:
+            raise InvalidInput(
+                f"no detached worker group {name!r} is alive (alive: {detached_groups()})"
+            ) from exc
+        meta: dict[str, Any] = dict(ray.get(rank0.get_meta.remote(), timeout=timeout_s))
+        if not meta.get("world_size"):
+            raise InvalidInput(f"detached worker group {name!r} has not finished starting; try again")
+        self = cls.__new__(cls)
+        self.world_size, self.name = int(meta["world_size"]), name
+        self.resources = RankResources(**meta["resources"])
+        self.failure_grace_s = float(meta["failure_grace_s"])
+        self.share, self.detached, self._slice = float(meta["share"]), True, None
+        self._device_name, self._engine_name = meta["device_name"], meta["engine_name"]
+        self._actors = [rank0] + [
+            ray.get_actor(_actor_name(name, r), namespace=NAMESPACE) for r in range(1, self.world_size)
+        ]
+        self._pg = None
+        with suppress(Exception):
+            from ray.util import get_placement_group
+
+            self._pg = get_placement_group(f"{name}-pg")
+        self._infos = [
+            RankInfo(**{**i, "accelerator_ids": tuple(i["accelerator_ids"])}) for i in meta["infos"]
+        ]
+        self._layouts = {r: ParallelLayout(**sizes) for r, sizes in meta["layouts"].items()}
+        self._resident = {r: bool(on) for r, on in meta["resident"].items()}
+        return self
 
     # -------------------------------------------------------------------------------- waiting
 
@@ -824,6 +1143,7 @@ class WorkerGroup:
         sizes = self._wait(refs, f"building engine {role!r}", timeout_s)
         self._layouts[role] = ParallelLayout(**sizes[0])
         self._resident[role] = True
+        self._publish()
         return EngineGroup(self, role)
 
     def engine(self, role: str) -> EngineGroup:
@@ -890,6 +1210,8 @@ class WorkerGroup:
             with suppress(RayError):
                 remove_placement_group(self._pg)
             self._pg = None
+        if self._slice is not None:
+            self._slice.pool._release(self)
         self._layouts.clear()
         self._resident.clear()
 

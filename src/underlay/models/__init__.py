@@ -28,6 +28,8 @@ from underlay.models.forward import (
     softcapped_logprobs,
 )
 from underlay.models.prepare import prepare_model
+from underlay.models.randomness import TRAINING_RANDOMNESS, set_training_mode
+from underlay.models.rope import apply_per_sequence_rope
 from underlay.models.tiled_mlp import TiledMLP, apply_tiled_mlp
 from underlay.models.vision import (
     PROCESSOR_FILES,
@@ -47,8 +49,10 @@ __all__ = [
     "PROCESSOR_FILES",
     "SUPPORTED_ARCHITECTURES",
     "TESTED_TRANSFORMERS",
+    "TRAINING_RANDOMNESS",
     "ModelCapabilities",
     "TiledMLP",
+    "apply_per_sequence_rope",
     "apply_tiled_mlp",
     "check_transformers_version",
     "check_vision_batch",
@@ -62,6 +66,7 @@ __all__ = [
     "patch_cost",
     "prepare_model",
     "sequence_costs",
+    "set_training_mode",
     "shift_to_tokens",
     "softcapped_logprobs",
     "vision_calls",

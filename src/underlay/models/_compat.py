@@ -21,6 +21,7 @@ __all__ = [
     "capabilities",
     "check_architecture",
     "check_transformers_version",
+    "config_value",
     "inspect_model",
     "text_config",
     "unwrap_model",
@@ -153,6 +154,24 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def config_value(config: Any, name: str, default: Any = None) -> Any:
+    """``config.<name>`` read safely from a transformers config, or ``default`` when absent or ``None``.
+
+    A heterogeneous config (transformers' per-layer configs, e.g. Gemma 4's per-layer head dims) raises
+    on reading a per-layer attribute globally (``AmbiguousGlobalPerLayerAttributeError``); then the
+    largest value over ``config.per_layer_config`` is returned (what a size or memory estimate needs).
+    Any other error of the config propagates."""
+    try:
+        value = getattr(config, name, None)
+    except Exception as exc:  # transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError)
+        if type(exc).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        layers = getattr(config, "per_layer_config", None) or ()
+        values = [v for v in (getattr(layer, name, None) for layer in layers) if v is not None]
+        value = max(values) if values else None
+    return default if value is None else value
+
+
 def text_config(config: Any) -> Any:
     """The language-model part of a config: ``config.text_config`` for vision-language configs, else
     ``config`` itself."""
@@ -164,6 +183,26 @@ def _refuse(model: nn.Module, model_type: str, missing: str) -> ConfigError:
         f"model_type {model_type!r} ({type(model).__name__}) is not supported by underlay.models: {missing}. "
         f"Architectures verified by tests: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def _refuse_layer_kinds(model: nn.Module, model_type: str, config: Any) -> None:
+    """Refuse attention kinds the kernels do not run (checked before the module layout, so the refusal
+    names the missing capability rather than a layout detail)."""
+    layer_types = tuple(str(t) for t in (getattr(config, "layer_types", None) or ()))
+    unknown = sorted(set(layer_types) - _LAYER_TYPES)
+    if unknown:
+        raise _refuse(
+            model,
+            model_type,
+            f"layer types {unknown} (only {sorted(_LAYER_TYPES)} are routed: no chunked or linear attention)",
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        raise _refuse(
+            model,
+            model_type,
+            f"chunked attention (config.attention_chunk_size={chunk}) is not supported by the attention kernels",
+        )
 
 
 def inspect_model(model: nn.Module) -> ModelCapabilities:
@@ -201,6 +240,7 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
             "a vision-language model without a Qwen-VL style backbone (a .visual tower and get_rope_index "
             "for 3-D rotary position ids); only those are routed",
         )
+    _refuse_layer_kinds(model, str(model_type), text_config(config))
     modules = _attention_modules(model)
     if not modules:
         raise _refuse(
@@ -223,13 +263,6 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
         )
     config = text_config(config)
     layer_types = tuple(str(t) for t in (getattr(config, "layer_types", None) or ()))
-    unknown = sorted(set(layer_types) - _LAYER_TYPES)
-    if unknown:
-        raise _refuse(
-            model,
-            model_type,
-            f"layer types {unknown} (only {sorted(_LAYER_TYPES)} are routed: no chunked or linear attention)",
-        )
     for attr in _LOGIT_SCALES:
         value = getattr(config, attr, None)
         if value is not None and float(value) != 1.0:

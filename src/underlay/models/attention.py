@@ -14,8 +14,13 @@ padding mask (or ``None``), as flash-attention does. A model whose ``config._att
   token slice for a head slice around ``kernel.varlen`` (:mod:`underlay.parallel.ulysses`).
 
 The per-layer settings (kernel name, sp group) live in an :class:`AttentionRoute` attached to each
-attention module by :func:`underlay.models.prepare_model`; the module's ``scaling``, ``is_causal``,
-``sliding_window`` and softcap (keyword arguments first, module attributes second) are respected.
+attention module by :func:`underlay.models.prepare_model`; every per-layer attention property comes
+from what the layer passes to the attention function, never from the module's attributes (a module may
+carry ``sliding_window`` on a full-attention layer, or ``attn_logit_softcapping`` that its forward does
+not apply, as transformers' own attention functions ignore them too): ``scaling`` (``None``:
+``1/sqrt(head_dim)``), ``sliding_window`` (``None``: full attention), ``softcap`` (``None``: none),
+``s_aux`` (attention sinks) and ``is_causal`` (absent: causal; a module declaring ``is_causal=False``
+without passing it is refused with ``ConfigError``).
 
 Vision towers use a second name, :data:`VARLEN_ATTN_IMPLEMENTATION`, for the same function: transformers'
 Qwen-VL vision attention hands all windows and images of a forward pass to the attention function in
@@ -36,6 +41,7 @@ from torch import nn
 from underlay.interfaces import (
     AttentionKernel,
     AttentionSpec,
+    ConfigError,
     InvalidInput,
     UnsupportedOperation,
 )
@@ -188,13 +194,20 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-def _pick(kwargs: dict[str, Any], module: nn.Module, key: str, *attrs: str) -> Any:
-    value = kwargs.pop(key, None)
-    for attr in attrs:
-        if value is not None:
-            break
-        value = getattr(module, attr, None)
-    return value
+def _causal(module: nn.Module, given: Any) -> bool:
+    """Whether this call is causal: the ``is_causal`` keyword the layer passed, else ``True`` (every layer
+    of a decoder-only model). A module that declares itself non-causal (``module.is_causal is False``)
+    without passing ``is_causal`` is refused: its mask would come from the model's mask function, which
+    the kernel does not read, so guessing either way could be silently wrong."""
+    if given is not None:
+        return bool(given)
+    if getattr(module, "is_causal", True) is False:
+        raise ConfigError(
+            f"{type(module).__name__} declares is_causal=False but its forward passes no is_causal to the "
+            "attention function; underlay routes only causal decoder attention (bidirectional layers are "
+            "not supported)"
+        )
+    return True
 
 
 def underlay_attention_forward(
@@ -229,12 +242,8 @@ def underlay_attention_forward(
             f"underlay attention got a {attention_mask.dim()}-D attention mask of shape "
             f"{tuple(attention_mask.shape)}; pass a [batch, seq] padding mask or packed position ids"
         )
-    causal = bool(_pick(kwargs, module, "is_causal", "is_causal") is not False)
-    scale = scaling if scaling is not None else getattr(module, "scaling", None)
-    if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None)
-    if softcap is None:
-        softcap = getattr(module, "attn_logit_softcapping", None)
+    causal = _causal(module, kwargs.pop("is_causal", None))
+    scale = scaling  # None: 1/sqrt(head_dim), as transformers' sdpa and flash functions
     window = _window(sliding_window, causal)
     sinks = kwargs.pop("s_aux", None)
     # (no int() of the sequence dimension: under torch.compile it would specialise on the length)

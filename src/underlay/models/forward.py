@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ from underlay.interfaces import (
     PackedBatch,
     TokenOutputs,
 )
-from underlay.models._compat import ModelCapabilities, capabilities, unwrap_model
+from underlay.models._compat import ModelCapabilities, capabilities, text_config, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, ROUTE_ATTR, AttentionRoute
 from underlay.models.vision import shard_vision_tower, zero_vision_pass
 from underlay.ops.attention import seqlens_from_cu
@@ -185,10 +187,9 @@ def packed_forward(
     ``entropy[t]`` is the entropy of that same predicting distribution. The first token of every
     sequence has no prediction and gets 0 in both. They are computed from the final hidden states and
     the ``lm_head`` weight by the :class:`~underlay.interfaces.LogprobKernel` (``logprob_kernel``, or the
-    registry's selection), never materialising ``[T, vocab]`` logits, except for models with a final
-    logit softcap (Gemma 2/3: ``logits = c * tanh(logits / c)`` before the temperature), which the fused
-    kernels do not apply: those take :func:`softcapped_logprobs` (``[T_local, vocab]`` fp32 logits, and
-    ``logprob_kernel`` is not used). Token-classification (value)
+    registry's selection), never materialising ``[T, vocab]`` logits, models with a final logit softcap
+    included (Gemma 2/3: ``logits = c * tanh(logits / c)`` before the temperature; the kernel applies
+    it inside its chunks or tiles). Token-classification (value)
     models with ``num_labels == 1`` return ``values`` fp32 ``[T]``: ``values[t]`` is the score head at
     token ``t`` (no shift). ``ops.pad(x, packed)`` maps any ``[T]`` field back to ``[B, S]``.
 
@@ -205,6 +206,13 @@ def packed_forward(
     outputs enter the result with weight 0 (:func:`underlay.models.vision.zero_vision_pass`), so that a
     rank with fewer images than the other ranks of an FSDP group runs the sharded vision blocks as often
     as they do (the fsdp2 engine agrees the count per micro-batch); outputs and gradients are unchanged.
+
+    Mixture-of-experts causal LMs whose transformers class defines a router auxiliary (load-balancing)
+    loss (``load_balancing_loss_func`` with ``config.router_aux_loss_coef``: Mixtral, Qwen2/3-MoE, gpt-oss,
+    ...) also return ``aux_loss``, a 0-dim tensor (differentiable, the router logits' dtype): the term
+    transformers adds to its loss, ``router_aux_loss_coef * load_balancing_loss``, over this call's
+    tokens (every token of the packed batch). It is not added to anything: the ``loss_fn`` decides
+    (``docs/models.md``). ``None`` for every other model.
 
     Raises ``ConfigError`` when the model was not prepared, is not a supported architecture, has an
     unsupported head (lm_head bias, ``num_labels != 1``), or ``sp_group`` differs from the prepared one;
@@ -245,17 +253,18 @@ def packed_forward(
     head = _head_of(inner)
     kernel = None
     cap = caps.final_logit_softcap
-    if head == "lm" and cap is None:
+    if head == "lm":
         kernel = logprob_kernel if logprob_kernel is not None else get_logprob_kernel()
+    aux = _router_aux(inner, head)
     outs = _run_inside(
         model,
         lambda _ids: _packed_body(
-            inner, head, kernel, cap, packed, group, temperature, with_entropy, mm, zero_vision_passes
+            inner, head, kernel, cap, packed, group, temperature, with_entropy, mm, zero_vision_passes, aux
         ),
         packed.input_ids,
     )
-    log_probs, entropy, values = outs
-    return TokenOutputs(log_probs=log_probs, entropy=entropy, values=values)
+    log_probs, entropy, values, aux_loss = outs
+    return TokenOutputs(log_probs=log_probs, entropy=entropy, values=values, aux_loss=aux_loss)
 
 
 def _validate_multimodal(
@@ -302,6 +311,43 @@ def _split_after_embedding(
         handle.remove()
 
 
+@dataclass(frozen=True)
+class _RouterAux:
+    """How transformers' causal-LM class of an MoE model computes its router auxiliary loss:
+    ``coef * fn(router_logits, experts, top_k, attention_mask)``."""
+
+    fn: Callable[..., Any]
+    experts: int
+    top_k: int
+    coef: float
+
+
+def _router_aux(inner: nn.Module, head: str) -> _RouterAux | None:
+    """The router auxiliary loss of ``inner`` when its transformers causal-LM class defines one (its
+    modeling module has ``load_balancing_loss_func`` and its config ``output_router_logits`` and
+    ``router_aux_loss_coef``); ``None`` otherwise (dense models; value models, whose transformers
+    classes compute none)."""
+    if head != "lm":
+        return None
+    cfg = text_config(inner.config)
+    # the class's modeling module (along the MRO: FSDP2 subclasses the model class in its own module)
+    found = (
+        getattr(sys.modules.get(c.__module__), "load_balancing_loss_func", None) for c in type(inner).__mro__
+    )
+    fn = next((f for f in found if callable(f)), None)
+    coef = getattr(cfg, "router_aux_loss_coef", None)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not callable(fn) or not hasattr(cfg, "output_router_logits") or coef is None:
+        return None
+    if not experts or not top_k:
+        raise ConfigError(
+            f"packed_forward: {type(inner).__name__} defines a router auxiliary loss but its config has "
+            f"no expert count (num_experts/num_local_experts={experts}) or top-k (num_experts_per_tok={top_k})"
+        )
+    return _RouterAux(fn, int(experts), int(top_k), float(coef))
+
+
 def _head_of(inner: nn.Module) -> str:
     score = getattr(inner, "score", None)
     if isinstance(score, nn.Module):  # nn.Linear, or peft's modules_to_save wrapper around it
@@ -339,7 +385,8 @@ def _packed_body(
     with_entropy: bool,
     multimodal: dict[str, torch.Tensor] | None,
     zero_vision_passes: int = 0,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    aux: _RouterAux | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     ids, pos = packed.input_ids, packed.position_ids
     cu = packed.cu_seqlens.to(device=ids.device, dtype=torch.int32)
     total = int(ids.numel())
@@ -363,6 +410,8 @@ def _packed_body(
     kwargs: dict[str, Any] = dict(
         use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len
     )
+    if aux is not None:
+        kwargs["output_router_logits"] = True
     if multimodal is None:
         out = backbone(
             input_ids=slice_for_rank(ids, group)[None],
@@ -381,7 +430,7 @@ def _packed_body(
         dropout = getattr(inner, "dropout", None)
         h = dropout(hidden) if isinstance(dropout, nn.Module) else hidden
         values = gather_seq(score(h).squeeze(-1).float(), group)[:total]
-        return None, None, values if zero is None else values + zero.float()
+        return None, None, values if zero is None else values + zero.float(), None
     lm_head: nn.Linear = inner.get_output_embeddings()  # type: ignore[operator]
     labels = next_token_labels(ids, cu)
     if labels.numel() > total:  # the sp padding predicts nothing
@@ -390,12 +439,15 @@ def _packed_body(
 
     def fused_head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a tuple of tensors, so hooks on lm_head (FSDP2) see the outputs they must hook for backward
-        if final_softcap is not None:
-            return softcapped_logprobs(
-                h, lm_head.weight, labels, final_softcap, temperature=temperature, with_entropy=with_entropy
-            )
         assert kernel is not None
-        res = kernel(h, lm_head.weight, labels, temperature=temperature, with_entropy=with_entropy)
+        res = kernel(
+            h,
+            lm_head.weight,
+            labels,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            softcap=final_softcap,
+        )
         return res.log_probs, res.entropy
 
     lp_local, ent_local = _run_inside(lm_head, fused_head, hidden)
@@ -406,4 +458,20 @@ def _packed_body(
     entropy = None
     if with_entropy and ent_local is not None:
         entropy = shift_to_tokens(gather_seq(ent_local, group)[:total], cu_real)
-    return log_probs, entropy, None
+    aux_loss = None if aux is None else _aux_loss(aux, out, group, total, type(inner).__name__)
+    return log_probs, entropy, None, aux_loss
+
+
+def _aux_loss(aux: _RouterAux, out: Any, group: Any | None, total: int, name: str) -> torch.Tensor:
+    """``coef * load_balancing_loss`` over the micro-batch's ``total`` real tokens (router logits of
+    every layer gathered over the sp group, its padding dropped), as transformers' causal-LM forward
+    computes it for the same tokens; a 0-dim float tensor, differentiable."""
+    logits = getattr(out, "router_logits", None)
+    if not logits:
+        raise ConfigError(
+            f"packed_forward: {name} defines a router auxiliary loss but its backbone returned no "
+            "router_logits for output_router_logits=True; this transformers version is not supported for it"
+        )
+    layers = [gather_seq(t.reshape(-1, t.shape[-1]), group)[:total] for t in logits]
+    value = aux.fn(tuple(layers), aux.experts, aux.top_k, None)
+    return torch.as_tensor(value, dtype=layers[0].dtype, device=layers[0].device) * aux.coef

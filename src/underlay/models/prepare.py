@@ -23,6 +23,7 @@ from underlay.models.attention import (
     AttentionRoute,
     register_attention,
 )
+from underlay.models.rope import apply_per_sequence_rope
 from underlay.models.tiled_mlp import apply_tiled_mlp, check_tileable
 from underlay.parallel.ulysses import sp_world_size, validate_sp
 from underlay.registry import resolve
@@ -73,8 +74,9 @@ def prepare_model(
       (``set_attn_implementation``), so every attention layer calls the underlay AttentionKernel
       ``attention`` (a registry name such as ``"eager"``, ``"torch"``, ``"flash_attn"``; ``None`` =
       ``UNDERLAY_ATTENTION`` or ``auto``): packed input (batch 1, position ids restarting at 0) goes to
-      ``kernel.varlen``, padded input with an attention mask to ``kernel.padded``; the module's scaling,
-      sliding window and softcap are respected. Use :func:`underlay.models.packed_forward` to run it.
+      ``kernel.varlen``, padded input with an attention mask to ``kernel.padded``; each layer's scaling,
+      sliding window, softcap, sinks and causality are those the layer passes to the attention function
+      (never the module's attributes). Use :func:`underlay.models.packed_forward` to run it.
     - ``sp_group``: Ulysses sequence parallelism over that process group (checked with
       :func:`underlay.parallel.ulysses.validate_sp` against the head counts). For Qwen2.5-VL the
       sequence is split after the vision features are merged into the embeddings (the vision tower's
@@ -84,6 +86,9 @@ def prepare_model(
     - ``tiled_mlp_tiles``: compute every decoder MLP (or MoE block) in that many token tiles with
       recomputation in backward (:class:`underlay.models.TiledMLP`); ``None`` leaves MLPs plain (and
       removes tiling installed by an earlier call). MLPs that return a tuple (gpt-oss) are refused.
+    - Rotary embeddings whose frequencies depend on the sequence length (``dynamic``, ``longrope``) are
+      computed per packed sequence (:func:`underlay.models.rope.apply_per_sequence_rope`), so a sequence's
+      result does not depend on the sequences packed with it.
 
     What the model needs is inspected (:func:`underlay.models.inspect_model`: attention dispatch through
     the AttentionInterface, position ids, layer types, logit scaling; sliding windows, softcaps, sinks,
@@ -140,6 +145,7 @@ def prepare_model(
             tower.register_forward_pre_hook(_drop_text_packing, with_kwargs=True)
             setattr(tower, _TEXT_PACKING_FILTER, True)
     apply_tiled_mlp(inner, tiled_mlp_tiles)
+    apply_per_sequence_rope(inner, sp_group)
     return model
 
 

@@ -17,7 +17,13 @@ import torch.distributed as dist
 
 from underlay.interfaces import IGNORE_INDEX, InvalidInput, LogprobOutput
 
-__all__ = ["check_logprob_args", "entropy_from_logits", "linear_logprobs", "logprobs_from_logits"]
+__all__ = [
+    "check_logprob_args",
+    "check_softcap",
+    "entropy_from_logits",
+    "linear_logprobs",
+    "logprobs_from_logits",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -314,15 +320,23 @@ def entropy_from_logits(
 # ------------------------------------------------------------------------------------- from hidden
 
 
-def _logits_chunk(h: torch.Tensor, weight: torch.Tensor, inv_t: float) -> torch.Tensor:
+def _logits_chunk(
+    h: torch.Tensor, weight: torch.Tensor, inv_t: float, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``h @ weight.T * inv_t`` (fp64 for fp64 input); half inputs multiply in their dtype (fp32
-    accumulation)."""
+    accumulation). With ``softcap`` ``c``: ``c * tanh(h @ weight.T / c) * inv_t`` (Gemma's final-logit
+    cap, then the temperature), and the chunk's ``tanh`` values as the second result (backward's
+    derivative ``(1 - tanh**2) * inv_t``); else ``None``."""
     z = h @ weight.t()
     acc = _acc_dtype(h.dtype)
     z = z.to(acc) if z.dtype != acc else z
-    if inv_t != 1.0:
+    th = None
+    if softcap is not None:
+        th = z.div_(softcap).tanh_()
+        z = th * (softcap * inv_t)
+    elif inv_t != 1.0:
         z.mul_(inv_t)
-    return z
+    return z, th
 
 
 class _LinearLogprob(torch.autograd.Function):
@@ -338,6 +352,7 @@ class _LinearLogprob(torch.autograd.Function):
         with_entropy: bool,
         rows: int,
         group: Any | None,
+        softcap: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rank, _ = _group_info(group)
         offset = rank * weight.shape[0]
@@ -351,7 +366,7 @@ class _LinearLogprob(torch.autograd.Function):
         keep = labels != IGNORE_INDEX
         for start in range(0, n, rows):
             sl = slice(start, min(start + rows, n))
-            z = _logits_chunk(hidden[sl], weight, inv_t)
+            z, _ = _logits_chunk(hidden[sl], weight, inv_t, softcap)
             c_lse, c_lab, c_ent = _chunk_forward(z, labels[sl], offset, with_entropy, group)
             del z
             lse[sl] = c_lse
@@ -361,6 +376,7 @@ class _LinearLogprob(torch.autograd.Function):
                 ent[sl] = torch.where(keep[sl], c_ent, torch.zeros_like(c_ent))
         ctx.save_for_backward(hidden, weight, labels, lse, ent)
         ctx.temperature, ctx.rows, ctx.group, ctx.offset = temperature, rows, group, offset
+        ctx.softcap = softcap
         ctx.set_materialize_grads(False)
         return lp, ent
 
@@ -372,7 +388,7 @@ class _LinearLogprob(torch.autograd.Function):
             g_ent_in = None
         acc = _acc_dtype(hidden.dtype)
         g_lp, g_ent = _masked_grads(labels, g_lp_in, g_ent_in, acc)
-        nones = (None, None, None, None, None)
+        nones = (None, None, None, None, None, None)
         if g_lp is None and g_ent is None:
             return None, None, *nones
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -382,7 +398,7 @@ class _LinearLogprob(torch.autograd.Function):
         for start in range(0, n, rows):
             sl = slice(start, min(start + rows, n))
             h = hidden[sl]
-            z = _logits_chunk(h, weight, inv_t)
+            z, th = _logits_chunk(h, weight, inv_t, ctx.softcap)
             g = _chunk_grad(
                 z,
                 lse[sl],
@@ -391,9 +407,12 @@ class _LinearLogprob(torch.autograd.Function):
                 ctx.offset,
                 g_lp[sl] if g_lp is not None else None,
                 g_ent[sl] if g_ent is not None else None,
-                inv_t,
+                inv_t if th is None else 1.0,
             )
             del z
+            if th is not None:  # through s = c * tanh(z / c) * inv_t: ds/dz = (1 - tanh^2) * inv_t
+                g.mul_(th.square_().neg_().add_(1.0)).mul_(inv_t)
+                del th
             g = g.to(weight.dtype)
             if grad_h is not None:
                 grad_h[sl] = g @ weight
@@ -406,6 +425,16 @@ class _LinearLogprob(torch.autograd.Function):
             None if grad_w is None else grad_w.to(weight.dtype),
             *nones,
         )
+
+
+def check_softcap(softcap: float | None, what: str = "logprob kernel") -> float | None:
+    """``softcap`` as a float, or ``None`` for no cap (``None`` and 0 both mean none, as in
+    transformers' configs). ``InvalidInput`` for a negative, NaN or infinite cap."""
+    if softcap is None or softcap == 0:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < float("inf")):
+        raise InvalidInput(f"{what}: softcap={softcap!r} must be a finite number > 0, or None for no cap")
+    return float(softcap)
 
 
 def check_logprob_args(
@@ -462,8 +491,12 @@ def linear_logprobs(
     with_entropy: bool = True,
     chunk_size: int = 4096,
     vocab_group: Any | None = None,
+    softcap: float | None = None,
 ) -> LogprobOutput:
-    """Log-probs (and entropy) of ``labels`` under ``softmax(hidden @ weight.T / temperature)``.
+    """Log-probs (and entropy) of ``labels`` under ``softmax(hidden @ weight.T / temperature)``, or with
+    ``softcap`` ``c`` (Gemma 2/3's final-logit cap) under ``softmax(c * tanh(hidden @ weight.T / c) /
+    temperature)``: the cap first, then the temperature, as transformers' forward caps the logits and
+    a sampler then divides them.
 
     ``hidden [N, H]``, ``weight [V_local, H]`` of the same dtype (fp32/bf16/fp16/fp64) and device, ``labels
     [N]`` int64 global ids in ``[0, V)`` or ``IGNORE_INDEX``. The work is chunked over ``chunk_size``
@@ -484,7 +517,8 @@ def linear_logprobs(
     check_logprob_args(hidden, weight, labels, temperature, vocab_group, "linear_logprobs")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise InvalidInput(f"linear_logprobs: chunk_size={chunk_size!r} must be an int >= 1")
+    cap = check_softcap(softcap, "linear_logprobs")
     lp, ent = _LinearLogprob.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, labels.long(), float(temperature), bool(with_entropy), chunk_size, vocab_group
+        hidden, weight, labels.long(), float(temperature), bool(with_entropy), chunk_size, vocab_group, cap
     )
     return LogprobOutput(lp, ent if with_entropy else None)

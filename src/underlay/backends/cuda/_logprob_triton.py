@@ -256,6 +256,7 @@ def _program_logits(  # type: ignore[no-untyped-def]
     stride_wv,
     stride_wk,
     inv_t,
+    cap,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -263,9 +264,10 @@ def _program_logits(  # type: ignore[no-untyped-def]
     PRECISION: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Tile ``(pid_n, pid_v)``: ``(offs_n, offs_v, z)`` with ``z = hidden[offs_n] @ weight[offs_v].T *
-    inv_t`` in fp32 (masked rows/columns read zeros). With ``USE_TMA`` ``h_ptr``/``w_ptr`` are
+    inv_t`` (with ``SOFTCAP``: ``cap * tanh(hidden @ weight.T / cap) * inv_t``) in fp32 (masked rows/columns read zeros). With ``USE_TMA`` ``h_ptr``/``w_ptr`` are
     ``TensorDescriptor``s (out-of-bounds blocks read zeros); with ``FROM_LOGITS`` the tile is read from an
     fp32 logits buffer at ``h_ptr`` (strides ``stride_hn``, ``stride_hk``) instead of being computed."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -303,23 +305,26 @@ def _program_logits(  # type: ignore[no-untyped-def]
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             h_ptrs += BLOCK_K * stride_hk
             w_ptrs += BLOCK_K * stride_wk
-    return offs_n, offs_v, acc * inv_t
+    z = acc * inv_t
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without inf - inf
+        z = (1.0 - 2.0 / (tl.exp(2.0 * (acc / cap)) + 1.0)) * (cap * inv_t)
+    return offs_n, offs_v, z
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _fwd_tile(  # type: ignore[no-untyped-def]
-    tile, h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t,
+    tile, h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t, cap,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_ws,
     WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, FROM_LOGITS: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One tile's softmax partials: row max, sum exp, sum exp * z into column ``pid_v`` of the
     workspace, and the label logit of the rows whose label falls inside the tile."""
     pid_n, pid_v = _tile_of(tile, N, V, BLOCK_N, BLOCK_V, GROUP_N)
     offs_n, offs_v, z = _program_logits(
-        h_ptr, w_ptr, pid_n, pid_v, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
-        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, PRECISION, FROM_LOGITS, USE_TMA,
+        h_ptr, w_ptr, pid_n, pid_v, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t, cap,
+        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, PRECISION, FROM_LOGITS, USE_TMA, SOFTCAP,
     )  # fmt: skip
     n_mask = offs_n < N
     v_mask = offs_v < V
@@ -358,6 +363,7 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     H,
     label_offset,
     inv_t,
+    cap,
     stride_hn,
     stride_hk,
     stride_wv,
@@ -373,37 +379,39 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
 ):
     """With ``USE_TMA`` a persistent grid of ``NUM_PROGRAMS`` programs walks all tiles; else one
     program per tile."""
     if USE_TMA:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N) * tl.cdiv(V, BLOCK_V), NUM_PROGRAMS):
             _fwd_tile(
-                tile, h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t,
+                tile, h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t, cap,
                 stride_hn, stride_hk, stride_wv, stride_wk, stride_ws, WITH_ENTROPY, PRECISION, FROM_LOGITS,
-                USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+                USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, SOFTCAP,
             )  # fmt: skip
     else:
         _fwd_tile(
             tl.program_id(0), h_ptr, w_ptr, lab_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, label_offset, inv_t,
-            stride_hn, stride_hk, stride_wv, stride_wk, stride_ws, WITH_ENTROPY, PRECISION, FROM_LOGITS,
-            USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+            cap, stride_hn, stride_hk, stride_wv, stride_wk, stride_ws, WITH_ENTROPY, PRECISION, FROM_LOGITS,
+            USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, SOFTCAP,
         )  # fmt: skip
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _bwd_tile(  # type: ignore[no-untyped-def]
-    tile, h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H, label_offset, inv_t,
+    tile, h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H, label_offset, inv_t, cap,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_dn,
     WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, FROM_LOGITS: tl.constexpr, USE_TMA: tl.constexpr,
     TMA_STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """One tile of ``dlogits = (onehot - p) * g_lp - p * (z - E[z]) * g_ent`` (times ``inv_t``)."""
+    """One tile of ``dlogits = (onehot - p) * g_lp - p * (z - E[z]) * g_ent`` (times ``inv_t``; with
+    ``SOFTCAP`` times ``(1 - tanh**2) * inv_t``, the derivative of the capped logit)."""
     pid_n, pid_v = _tile_of(tile, N, V, BLOCK_N, BLOCK_V, GROUP_N)
     offs_n, offs_v, z = _program_logits(
-        h_ptr, w_ptr, pid_n, pid_v, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t,
-        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, PRECISION, FROM_LOGITS, USE_TMA,
+        h_ptr, w_ptr, pid_n, pid_v, N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_t, cap,
+        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, PRECISION, FROM_LOGITS, USE_TMA, SOFTCAP,
     )  # fmt: skip
     n_mask = offs_n < N
     v_mask = offs_v < V
@@ -417,11 +425,16 @@ def _bwd_tile(  # type: ignore[no-untyped-def]
         ez = tl.load(ez_ptr + offs_n, mask=n_mask, other=0.0)
         g_ent = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
         dz -= p * (z - ez[:, None]) * g_ent[:, None]
+    if SOFTCAP:
+        th = z / (cap * inv_t)
+        dz = dz * ((1.0 - th * th) * inv_t)
+    else:
+        dz = dz * inv_t
     if TMA_STORE:  # the descriptor clips the tile at the edges: full-width stores without masks
-        d_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], (dz * inv_t).to(d_ptr.dtype))
+        d_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], dz.to(d_ptr.dtype))
     else:
         d_ptrs = d_ptr + offs_n.to(tl.int64)[:, None] * stride_dn + offs_v[None, :]
-        tl.store(d_ptrs, (dz * inv_t).to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
+        tl.store(d_ptrs, dz.to(d_ptr.dtype.element_ty), mask=n_mask[:, None] & v_mask[None, :])
 
 
 @triton.autotune(
@@ -445,6 +458,7 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
     H,
     label_offset,
     inv_t,
+    cap,
     stride_hn,
     stride_hk,
     stride_wv,
@@ -461,20 +475,21 @@ def _bwd_dlogits_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Grid as :func:`_fwd_kernel`'s."""
     if USE_TMA:
         for tile in range(tl.program_id(0), tl.cdiv(N, BLOCK_N) * tl.cdiv(V, BLOCK_V), NUM_PROGRAMS):
             _bwd_tile(
                 tile, h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H, label_offset,
-                inv_t, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
-                FROM_LOGITS, USE_TMA, TMA_STORE, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+                inv_t, cap, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
+                FROM_LOGITS, USE_TMA, TMA_STORE, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, SOFTCAP,
             )  # fmt: skip
     else:
         _bwd_tile(
             tl.program_id(0), h_ptr, w_ptr, lab_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d_ptr, N, V, H,
-            label_offset, inv_t, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
-            FROM_LOGITS, USE_TMA, TMA_STORE, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K,
+            label_offset, inv_t, cap, stride_hn, stride_hk, stride_wv, stride_wk, stride_dn, WITH_ENTROPY, PRECISION,
+            FROM_LOGITS, USE_TMA, TMA_STORE, BLOCK_N, BLOCK_V, BLOCK_K, GROUP_N, EVEN_K, SOFTCAP,
         )  # fmt: skip
 
 
@@ -555,6 +570,7 @@ def _forward_stats(
     row_split: int | None = None,
     v_chunk: int | None = None,
     tma: str = DEFAULT_TMA,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row max, sum-exp relative to it, sum exp * z relative to it, and label logit (0 where not local)."""
     n, h = hidden.shape
@@ -572,10 +588,10 @@ def _forward_stats(
         progs = _num_programs(hidden)
         h_op, w_op = _operands(hidden, weight, use_tma)
         _fwd_kernel[_grid(n, v, progs if use_tma else None)](
-            h_op, w_op, labels, m_ws, s_ws, t_ws, zl, n, v, h, label_offset, inv_t,
+            h_op, w_op, labels, m_ws, s_ws, t_ws, zl, n, v, h, label_offset, inv_t, softcap or 1.0,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), m_ws.stride(0),
             WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=False,
-            USE_TMA=use_tma, NUM_PROGRAMS=progs,
+            USE_TMA=use_tma, NUM_PROGRAMS=progs, SOFTCAP=softcap is not None,
         )  # fmt: skip
     else:
         bv = fwd_block_v(hidden.dtype)
@@ -589,10 +605,10 @@ def _forward_stats(
             c0 = v0 // bv
             _fwd_kernel[_grid(r1 - r0, v1 - v0)](
                 z, weight, labels[r0:r1], m_ws[r0:, c0:], s_ws[r0:, c0:], t_ws[r0:, c0:], zl[r0:],
-                r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
+                r1 - r0, v1 - v0, h, label_offset + v0, inv_t, softcap or 1.0,
                 z.stride(0), z.stride(1), 0, 0, m_ws.stride(0),
                 WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=True,
-                USE_TMA=False, NUM_PROGRAMS=1,
+                USE_TMA=False, NUM_PROGRAMS=1, SOFTCAP=softcap is not None,
             )  # fmt: skip
     m = m_ws.max(dim=1).values
     rescale = torch.exp(m_ws - m[:, None])
@@ -693,6 +709,7 @@ def _backward(
     v_chunk: int | None,
     mode: str,
     tma: str = DEFAULT_TMA,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     n, h = hidden.shape
     v = weight.shape[0]
@@ -738,10 +755,10 @@ def _backward(
             _bwd_dlogits_kernel[_grid(r1 - r0, v1 - v0, progs if use_tma else None)](
                 src_op, w_op, labels[r0:r1], lse[r0:r1], ez[r0:r1], g_lp[r0:r1],
                 (g_ent if g_ent is not None else g_lp)[r0:r1], d_op,
-                r1 - r0, v1 - v0, h, label_offset + v0, inv_t,
+                r1 - r0, v1 - v0, h, label_offset + v0, inv_t, softcap or 1.0,
                 src.stride(0), src.stride(1), w.stride(0), w.stride(1), d.stride(0),
                 WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype), FROM_LOGITS=hybrid,
-                USE_TMA=use_tma, TMA_STORE=tma_store, NUM_PROGRAMS=progs,
+                USE_TMA=use_tma, TMA_STORE=tma_store, NUM_PROGRAMS=progs, SOFTCAP=softcap is not None,
             )  # fmt: skip
             if grad_w is not None:
                 if r0 == 0:
@@ -773,10 +790,11 @@ class _FusedLinearLogprob(torch.autograd.Function):
         v_chunk: int | None,
         mode: str,
         tma: str,
+        softcap: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_t = 1.0 / temperature
         m, s, t, zl = _forward_stats(
-            hidden, weight, labels, label_offset, inv_t, with_entropy, mode, row_split, v_chunk, tma
+            hidden, weight, labels, label_offset, inv_t, with_entropy, mode, row_split, v_chunk, tma, softcap
         )
         if group is not None:
             import torch.distributed as dist
@@ -794,7 +812,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
         ez = t / s
         entropy = torch.where(valid, lse - ez, 0.0) if with_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(hidden, weight, labels, lse, ez)
-        ctx.cfg = (inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode, tma)
+        ctx.cfg = (inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode, tma, softcap)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
@@ -802,7 +820,7 @@ class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
         hidden, weight, labels, lse, ez = ctx.saved_tensors
-        inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode, tma = ctx.cfg
+        inv_t, with_entropy, group, label_offset, row_split, v_chunk, mode, tma, softcap = ctx.cfg
         valid = labels != -100
         g_lp = torch.where(valid, g_lp, 0.0) if g_lp is not None else torch.zeros_like(lse)
         g_ent = torch.where(valid, g_ent, 0.0) if (g_ent is not None and with_entropy) else None
@@ -810,13 +828,13 @@ class _FusedLinearLogprob(torch.autograd.Function):
             hidden, weight, labels, lse, ez, g_lp.float().contiguous(),
             g_ent.float().contiguous() if g_ent is not None else None,
             label_offset, inv_t, ctx.needs_input_grad[0], ctx.needs_input_grad[1], row_split, v_chunk,
-            mode, tma,
+            mode, tma, softcap,
         )  # fmt: skip
         if group is not None and grad_h is not None:
             import torch.distributed as dist
 
             dist.all_reduce(grad_h, group=group)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None, None
 
 
 def check_mode(mode: str, source: str = "mode") -> LogprobMode:
@@ -855,8 +873,11 @@ def fused_linear_logprobs(
     v_chunk: int | None = None,
     mode: str = DEFAULT_MODE,
     tma: str = DEFAULT_TMA,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fused ``log_softmax(hidden @ weight.T / temperature)[labels]`` and entropy, fp32 ``[N]`` each.
+    """Fused ``log_softmax(hidden @ weight.T / temperature)[labels]`` and entropy, fp32 ``[N]`` each;
+    with ``softcap`` ``c`` the logits are ``c * tanh(hidden @ weight.T / c)`` before the temperature
+    (Gemma 2/3's final-logit cap), inside the same tiles: no ``[N, V]`` buffer either way.
 
     No validation here (the caller, :class:`TritonLogprobKernel`, validates). ``label_offset`` is the
     global id of ``weight``'s first row (vocabulary shard start); with ``group`` the statistics are
@@ -875,6 +896,6 @@ def fused_linear_logprobs(
     tma = check_tma(tma)
     lp, ent = _FusedLinearLogprob.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels.contiguous(), float(temperature), bool(with_entropy), group, int(label_offset),
-        row_split, v_chunk, mode, tma,
+        row_split, v_chunk, mode, tma, softcap,
     )  # fmt: skip
     return lp, (ent if with_entropy else None)

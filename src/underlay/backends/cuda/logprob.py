@@ -7,7 +7,7 @@ from typing import Any, Literal
 import torch
 
 from underlay.interfaces import Device, InvalidInput, LogprobOutput
-from underlay.ops.logprob import check_logprob_args
+from underlay.ops.logprob import check_logprob_args, check_softcap
 
 __all__ = ["TritonLogprobKernel"]
 
@@ -85,8 +85,10 @@ class TritonLogprobKernel:
         temperature: float = 1.0,
         with_entropy: bool = True,
         vocab_group: Any | None = None,
+        softcap: float | None = None,
     ) -> LogprobOutput:
-        """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``).
+        """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``);
+        ``softcap`` caps the logits inside the same tiles (see ``LogprobKernel``).
 
         Raises ``InvalidInput`` on mismatched shapes, dtypes or devices, labels outside ``[0, V)`` other
         than ``IGNORE_INDEX``, or a temperature that is not a finite positive number.
@@ -94,6 +96,7 @@ class TritonLogprobKernel:
         from underlay.backends.cuda import _logprob_triton as impl
 
         offset = self._validate(hidden, weight, labels, temperature, vocab_group, impl.INTERPRET)
+        cap = check_softcap(softcap, "triton logprob kernel")
         lp, ent = impl.fused_linear_logprobs(
             hidden,
             weight,
@@ -104,6 +107,7 @@ class TritonLogprobKernel:
             label_offset=offset,
             mode=self._mode,
             tma=self._tma,
+            softcap=cap,
         )
         return LogprobOutput(log_probs=lp, entropy=ent)
 

@@ -52,6 +52,7 @@ class TorchLogprobKernel:
         temperature: float = 1.0,
         with_entropy: bool = True,
         vocab_group: Any | None = None,
+        softcap: float | None = None,
     ) -> LogprobOutput:
         """Per-token fp32 log-probs ``[N]`` and entropy ``[N]`` (``None`` unless ``with_entropy``; fp64
         for fp64 input);
@@ -64,6 +65,7 @@ class TorchLogprobKernel:
             with_entropy=with_entropy,
             chunk_size=self.chunk_for(weight),
             vocab_group=vocab_group,
+            softcap=softcap,
         )
 
     def chunk_for(self, weight: torch.Tensor) -> int:

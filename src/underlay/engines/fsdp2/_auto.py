@@ -16,6 +16,7 @@ from underlay.engines.fsdp2.defaults import ModelShape, Resolved, resolve
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import decoder_layers, torch_dtype
 from underlay.interfaces import Device, EngineConfig, ParallelLayout
+from underlay.models._compat import config_value
 from underlay.parallel.rank import current_rank
 
 __all__ = ["CompileWarmup", "model_shape", "resolve_for"]
@@ -32,15 +33,16 @@ def model_shape(model: torch.nn.Module, hf_config: Any) -> ModelShape:
     (tied parameters once), dimensions from its config (``text_config`` of multimodal ones; MoE: the
     routed experts per token x expert width, plus the shared expert)."""
     cfg = getattr(hf_config, "text_config", None) or hf_config
-    hidden = int(cfg.hidden_size)
-    heads = int(cfg.num_attention_heads)
-    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    ffn = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
-    topk = getattr(cfg, "num_experts_per_tok", None)
-    moe_width = getattr(cfg, "moe_intermediate_size", None)
+    # (per-layer attributes of heterogeneous configs, e.g. Gemma 4's head dims: the largest layer's)
+    hidden = int(config_value(cfg, "hidden_size"))
+    heads = int(config_value(cfg, "num_attention_heads"))
+    kv = int(config_value(cfg, "num_key_value_heads") or heads)
+    head_dim = int(config_value(cfg, "head_dim") or hidden // heads)
+    ffn = int(config_value(cfg, "intermediate_size") or 4 * hidden)
+    topk = config_value(cfg, "num_experts_per_tok")
+    moe_width = config_value(cfg, "moe_intermediate_size")
     if topk and moe_width:
-        ffn = int(topk) * int(moe_width) + int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        ffn = int(topk) * int(moe_width) + int(config_value(cfg, "shared_expert_intermediate_size", 0))
     params = _unique_params(model)
     layers = decoder_layers(model)
     layer_ids = {id(p) for layer in layers for p in layer.parameters()}

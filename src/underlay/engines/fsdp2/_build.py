@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,12 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from underlay.interfaces import CheckpointError, ConfigError, LoraConfig, ModelConfig
+from underlay.models.overrides import apply_overrides
 
 __all__ = [
+    "adapter_tensors",
     "build_model",
+    "check_adapter_dir",
     "copy_into_param",
     "hf_config_of",
     "hf_name",
@@ -33,7 +37,7 @@ def hf_config_of(model_cfg: ModelConfig) -> Any:
     if model_cfg.hf_config is not None:
         import copy
 
-        return copy.deepcopy(model_cfg.hf_config)
+        return apply_overrides(copy.deepcopy(model_cfg.hf_config), model_cfg)
     from transformers import AutoConfig
 
     assert model_cfg.path is not None
@@ -43,7 +47,7 @@ def hf_config_of(model_cfg: ModelConfig) -> Any:
             f"ModelConfig.path={model_cfg.path!r} has no config.json; give a local Hugging Face model "
             "directory (nothing is downloaded)"
         )
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return apply_overrides(AutoConfig.from_pretrained(str(path), local_files_only=True), model_cfg)
 
 
 @contextlib.contextmanager
@@ -78,6 +82,15 @@ def _auto_model(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
 
         return AutoModelForImageTextToText.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-any-return,no-untyped-call]
     if model_cfg.kind == "value":
+        from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+            raise ConfigError(
+                f"ModelConfig(kind='value'): transformers has no token-classification (value head) class "
+                f"for model_type {model_type!r}, so underlay cannot build its value model; use a model type "
+                "with an AutoModelForTokenClassification class"
+            )
         hf_config.num_labels = 1
         model = AutoModelForTokenClassification.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     else:
@@ -91,19 +104,77 @@ def _add_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
         from peft import get_peft_model
     except ImportError as exc:
         raise ConfigError("ModelConfig.lora needs peft: pip install 'underlay[hf]'") from exc
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    excl = lora.exclude_modules if isinstance(lora.exclude_modules, str) else list(lora.exclude_modules)
     peft_cfg = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
+        exclude_modules=excl or None,
         bias="none",
     )
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as exc:
         raise ConfigError(
-            f"LoraConfig.target_modules={lora.target_modules}: {exc}; name linear layers of the model"
+            f"LoraConfig.target_modules={lora.target_modules} (exclude_modules={lora.exclude_modules}): {exc}; "
+            "name linear layers of the model"
         ) from exc
+
+
+def check_adapter_dir(lora: LoraConfig) -> tuple[Path, dict[str, Any]]:
+    """The adapter directory of ``lora.adapter_path`` and its ``adapter_config.json``, after checking
+    that rank, alpha and targets equal ``lora``'s. ``ConfigError`` naming the difference or the missing
+    file (before anything is built)."""
+    import json
+
+    assert lora.adapter_path is not None
+    root = Path(lora.adapter_path)
+    cfg_file, weights = root / "adapter_config.json", root / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ConfigError(
+            f"LoraConfig.adapter_path={lora.adapter_path!r}: needs adapter_config.json and "
+            "adapter_model.safetensors (peft's save_pretrained / export_adapters layout)"
+        )
+    data = json.loads(cfg_file.read_text())
+    file_targets = data.get("target_modules") or ()
+    file_targets = file_targets if isinstance(file_targets, str) else tuple(sorted(file_targets))
+    mine = lora.target_modules if isinstance(lora.target_modules, str) else tuple(sorted(lora.target_modules))
+    diff = {
+        k: (a, b)
+        for k, a, b in (
+            ("rank", lora.rank, data.get("r")),
+            ("alpha", float(lora.alpha), float(data.get("lora_alpha", -1))),
+            ("target_modules", mine, file_targets),
+        )
+        if a != b
+    }
+    if diff and not (set(diff) == {"target_modules"} and mine == "all-linear"):
+        text = ", ".join(f"{k}: config {a!r} vs file {b!r}" for k, (a, b) in diff.items())
+        raise ConfigError(
+            f"LoraConfig.adapter_path={lora.adapter_path!r} differs from the LoraConfig ({text}); "
+            "build it with LoraConfig.from_adapter(path)"
+        )
+    return root, data
+
+
+def adapter_tensors(lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The adapter weights of ``lora.adapter_path`` under the engine's parameter names (peft's saved
+    ``...lora_A.weight`` is the live ``...lora_A.default.weight``)."""
+    from safetensors.torch import load_file
+
+    root, _ = check_adapter_dir(lora)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(root / "adapter_model.safetensors")).items():
+        live = re.sub(r"\.(lora_[AB])\.weight$", r".\1.default.weight", name)
+        if live == name:
+            raise CheckpointError(
+                f"LoraConfig.adapter_path={lora.adapter_path!r}: tensor {name!r} is not a LoRA A/B weight of a "
+                "linear layer (the engines adapt linear layers only)"
+            )
+        out[live] = t
+    return out
 
 
 def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.nn.Module:
@@ -112,6 +183,8 @@ def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.
     model ``models.vision_value_model``), with peft LoRA adapters when ``model_cfg.lora`` is set. With ``meta`` the parameters are on
     the meta device (no memory); otherwise they are initialised on the cpu from ``model_cfg.seed``
     (rank independent, so every rank builds the same values as a single process would)."""
+    if model_cfg.lora is not None and model_cfg.lora.adapter_path is not None:
+        check_adapter_dir(model_cfg.lora)
     if meta:
         with meta_params():
             model = _auto_model(model_cfg, hf_config)

@@ -82,6 +82,20 @@ MEMORY_MARGIN_BYTES = 2 * GiB
 the CUDA/NPU context (8% + 2 GiB: 140.4 GiB -> 127.2 GiB usable on an H200)."""
 
 
+HEAD_CHUNK_BYTES = 2 * (256 << 20)
+"""The fused head's bounded buffers: one fp32 logits chunk of about 256 MiB (torch kernel; the Triton
+backward's dlogits and accumulator are about 128 MiB each) and, for a soft-capped head, its tanh chunk."""
+
+
+def head_bytes(shape: ModelShape, tokens: int) -> int:
+    """Device bytes of the fused log-prob head for ``tokens`` tokens, the same for every architecture
+    (soft-capped heads included: the cap is applied inside the kernel's chunks): per token its hidden
+    state and gradient (fp32, ``12 * hidden``), the per-row statistics and the Triton forward's
+    ``ceil(V / 256)``-column fp32 workspaces (three), a 64 KiB margin; plus :data:`HEAD_CHUNK_BYTES`."""
+    per_token = 12 * shape.hidden + 12 * -(-shape.vocab // 256) + 65536
+    return tokens * per_token + HEAD_CHUNK_BYTES
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the memory estimate needs of a decoder-only model.
@@ -204,8 +218,7 @@ def estimate_memory(
     micro-batch, ``micro_batch_max_tokens``; divided over ``ulysses`` ranks) x layers x
     ``activation_bytes_per_token_layer``, or with ``recompute="full"`` the layer inputs plus one layer's
     activations; ``activation_offload`` (saved activations in host memory, one layer of slack and one
-    prefetched): two layers' activations, or one with full recomputation. Head: the fused log-prob
-    head's hidden states and its bounded logits chunk."""
+    prefetched): two layers' activations, or one with full recomputation. Head: :func:`head_bytes`."""
     p, t = shape.params, shape.trainable
     master = 0 if cpu_offload else 4 * p // dp
     grads = 0 if cpu_offload else 4 * t // dp
@@ -235,7 +248,7 @@ def estimate_memory(
         acts = n * (shape.layers * param_bytes * shape.hidden + per_layer)
     else:
         acts = n * shape.layers * per_layer
-    head = n * (12 * shape.hidden + 65536)
+    head = head_bytes(shape, n)
     accumulated = max(0, 4 * t - grads) if grad_sync == "per_step" else 0
     return MemoryEstimate(master, grads, optim, unsharded, transient, int(acts), head, accumulated)
 

@@ -50,7 +50,7 @@ from underlay.engines.fsdp2.parallelize import (
     torch_dtype,
     validate_ulysses,
 )
-from underlay.engines.fsdp2.weightmap import fsdp2_weight_map
+from underlay.engines.fsdp2.weightmap import fsdp2_weight_map, persistent_buffers
 from underlay.interfaces import (
     CheckpointError,
     ConfigError,
@@ -161,7 +161,9 @@ class FSDP2Engine:
             reshard_after_forward=not self._keep_unsharded,
         )
         self._weight_map = fsdp2_weight_map(
-            model.named_parameters(remove_duplicate=False), self._hf_config, config.model.kind
+            [*model.named_parameters(remove_duplicate=False), *persistent_buffers(model)],
+            self._hf_config,
+            config.model.kind,
         )
         model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
         self._restore_buffers(model, buffers)
@@ -171,7 +173,9 @@ class FSDP2Engine:
         fused = bool(options.fused_adamw) and device.is_accelerator
         optim = config.optim
         self._optimizer: torch.optim.Optimizer
-        if options.optimizer_offload:
+        if optim.name.lower() != "adamw":
+            self._optimizer = _named_optimizer(trainable, optim, bool(options.optimizer_offload))
+        elif options.optimizer_offload:
             from underlay.engines.fsdp2.optim_offload import HostOffloadAdamW
 
             self._optimizer = HostOffloadAdamW(
@@ -200,6 +204,7 @@ class FSDP2Engine:
         self._grads_pending = False
         self._skip_next = False  # a non-finite loss or metric since the last optimizer step
         self._offloaded: dict[str, Any] = {}
+        self._adapter_disabled = False
         self._logprob_kernel = self._pick_logprob_kernel()
 
     # ------------------------------------------------------------------------------ construction
@@ -238,7 +243,9 @@ class FSDP2Engine:
         mc = self._config.model
         fill: set[str] | None = None
         if mc.path is not None and mc.load_weights:
-            report = load_hf_into(self, mc.path, strict=mc.kind == "causal_lm")
+            # strict for value models too: only their score head is optional (lm_head is ignored), so
+            # a router or expert the map cannot find is an error, never a seed-initialised tensor
+            report = load_hf_into(self, mc.path, strict=True)
             fill = set()
             for hf in report.missing:
                 rule = self._weight_map.rule_for_hf(hf)
@@ -247,6 +254,15 @@ class FSDP2Engine:
             if not fill and mc.lora is None:
                 return
         full = _build.seeded_state(mc, self._hf_config)
+        if mc.lora is not None and mc.lora.adapter_path is not None:
+            adapters = _build.adapter_tensors(mc.lora)
+            live = {n for n, _ in self._model.named_parameters() if "lora_" in n}
+            if set(adapters) != live:
+                raise CheckpointError(
+                    f"LoraConfig.adapter_path={mc.lora.adapter_path!r} does not fit the adapted model: missing "
+                    f"{sorted(live - set(adapters))[:4]}, unexpected {sorted(set(adapters) - live)[:4]}"
+                )
+            full.update(adapters)
         for name, param in self._model.named_parameters():
             if fill is None or "lora_" in name or name in fill:
                 _build.copy_into_param(param, full[name], name)
@@ -346,7 +362,8 @@ class FSDP2Engine:
             f"device={self._device.device_type}, recompute={self._recompute!r}, compile={o.compile!r}, "
             f"compile_memory_budget={o.compile_memory_budget!r}, fused_adamw={o.fused_adamw!r}, "
             f"reshard_after_forward={o.reshard_after_forward!r}, grad_sync={o.grad_sync!r}, "
-            f"optimizer_offload={o.optimizer_offload!r})"
+            f"optimizer_offload={o.optimizer_offload!r}, "
+            f"training_randomness={self._config.model.training_randomness!r})"
         )
 
     @property
@@ -424,7 +441,7 @@ class FSDP2Engine:
         def back(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else pad(t, packed)
 
-        return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values))
+        return TokenOutputs(back(out.log_probs), back(out.entropy), back(out.values), out.aux_loss)
 
     def _vision_inputs(self, batch: TokenBatch) -> tuple[dict[str, torch.Tensor] | None, int]:
         """A vision-language micro-batch's ``multimodal`` inputs, and how many zero-weight vision
@@ -460,6 +477,11 @@ class FSDP2Engine:
         call then syncs per micro-batch, so unsharded and sharded gradients never add up). The same
         gradients up to floating-point summation order. An exception leaves no gradient behind (the
         earlier calls' included), resets FSDP's per-iteration state and restores gradient sync."""
+        if self._adapter_disabled:
+            raise InvalidInput(
+                "forward_backward inside disable_adapter(): the adapters are bypassed there, nothing would "
+                "train; leave the block first (use it for the reference log-probs of infer)"
+            )
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         dp_group = self._dp_group
@@ -469,7 +491,9 @@ class FSDP2Engine:
         denom = float(max(n_tokens, 1))
         scale = self._layout.world_size / denom
         plan = self._plan(batch)
-        self._model.train()
+        from underlay.models.randomness import set_training_mode
+
+        set_training_mode(self._model, self._config.model.training_randomness)
         # the same on every rank: the plan has as many micro-batches on every dp rank, and the
         # pending flag follows the calls, which are collective
         sync_once = self._options.grad_sync == "per_step" and len(plan) > 1 and not self._grads_pending
@@ -722,7 +746,7 @@ class FSDP2Engine:
         self._ensure_onloaded("weights")
         self._reshard()
         lora = _lora_modules(self._model)
-        params = dict(self._model.named_parameters())
+        params = self._params_by_name()
         for rule in self._weight_map.rules:
             name = rule.engine_name
             full = self._full(params[name])
@@ -750,7 +774,26 @@ class FSDP2Engine:
         return _build.copy_into_param(param, full, engine_name)
 
     def _params_by_name(self) -> dict[str, torch.Tensor]:
-        return dict(self._model.named_parameters())
+        # persistent buffers (routing biases) load and export like parameters (see fsdp2_weight_map)
+        return {**dict(persistent_buffers(self._model)), **dict(self._model.named_parameters())}
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Inside the block the LoRA adapters are bypassed: ``infer`` gives the base model's outputs
+        (the reference policy of LoRA RL, without a second copy of the model). ``forward_backward``
+        inside it raises ``InvalidInput`` (nothing trains there). ``InvalidInput`` for an engine
+        without LoRA. Not re-entrant; every rank enters it together."""
+        toggle = getattr(self._model, "disable_adapter", None)
+        if self._config.model.lora is None or toggle is None:
+            raise InvalidInput("disable_adapter: the engine has no LoRA adapters (ModelConfig.lora is None)")
+        if self._adapter_disabled:
+            raise InvalidInput("disable_adapter: already inside a disable_adapter() block")
+        self._adapter_disabled = True
+        try:
+            with toggle():
+                yield
+        finally:
+            self._adapter_disabled = False
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full LoRA adapter tensors (peft names without the ``.default`` adapter segment, as
@@ -1108,3 +1151,24 @@ def _lora_modules(model: torch.nn.Module) -> dict[str, Any]:
         if hasattr(module, "lora_A") and hasattr(module, "scaling") and hasattr(module, "base_layer"):
             found[name] = module
     return found
+
+
+def _named_optimizer(params: list[torch.nn.Parameter], optim: Any, offload: bool) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer ``optim.name`` (not AdamW) over ``params``: ``lr``,
+    ``weight_decay``, the ``betas``/``eps`` it takes, and ``optim.options`` (validated by
+    ``OptimConfig``). Host-offloaded state exists for AdamW only: ``ConfigError`` with
+    ``optimizer_offload``."""
+    from underlay.interfaces.config import optimizer_class, standard_optimizer_args
+
+    cls = optimizer_class(optim.name)
+    if offload:
+        raise ConfigError(
+            f"optimizer_offload keeps AdamW's state in host memory; OptimConfig.name={optim.name!r} has no "
+            "host-offloaded variant: use name='adamw' or turn optimizer_offload off (engine.offload() still "
+            "moves any optimizer's state between steps)"
+        )
+    kw = {k: getattr(optim, k) for k in standard_optimizer_args(cls)}
+    opt: torch.optim.Optimizer = cls(
+        params, lr=optim.lr, weight_decay=optim.weight_decay, **kw, **optim.options
+    )
+    return opt

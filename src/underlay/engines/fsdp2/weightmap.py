@@ -7,7 +7,10 @@ adapters get no rule (``named_full_parameters`` merges them into their base weig
 - Mixture-of-experts models whose transformers 5 modules keep the experts fused in memory
   (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) while their checkpoints hold
   one tensor per expert (``experts.{e}.gate_proj.weight`` ...): ``stack_experts`` rules, for the model
-  types in ``PER_EXPERT_CHECKPOINTS`` (other model types map those tensors by name, as saved).
+  types in ``PER_EXPERT_CHECKPOINTS`` and, with Mixtral's names (``block_sparse_moe.experts.{e}.w1``
+  ...), ``MIXTRAL_CHECKPOINTS`` (other model types map those tensors by name, as saved).
+- Persistent buffers (``persistent_buffers``: DeepSeek-V3's ``e_score_correction_bias``) map by name
+  like parameters, so they load from and export to checkpoints.
 - Value models (``ModelConfig.kind == "value"``): the head (``score.*``) is optional (a causal-LM
   checkpoint lacks it; the engine initialises it from the seed) and a checkpoint's ``lm_head.*`` is
   ignored.
@@ -42,16 +45,23 @@ from underlay.interfaces import InvalidInput, RulePattern, WeightMap, WeightRule
 
 __all__ = [
     "LEGACY_VL_CHECKPOINTS",
+    "MIXTRAL_CHECKPOINTS",
     "PER_EXPERT_CHECKPOINTS",
     "TRANSPOSED_EXPERT_CHECKPOINTS",
     "fsdp2_weight_map",
     "hf_name",
     "match_file_layout",
+    "persistent_buffers",
 ]
 
-PER_EXPERT_CHECKPOINTS = frozenset({"qwen2_moe", "qwen3_moe"})
+PER_EXPERT_CHECKPOINTS = frozenset({"qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe"})
 """Model types whose checkpoints store ``experts.{e}.{gate,up,down}_proj.weight`` while transformers 5
-fuses them in memory (verified for qwen3_moe with transformers 5.24's ``save_pretrained``)."""
+fuses them in memory (verified with transformers 5.25's ``save_pretrained`` for each)."""
+
+MIXTRAL_CHECKPOINTS = frozenset({"mixtral"})
+"""Model types whose checkpoints keep Mixtral's original layout: the sparse block under
+``block_sparse_moe.`` (module ``mlp.``) and per-expert ``experts.{e}.w1`` (gate), ``w3`` (up) and
+``w2`` (down) (transformers 5.25's ``save_pretrained`` writes them so)."""
 
 LEGACY_VL_CHECKPOINTS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 """Vision-language model types whose checkpoints hold ``visual.*`` and ``model.*`` for the modules
@@ -143,12 +153,42 @@ def _down(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
     return stack_experts(match.string, (prefix + ".{e}.down_proj.weight",), shape[0])
 
 
+def _mixtral_name(name: str) -> str:
+    return hf_name(name).replace(".mlp.", ".block_sparse_moe.")
+
+
+def _mixtral(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+    return rename(match.string, _mixtral_name(match.string))
+
+
+def _mixtral_gate_up(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+    prefix = _mixtral_name(match.string).rsplit(".", 1)[0]  # "...block_sparse_moe.experts"
+    return stack_experts(match.string, (prefix + ".{e}.w1.weight", prefix + ".{e}.w3.weight"), shape[0])
+
+
+def _mixtral_down(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+    prefix = _mixtral_name(match.string).rsplit(".", 1)[0]
+    return stack_experts(match.string, (prefix + ".{e}.w2.weight",), shape[0])
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of ``model`` that its ``state_dict`` (and so ``save_pretrained``) holds, e.g. DeepSeek-V3's
+    and GLM-4-MoE's routing bias ``mlp.gate.e_score_correction_bias``, by qualified name."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for module_name, module in model.named_modules():
+        for leaf, buf in module.named_buffers(recurse=False):
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                out.append((f"{module_name}.{leaf}" if module_name else leaf, buf))
+    return out
+
+
 def fsdp2_weight_map(
     named_params: Iterable[tuple[str, torch.Tensor]], hf_config: Any, kind: str
 ) -> WeightMap:
     """The map of a model from ``model.named_parameters(remove_duplicate=False)`` (every alias, so ties
-    are found), its ``hf_config`` and ``kind`` (``"causal_lm"`` or ``"value"``). Only names and shapes
-    are read (meta parameters are fine)."""
+    are found) followed by its :func:`persistent_buffers` (so routing-bias buffers load and export), its
+    ``hf_config`` and ``kind`` (``"causal_lm"`` or ``"value"``). Only names and shapes are read (meta
+    parameters are fine)."""
     model_type = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
     legacy_vl = getattr(hf_config, "model_type", None) in LEGACY_VL_CHECKPOINTS
 
@@ -171,6 +211,12 @@ def fsdp2_weight_map(
         patterns += [
             RulePattern(r".*\.experts\.gate_up_proj", _gate_up),
             RulePattern(r".*\.experts\.down_proj", _down),
+        ]
+    if model_type in MIXTRAL_CHECKPOINTS:
+        patterns += [
+            RulePattern(r".*\.mlp\.experts\.gate_up_proj", _mixtral_gate_up),
+            RulePattern(r".*\.mlp\.experts\.down_proj", _mixtral_down),
+            RulePattern(r".*\.mlp\..*", _mixtral),
         ]
     ignored: tuple[str, ...] = ()
     if getattr(hf_config, "model_type", None) in TRANSPOSED_EXPERT_CHECKPOINTS:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from underlay.interfaces import ConfigError, ModelConfig
+from underlay.models.overrides import apply_overrides
 
 __all__ = ["hf_config_of", "seeded_hf_state", "signature_diff", "value_hf_config"]
 
@@ -18,7 +19,7 @@ def hf_config_of(model_cfg: ModelConfig) -> Any:
     """``hf_config`` as given, or ``config.json`` of the local directory ``path`` (``ConfigError`` when
     it has none; nothing is downloaded)."""
     if model_cfg.hf_config is not None:
-        return model_cfg.hf_config
+        return apply_overrides(model_cfg.hf_config, model_cfg)
     from transformers import AutoConfig
 
     assert model_cfg.path is not None
@@ -27,7 +28,7 @@ def hf_config_of(model_cfg: ModelConfig) -> Any:
         raise ConfigError(
             f"ModelConfig.path={model_cfg.path!r} has no config.json; give a local Hugging Face model directory"
         )
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return apply_overrides(AutoConfig.from_pretrained(str(path), local_files_only=True), model_cfg)
 
 
 def value_hf_config(hf_config: Any) -> Any:

@@ -151,6 +151,7 @@ class MCoreEngine:
             raise ConfigError(
                 f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
             )
+        _megatron_optimizer(config.optim)  # refuse an optimizer megatron lacks before anything is built
         from underlay.engines.mcore._hf import hf_config_of, value_hf_config
 
         self._value = mc.kind == "value"
@@ -355,7 +356,7 @@ class MCoreEngine:
             self._tf_config,
             a.hidden,
             bias=a.value_bias,
-            dropout=a.value_dropout,
+            dropout=a.value_dropout if self._config.model.training_randomness == "keep" else 0.0,
             seed=self._config.model.seed * 65_537 + rank,
             tp_group=ps.get_tensor_model_parallel_group(),
         )
@@ -489,8 +490,10 @@ class MCoreEngine:
 
         o = self._config.optim
         clip = o.grad_clip if o.grad_clip is not None and o.grad_clip > 0 else 0.0
+        kind, extra = _megatron_optimizer(o)
         oc = OptimizerConfig(
-            optimizer="adam",
+            optimizer=kind,
+            **extra,
             lr=o.lr,
             min_lr=0.0,
             weight_decay=o.weight_decay,
@@ -1222,6 +1225,14 @@ class MCoreEngine:
         """The mcore engine has no LoRA adapters: always empty."""
         return iter(())
 
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """The mcore engine has no LoRA adapters: ``InvalidInput``, as for any engine without them."""
+        raise InvalidInput(
+            "disable_adapter: the engine has no LoRA adapters (the mcore engine runs without LoRA)"
+        )
+        yield  # pragma: no cover - a generator for contextmanager
+
     def _owner_rank(self, stage: int, e: int, expert: bool) -> int:
         """The global rank that broadcasts a tensor owned by pipeline ``stage`` (and expert rank ``e``):
         the lowest rank with that pp rank (and ep rank)."""
@@ -1623,3 +1634,23 @@ def _swap_in(saved: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         storage = t.untyped_storage()
         storage.resize_(nbytes)
         storage.copy_(host.untyped_storage())
+
+
+def _megatron_optimizer(o: Any) -> tuple[str, dict[str, Any]]:
+    """Megatron-Core's name and extra ``OptimizerConfig`` fields for ``OptimConfig`` ``o``: ``adamw``
+    -> ``"adam"`` (megatron's Adam is AdamW: decoupled weight decay), ``sgd`` -> ``"sgd"`` with
+    ``sgd_momentum``. ``ConfigError`` for any other optimizer or SGD option megatron does not have."""
+    name = o.name.lower()
+    if name == "adamw" and not o.options:
+        return "adam", {}
+    if name == "sgd":
+        unknown = sorted(k for k, v in o.options.items() if k != "momentum" and v not in (0, 0.0, False))
+        if not unknown:
+            return "sgd", {"sgd_momentum": float(o.options.get("momentum", 0.0))}
+        raise ConfigError(
+            f"the mcore engine's SGD (megatron-core's) takes momentum only; OptimConfig.options sets {unknown}"
+        )
+    raise ConfigError(
+        f"OptimConfig.name={o.name!r} (options {dict(o.options)!r}): the mcore engine runs megatron-core's "
+        "optimizers, 'adamw' (no options) and 'sgd' (momentum); use one of them or the fsdp2 engine"
+    )
