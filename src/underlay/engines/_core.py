@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from underlay.interfaces import CheckpointError, InvalidInput, TokenBatch, Under
 __all__ = [
     "LiveState",
     "check_token_batch",
+    "export_hf_atomic",
     "load_transaction",
     "report_nonfinite",
 ]
@@ -194,3 +196,74 @@ def load_transaction(what: str, state: LiveState) -> Iterator[None]:
             f"{what}: {type(exc).__name__}: {reason}; nothing was changed (the engine's parameters, "
             "optimizer state and LR schedule are as before the call)"
         ) from exc
+
+
+def export_hf_atomic(
+    engine: Any,
+    out_dir: str | Path,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    write_config: Callable[[Path], None],
+    *,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int,
+    buffer_bytes: int,
+) -> Path | None:
+    """The ``WeightLoader.export_hf`` of every engine: rank 0 streams ``tensors`` (``(hf_name, full
+    tensor)`` in the order of ``engine.weight_map``'s rules, collective: every rank iterates them to
+    the end) into safetensors shards of at most ``max_shard_bytes`` in ``dtype`` (default the engine's
+    ``param_dtype``) inside a fresh sibling directory, ``write_config(dir)`` adds ``config.json`` and
+    the source's tokenizer files, and the directory is fsynced and swapped in whole
+    (``utils.safe_files``, ``docs/reliability.md`` §4): ``out_dir`` then holds the complete new export,
+    or, on any failure, exactly what it held before. ``InvalidInput`` for a bad ``max_shard_bytes`` or
+    ``dtype`` before any collective; ``CheckpointError`` on every rank when rank 0 fails. Returns
+    ``out_dir`` on rank 0, ``None`` elsewhere."""
+    from underlay.engines._hf_export import StreamingShardWriter
+    from underlay.parallel.agree import agree, describe
+    from underlay.parallel.rank import current_rank
+    from underlay.utils.safe_files import abort_directory, begin_directory, commit_directory
+
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be an int >= 1")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise InvalidInput(
+            f"export_hf: dtype={dtype!r} is not a floating torch dtype; use torch.bfloat16, "
+            "torch.float16 or torch.float32 (or None for the engine's param_dtype)"
+        )
+    out = Path(out_dir)
+    dtype = dtype or engine.param_dtype
+    rank0 = current_rank() == 0
+    error: BaseException | None = None
+    tmp: Path | None = None
+    writer: StreamingShardWriter | None = None
+    if rank0:
+        try:
+            tmp = begin_directory(out)
+            entries = [
+                (hf, shape) for rule in engine.weight_map.rules for hf, shape in rule.hf_shapes().items()
+            ]
+            writer = StreamingShardWriter(tmp, entries, dtype, max_shard_bytes, buffer_bytes)
+        except Exception as exc:
+            error = exc
+    for name, full in tensors:
+        if writer is not None and error is None:
+            try:
+                writer.add(name, full.to(dtype).cpu())
+            except Exception as exc:
+                error = exc
+        del full
+    if writer is not None and tmp is not None:
+        try:
+            if error is None:
+                writer.finish()
+                write_config(tmp)
+                commit_directory(tmp, out)
+        except Exception as exc:
+            error = exc
+        finally:
+            writer.close()
+        if error is not None:
+            abort_directory(tmp)
+    elif tmp is not None:
+        abort_directory(tmp)
+    agree(error is None, describe(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error)
+    return out if rank0 else None
