@@ -27,27 +27,41 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+from underlay.interfaces import (
+    EngineConfig,
+    LossContext,
+    Metric,
+    ModelConfig,
+    OptimConfig,
+    TokenBatch,
+    TokenOutputs,
+)
+from underlay.ops import aggregate_loss
 
 VOCAB, SEQ = 96, 10
 
 
-def actor_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
-    """Token sum of ``-advantage * logp + 0.05 * (logp - ref_logp)^2`` over the loss mask."""
+def actor_loss(
+    outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | Metric]]:
+    """Token mean of ``-advantage * logp + 0.05 * (logp - ref_logp)^2`` over the global batch, with the
+    token-mean KL (a contribution, summed) and the largest KL term (a max) as metrics."""
     assert outputs.log_probs is not None
-    mask = batch.loss_mask.to(outputs.log_probs.dtype)
     adv = batch.extras["advantages"].to(outputs.log_probs.dtype)[:, None]
     kl = (outputs.log_probs - batch.extras["ref_log_probs"].to(outputs.log_probs.dtype)) ** 2
     per_token = -adv * outputs.log_probs + 0.05 * kl
-    return (per_token * mask).sum(), {"kl": (kl * mask).sum().detach()}
+    kl_mean = aggregate_loss(kl.detach(), batch.loss_mask, "token-mean", ctx)
+    kl_max = Metric(torch.where(batch.loss_mask != 0, kl.detach(), 0.0).max(), "max")  # kl >= 0
+    return aggregate_loss(per_token, batch.loss_mask, "token-mean", ctx), {"kl": kl_mean, "kl_max": kl_max}
 
 
-def critic_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
-    """Token sum of ``(value - reward)^2`` over the loss mask."""
+def critic_loss(
+    outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    """Token mean of ``(value - reward)^2`` over the global batch."""
     assert outputs.values is not None
-    mask = batch.loss_mask.to(outputs.values.dtype)
     ret = batch.extras["rewards"].to(outputs.values.dtype)[:, None]
-    return (((outputs.values - ret) ** 2) * mask).sum(), {}
+    return aggregate_loss((outputs.values - ret) ** 2, batch.loss_mask, "token-mean", ctx), {}
 
 
 def configs(seed: int = 0) -> dict[str, EngineConfig]:

@@ -60,7 +60,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+from underlay.interfaces import EngineConfig, LossContext, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+from underlay.ops import aggregate_loss
 
 MAX_TOKENS = 16384
 
@@ -180,11 +181,12 @@ def workload(cfg: Any, args: Any, rank: int) -> list[Step]:
     return out
 
 
-def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pg_loss(
+    outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     assert outputs.log_probs is not None
-    mask = batch.loss_mask.to(outputs.log_probs.dtype)
     adv = batch.extras["advantages"].to(outputs.log_probs.dtype)[:, None]
-    return (-(adv * outputs.log_probs) * mask).sum(), {}
+    return aggregate_loss(-(adv * outputs.log_probs), batch.loss_mask, "token-mean", ctx), {}
 
 
 def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) -> dict[str, Any]:

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+from underlay.interfaces import EngineConfig, LossContext, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+from underlay.ops import aggregate_loss
 
 GiB = float(1 << 30)
 
@@ -79,11 +80,12 @@ def make_batch(tokens: int, vocab: int, seed: int) -> TokenBatch:
     return TokenBatch(ids, attn, loss_mask, {"advantages": torch.randn(1, generator=g)})
 
 
-def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pg_loss(
+    outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     assert outputs.log_probs is not None
-    mask = batch.loss_mask.to(outputs.log_probs.dtype)
     adv = batch.extras["advantages"].to(outputs.log_probs.dtype)[:, None]
-    return (-(adv * outputs.log_probs) * mask).sum(), {}
+    return aggregate_loss(-(adv * outputs.log_probs), batch.loss_mask, "token-mean", ctx), {}
 
 
 def build(cfg: Any, args: Any, recompute: str) -> Any:

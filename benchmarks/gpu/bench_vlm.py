@@ -40,7 +40,16 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch, TokenOutputs, VisionInputs
+from underlay.interfaces import (
+    EngineConfig,
+    LossContext,
+    ModelConfig,
+    OptimConfig,
+    TokenBatch,
+    TokenOutputs,
+    VisionInputs,
+)
+from underlay.ops import aggregate_loss
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 
@@ -132,11 +141,12 @@ def make_batch(cfg: Any, n: int, seed: int, image_share: float, quick: bool) -> 
     return TokenBatch(ids, attn, loss_mask, {"advantages": torch.randn(n, generator=g)}, images=images)
 
 
-def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pg_loss(
+    outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     assert outputs.log_probs is not None
-    mask = batch.loss_mask.to(outputs.log_probs.dtype)
     adv = batch.extras["advantages"].to(outputs.log_probs.dtype)[:, None]
-    return (-(adv * outputs.log_probs) * mask).sum(), {}
+    return aggregate_loss(-(adv * outputs.log_probs), batch.loss_mask, "token-mean", ctx), {}
 
 
 def compile_counts() -> str:

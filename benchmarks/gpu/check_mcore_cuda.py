@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+from underlay.interfaces import EngineConfig, LossContext, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
+from underlay.ops import aggregate_loss
 
 VOCAB = 512
 
@@ -63,10 +64,13 @@ def batch(device: torch.device, seed: int = 0) -> TokenBatch:
     return TokenBatch(ids * mask, mask, loss, {"adv": torch.randn(b, generator=g)}).to(device)
 
 
-def pg_loss(out: TokenOutputs, b: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pg_loss(
+    out: TokenOutputs, b: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     assert out.log_probs is not None
-    m = b.loss_mask.to(torch.float32)
-    return -(b.extras["adv"][:, None].float() * out.log_probs * m).sum(), {}
+    return aggregate_loss(
+        -(b.extras["adv"][:, None].float() * out.log_probs), b.loss_mask, "token-mean", ctx
+    ), {}
 
 
 def reference(cfg: Any, b: TokenBatch) -> tuple[torch.Tensor, float, float]:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from underlay._version import __version__
 
 __all__ = [
+    "LossContext",
+    "Metric",
     "__version__",
     "get_attention",
     "get_device",
@@ -23,6 +25,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "LossContext": "underlay.interfaces",
+    "Metric": "underlay.interfaces",
     "get_attention": "underlay.registry",
     "get_device": "underlay.registry",
     "get_engine": "underlay.registry",
@@ -34,6 +38,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from underlay.interfaces import LossContext, Metric
     from underlay.parallel.distributed import init_distributed
     from underlay.registry import (
         get_attention,

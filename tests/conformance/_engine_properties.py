@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from tests.conformance._engine_contract import _ctx, _dp_coords, _hf_state
 from tests.distributed import _fsdp_helpers as H
-from underlay.interfaces import CheckpointError, ParallelConfig, TokenBatch
+from underlay.interfaces import CheckpointError, LossContext, ParallelConfig, TokenBatch
 
 __all__ = ["Layout", "chains", "check_properties", "job_properties", "tiny_config"]
 
@@ -105,7 +105,8 @@ def _hf_named(model: Any, moe: bool) -> dict[str, torch.Tensor]:
 
 class _Reference:
     """The uninterrupted float64 run: the seed model and a torch AdamW with the engine's settings;
-    ``step`` takes one clipped step over the sum of the given batches' token-mean losses."""
+    ``step`` takes one clipped step over the sum of the given batches' token-mean losses (each call's
+    contribution under loss contract v3: k calls sum their contributions)."""
 
     def __init__(self, hf: Any, cfg: Any, seed: int, moe: bool) -> None:
         self.model = H.reference_model(copy.deepcopy(hf), seed)
@@ -121,8 +122,8 @@ class _Reference:
         self.opt.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         for b in batches:
-            loss_sum, _ = H.pg_loss(H.reference_outputs(self.model, b), b)
-            total = total + loss_sum / float(b.loss_mask.sum())
+            loss, _ = H.pg_loss(H.reference_outputs(self.model, b), b, LossContext.single(b.loss_mask))
+            total = total + loss
         total.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or math.inf))
         self.opt.step()
@@ -144,8 +145,8 @@ class _Records(logging.Handler):
 def _nan_on_last_dp_rank(dp_rank: int, dp_size: int) -> Callable[..., Any]:
     """``H.pg_loss``, NaN on the last data-parallel rank (model-parallel peers compute one loss)."""
 
-    def loss_fn(outputs: Any, batch: TokenBatch) -> Any:
-        loss_sum, metrics = H.pg_loss(outputs, batch)
+    def loss_fn(outputs: Any, batch: TokenBatch, ctx: LossContext) -> Any:
+        loss_sum, metrics = H.pg_loss(outputs, batch, ctx)
         if dp_rank == dp_size - 1:
             loss_sum = loss_sum * float("nan")
         return loss_sum, metrics

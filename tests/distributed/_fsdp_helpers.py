@@ -12,12 +12,14 @@ import torch
 from underlay.interfaces import (
     EngineConfig,
     LoraConfig,
+    LossContext,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     TokenBatch,
     TokenOutputs,
 )
+from underlay.ops import aggregate_loss
 
 VOCAB = 128
 SEQ = 12
@@ -119,24 +121,29 @@ def shard(batch: TokenBatch, rank: int, world: int) -> TokenBatch:
     return batch.select(list(range(rank, batch.batch_size, world)))
 
 
-def pg_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
-    """Policy-gradient-like token sum: -adv * exp(logp - sg(logp)) * logp-ish, plus entropy metric."""
+def pg_loss(
+    outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    """Policy-gradient-like token-mean loss (``ops.aggregate_loss`` "token-mean"), plus the token means
+    of the log-probs and of the entropy as metrics (contributions: sums of ``x / N``)."""
     assert outputs.log_probs is not None
     mask = batch.loss_mask.to(outputs.log_probs.dtype)
     adv = batch.extras["advantages"].to(outputs.log_probs.dtype)[:, None]
     per_token = -adv * outputs.log_probs + 0.1 * outputs.log_probs**2
-    metrics: dict[str, torch.Tensor] = {"logp_sum": (outputs.log_probs * mask).sum().detach()}
+    n = max(ctx.global_loss_tokens, 1)
+    metrics: dict[str, torch.Tensor] = {"logp_sum": (outputs.log_probs * mask).sum().detach() / n}
     if outputs.entropy is not None:
-        metrics["entropy"] = (outputs.entropy * mask).sum().detach()
-    return (per_token * mask).sum(), metrics
+        metrics["entropy"] = (outputs.entropy * mask).sum().detach() / n
+    return aggregate_loss(per_token, batch.loss_mask, "token-mean", ctx), metrics
 
 
-def value_loss(outputs: TokenOutputs, batch: TokenBatch) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
-    """Squared error of values against the advantages (as returns)."""
+def value_loss(
+    outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+    """Token-mean squared error of values against the advantages (as returns)."""
     assert outputs.values is not None
-    mask = batch.loss_mask.to(outputs.values.dtype)
     ret = batch.extras["advantages"].to(outputs.values.dtype)[:, None]
-    return (((outputs.values - ret) ** 2) * mask).sum(), {}
+    return aggregate_loss((outputs.values - ret) ** 2, batch.loss_mask, "token-mean", ctx), {}
 
 
 def reference_model(
@@ -226,9 +233,7 @@ def reference_step(
         weight_decay=cfg.optim.weight_decay,
     )
     out = reference_outputs(model, batch, kind, mask_keys)
-    loss_sum, _ = loss_fn(out, batch)
-    n = float(batch.loss_mask.sum())
-    loss = loss_sum / n
+    loss, _ = loss_fn(out, batch, LossContext.single(batch.loss_mask))
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or math.inf))
     opt.step()

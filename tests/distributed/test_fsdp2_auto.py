@@ -149,7 +149,7 @@ def job_resharded_after_forward_only(rank: int, world: int) -> dict[str, Any]:
     engine.infer(batch)
     out["after_infer"] = all(isinstance(p, DTensor) for p in engine.model.parameters())
     try:
-        engine.forward_backward(batch, lambda o, b: (1.0, {}))  # type: ignore[arg-type,return-value]
+        engine.forward_backward(batch, lambda o, b, c: (1.0, {}))  # type: ignore[arg-type,return-value]
     except Exception as exc:
         out["error"] = type(exc).__name__
     out["after_failed_step"] = all(isinstance(p, DTensor) for p in engine.model.parameters())

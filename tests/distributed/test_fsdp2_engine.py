@@ -332,7 +332,7 @@ def job_single(rank: int, world: int, root: str, killed_root: str) -> dict[str, 
 
     # a non-finite grad norm skips the update: parameters and optimizer state unchanged, grads zeroed
     before = _snapshot(engine)
-    engine.forward_backward(H.global_batch(3), lambda o, b: (H.pg_loss(o, b)[0] * math.nan, {}))
+    engine.forward_backward(H.global_batch(3), lambda o, b, c: (H.pg_loss(o, b, c)[0] * math.nan, {}))
     st = engine.optimizer_step()
     out["nan_skipped"] = st.skipped and not st.finite
     out["nan_grads_zeroed"] = all(p.grad is None for p in engine.model.parameters())

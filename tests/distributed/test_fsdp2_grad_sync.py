@@ -51,9 +51,9 @@ class _Probe:
         self.engine, self.loss_fn = engine, loss_fn
         self.seen: list[bool] = []
 
-    def __call__(self, outputs: Any, batch: Any) -> Any:
+    def __call__(self, outputs: Any, batch: Any, ctx: Any) -> Any:
         self.seen.append(_has_grads(self.engine))
-        return self.loss_fn(outputs, batch)
+        return self.loss_fn(outputs, batch, ctx)
 
 
 def _grads(engine: Any) -> dict[str, torch.Tensor]:
@@ -160,11 +160,11 @@ def _late_mlps(engine: Any, batch: Any) -> None:
 def _failing_loss(at_call: int) -> Callable[..., Any]:
     calls = [0]
 
-    def loss(outputs: Any, batch: Any) -> Any:
+    def loss(outputs: Any, batch: Any, ctx: Any) -> Any:
         calls[0] += 1
         if calls[0] == at_call:
             raise ValueError("injected failure in the loss")
-        return H.pg_loss(outputs, batch)
+        return H.pg_loss(outputs, batch, ctx)
 
     return loss
 

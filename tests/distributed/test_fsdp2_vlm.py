@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tests._dist import run_distributed
 from tests.distributed import _fsdp_helpers as H
 from tests.unit.models._tiny import save_vl_source
-from underlay.interfaces import TokenBatch, VisionInputs
+from underlay.interfaces import LossContext, TokenBatch, VisionInputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
@@ -104,8 +104,7 @@ def _reference_step(model: Any, batch: TokenBatch, cfg: Any) -> tuple[float, flo
     lp[:, 1:] = lsm[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     ent = torch.zeros_like(lp)
     ent[:, 1:] = -(lsm[:, :-1].exp() * lsm[:, :-1]).sum(-1)
-    loss_sum, _ = H.pg_loss(TokenOutputs(lp * mask, ent * mask, None), batch)
-    loss = loss_sum / float(batch.loss_mask.sum())
+    loss, _ = H.pg_loss(TokenOutputs(lp * mask, ent * mask, None), batch, LossContext.single(batch.loss_mask))
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
     opt.step()

@@ -29,7 +29,7 @@ from tests._dist import run_distributed
 from tests.distributed import _fsdp_helpers as H
 from tests.distributed.test_fsdp2_vlm import vl_global_batch
 from tests.unit.models._tiny import save_vl_source
-from underlay.interfaces import TokenBatch, TokenOutputs
+from underlay.interfaces import LossContext, TokenBatch, TokenOutputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
@@ -58,8 +58,7 @@ def _reference_value_step(model: Any, batch: TokenBatch, cfg: Any) -> tuple[floa
         params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
     )
     values = _padded_values(model, batch)
-    loss_sum, _ = H.value_loss(TokenOutputs(None, None, values), batch)
-    loss = loss_sum / float(batch.loss_mask.sum())
+    loss, _ = H.value_loss(TokenOutputs(None, None, values), batch, LossContext.single(batch.loss_mask))
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
     opt.step()

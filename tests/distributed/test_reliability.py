@@ -128,11 +128,11 @@ def job_one(rank: int, world: int, root: str) -> dict[str, Any]:
     # a failed step leaves no gradients; the next step equals one on a fresh engine
     calls = {"n": 0}
 
-    def dies_on_second(outputs: Any, b: Any) -> Any:
+    def dies_on_second(outputs: Any, b: Any, ctx: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("loss blew up")
-        return H.pg_loss(outputs, b)
+        return H.pg_loss(outputs, b, ctx)
 
     out["plan"] = engine.forward_backward(batch, H.pg_loss).num_micro_batches
     engine.zero_grad()
@@ -148,11 +148,12 @@ def job_one(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # loss-function returns are checked before backward
     bad_returns = {
-        "python_float": lambda o, b: (1.0, {}),
-        "no_graph": lambda o, b: (H.pg_loss(o, b)[0].detach(), {}),
-        "vector_metric": lambda o, b: (H.pg_loss(o, b)[0], {"m": torch.ones(3)}),
-        "metric_named_loss": lambda o, b: (H.pg_loss(o, b)[0], {"loss": 1.0}),
-        "not_a_tuple": lambda o, b: H.pg_loss(o, b)[0],
+        "python_float": lambda o, b, c: (1.0, {}),
+        "no_graph": lambda o, b, c: (H.pg_loss(o, b, c)[0].detach(), {}),
+        "vector_metric": lambda o, b, c: (H.pg_loss(o, b, c)[0], {"m": torch.ones(3)}),
+        "metric_named_loss": lambda o, b, c: (H.pg_loss(o, b, c)[0], {"loss": 1.0}),
+        "not_a_tuple": lambda o, b, c: H.pg_loss(o, b, c)[0],
+        "two_parameters": lambda o, b: H.pg_loss(o, b, None),
     }
     for key, fn in bad_returns.items():
         out[f"ret_{key}"] = _err(lambda fn=fn: engine.forward_backward(batch, fn))
@@ -282,6 +283,7 @@ def test_reliability_single_rank(tmp_path: Path) -> None:
         ("vector_metric", "shape (3,)"),
         ("metric_named_loss", "'loss'"),
         ("not_a_tuple", "return a tuple"),
+        ("two_parameters", "ctx: LossContext"),
     ):
         assert r[f"ret_{key}"].startswith("InvalidInput") and what in r[f"ret_{key}"], r[f"ret_{key}"]
         assert r[f"ret_{key}_grads"] == 0, key

@@ -8,7 +8,15 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, ParallelConfig, TokenBatch
+from underlay.interfaces import (
+    EngineConfig,
+    LossContext,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TokenBatch,
+)
+from underlay.ops import aggregate_loss
 
 VOCAB = 128
 
@@ -95,12 +103,15 @@ def make_batch(seed: int, b: int = 4, s: int = 12) -> TokenBatch:
     return TokenBatch(ids * mask, mask, loss, {"adv": adv})
 
 
-def pg_loss(outputs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum over loss tokens of ``-adv * log_prob`` (a policy-gradient surrogate), plus an entropy sum."""
+def pg_loss(
+    outputs: Any, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token mean of ``-adv * log_prob`` (a policy-gradient surrogate, ``ops.aggregate_loss``
+    "token-mean"), plus the token mean of the entropy (a contribution)."""
     m = batch.loss_mask.to(outputs.log_probs.dtype)
     adv = batch.extras["adv"][:, None]
-    loss = -(adv * outputs.log_probs * m).sum()
-    return loss, {"entropy": (outputs.entropy * m).sum().detach()}
+    loss = aggregate_loss(-adv * outputs.log_probs, batch.loss_mask, "token-mean", ctx)
+    return loss, {"entropy": (outputs.entropy * m).sum().detach() / max(ctx.global_loss_tokens, 1)}
 
 
 def hf_reference(
@@ -138,11 +149,14 @@ def value_batch(seed: int, b: int = 4, s: int = 12) -> TokenBatch:
     return TokenBatch(base.input_ids, base.attention_mask, base.loss_mask, {"ret": ret})
 
 
-def value_loss(outputs: Any, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum over loss tokens of ``0.5 * (value - ret)^2``, plus the sum of the values as a metric."""
+def value_loss(
+    outputs: Any, batch: TokenBatch, ctx: LossContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token mean of ``0.5 * (value - ret)^2``, plus the token mean of the values (a contribution)."""
     m = batch.loss_mask.to(outputs.values.dtype)
     err = outputs.values - batch.extras["ret"].to(outputs.values.dtype)
-    return (0.5 * err.pow(2) * m).sum(), {"value": (outputs.values * m).sum().detach()}
+    loss = aggregate_loss(0.5 * err.pow(2), batch.loss_mask, "token-mean", ctx)
+    return loss, {"value": (outputs.values * m).sum().detach() / max(ctx.global_loss_tokens, 1)}
 
 
 def hf_value_reference(

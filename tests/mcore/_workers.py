@@ -365,9 +365,9 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
     _, eng = _value_engine(family, tp=2, dropout=0.5)
     seen: list[torch.Tensor] = []
 
-    def capture(outputs: Any, b: Any) -> Any:
+    def capture(outputs: Any, b: Any, ctx: Any) -> Any:
         seen.append(outputs.values.detach().clone())
-        return H.value_loss(outputs, b)
+        return H.value_loss(outputs, b, ctx)
 
     res = eng.forward_backward(batch, capture)
     train = torch.cat([v.reshape(-1) for v in seen])

@@ -14,7 +14,7 @@ from underlay.data.arithmetic import FORMAT_REWARD, make_problems, reward
 from underlay.demo.config import DemoConfig
 from underlay.demo.grpo import PolicyLoss
 from underlay.demo.tokenizer import build_tokenizer
-from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, TokenOutputs
+from underlay.interfaces import ConfigError, InvalidInput, LossContext, TokenBatch, TokenOutputs
 from underlay.tracking import read_jsonl
 
 
@@ -114,18 +114,21 @@ def test_policy_loss_matches_float64_reference() -> None:
         ids, torch.ones_like(ids), mask, {"advantages": adv.float(), "old_log_probs": old.float()}
     )
     lp32 = logp.float().requires_grad_(True)
-    loss, metrics = PolicyLoss(eps)(TokenOutputs(lp32, ent.float()), batch)
+    loss, metrics = PolicyLoss(eps)(TokenOutputs(lp32, ent.float()), batch, LossContext.single(mask))
 
     ratio = torch.exp(logp - old)
     ref_tok = torch.maximum(-adv[:, None] * ratio, -adv[:, None] * ratio.clamp(1 - eps, 1 + eps))
     m = mask.double()
-    assert torch.allclose(loss.double(), (ref_tok * m).sum(), rtol=1e-5, atol=1e-6)
-    assert torch.allclose(torch.as_tensor(metrics["approx_kl"]).double(), ((old - logp) * m).sum(), atol=1e-5)
-    assert torch.allclose(torch.as_tensor(metrics["entropy"]).double(), (ent * m).sum(), atol=1e-5)
+    n = m.sum()
+    assert torch.allclose(loss.double(), (ref_tok * m).sum() / n, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(
+        torch.as_tensor(metrics["approx_kl"]).double(), ((old - logp) * m).sum() / n, atol=1e-5
+    )
+    assert torch.allclose(torch.as_tensor(metrics["entropy"]).double(), (ent * m).sum() / n, atol=1e-5)
     loss.backward()
     # gradient: -A * ratio where the unclipped branch is active, 0 where clipping binds
     active = (-adv[:, None] * ratio >= -adv[:, None] * ratio.clamp(1 - eps, 1 + eps)).double()
-    ref_grad = -adv[:, None] * ratio * active * m
+    ref_grad = -adv[:, None] * ratio * active * m / n
     assert lp32.grad is not None
     assert torch.allclose(lp32.grad.double(), ref_grad, rtol=1e-4, atol=1e-6)
 

@@ -48,6 +48,7 @@ from underlay.interfaces import (
     CheckpointError,
     Device,
     EngineConfig,
+    LossContext,
     ModelConfig,
     OptimConfig,
     ParallelEngine,
@@ -56,6 +57,7 @@ from underlay.interfaces import (
     TokenBatch,
     TokenOutputs,
 )
+from underlay.ops import aggregate_loss
 from underlay.parallel.rank import current_rank, current_world_size
 from underlay.utils import env as _env
 
@@ -84,18 +86,20 @@ class PolicyLoss:
 
     Needs ``batch.extras["advantages"]`` ``[b]`` and ``batch.extras["old_log_probs"]`` ``[b, S]``.
     Per token ``t`` of ``batch.loss_mask``: ``ratio = exp(logp - old_logp)``,
-    ``loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))``. Returns the **sum** over loss tokens
-    (the engine divides by the global loss-token count: token-mean) and metric sums of the same kind:
-    ``pg_loss``, ``clip_frac``, ``approx_kl`` (``old_logp - logp``) and ``entropy`` when available.
+    ``loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))``. Returns the micro-batch's
+    contribution to the token mean over the global batch (``ops.aggregate_loss`` "token-mean", loss
+    contract v3) and metrics that are contributions of the same kind (token means over the global
+    batch once summed): ``pg_loss``, ``clip_frac``, ``approx_kl`` (``old_logp - logp``) and
+    ``entropy`` when available.
     """
 
     def __init__(self, clip_eps: float) -> None:
         self.clip_eps = clip_eps
 
     def __call__(
-        self, outputs: TokenOutputs, batch: TokenBatch
+        self, outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
     ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]:
-        """Loss sum and metric sums of one micro-batch (see the class docstring)."""
+        """Loss and metric contributions of one micro-batch (see the class docstring)."""
         assert outputs.log_probs is not None, "the demo trains a causal LM"
         logp = outputs.log_probs
         mask = batch.loss_mask.to(logp.dtype)
@@ -105,14 +109,15 @@ class PolicyLoss:
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1.0 - self.clip_eps, 1.0 + self.clip_eps)
         per_token = torch.maximum(unclipped, clipped)
-        loss = (per_token * mask).sum()
+        loss = aggregate_loss(per_token, batch.loss_mask, "token-mean", ctx)
+        n = max(ctx.global_loss_tokens, 1)
         metrics: dict[str, torch.Tensor | float] = {
             "pg_loss": loss.detach(),
-            "clip_frac": ((clipped > unclipped).to(logp.dtype) * mask).sum().detach(),
-            "approx_kl": ((old - logp).detach() * mask).sum(),
+            "clip_frac": ((clipped > unclipped).to(logp.dtype) * mask).sum().detach() / n,
+            "approx_kl": ((old - logp).detach() * mask).sum() / n,
         }
         if outputs.entropy is not None:
-            metrics["entropy"] = (outputs.entropy.detach() * mask).sum()
+            metrics["entropy"] = (outputs.entropy.detach() * mask).sum() / n
         return loss, metrics
 
 

@@ -55,14 +55,31 @@ def _real(
 def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
     """Build dataclass ``cls`` from a mapping, recursing into nested dataclass fields.
 
-    Unknown keys raise ``ConfigError`` listing the valid ones (a typo never passes silently).
+    Unknown keys raise ``ConfigError`` listing the valid ones (a typo never passes silently), as do a
+    ``data`` that is not a mapping with str keys, a missing required key and a ``cls`` that is not a
+    dataclass.
     """
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls!r} is not a dataclass")
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ConfigError(f"from_dict: {cls!r} is not a dataclass; pass a config class such as EngineConfig")
+    if not isinstance(data, Mapping) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(
+            f"from_dict({cls.__name__}): expected a mapping with str keys, got {type(data).__name__} "
+            f"({data!r:.80}); OmegaConf containers: pass OmegaConf.to_container(cfg)"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"{cls.__name__}: unknown keys {unknown}; valid keys: {sorted(fields)}")
+    missing = sorted(
+        n
+        for n, f in fields.items()
+        if f.init
+        and n not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise ConfigError(f"{cls.__name__}: required keys {missing} are missing")
     kwargs: dict[str, Any] = {}
     hints = {name: f.type for name, f in fields.items()}
     for key, value in data.items():
@@ -519,6 +536,16 @@ class ProfilerConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("ranks", "steps"):
+            value = getattr(self, name)
+            try:
+                iterable = not isinstance(value, (str, bytes)) and bool(tuple(value)) in (True, False)
+            except TypeError:
+                iterable = False
+            if not iterable:
+                raise ConfigError(
+                    f"ProfilerConfig.{name}={getattr(self, name)!r}: must be a tuple of ints >= 0 (e.g. (0,))"
+                )
         for s in self.steps:
             _int("ProfilerConfig", "steps[...]", s, 0)
         for r in self.ranks:

@@ -13,6 +13,8 @@ import torch
 from underlay.interfaces.config import EngineConfig
 from underlay.interfaces.device import Device
 from underlay.interfaces.types import (
+    LossContext,
+    Metric,
     OptimizerStepResult,
     ParallelLayout,
     ProbeResult,
@@ -27,19 +29,31 @@ __all__ = ["LoadReport", "LossFn", "ParallelEngine", "WeightLoader"]
 
 
 class LossFn(Protocol):
-    """A loss over one micro-batch.
+    """A loss over one micro-batch (loss contract v3).
 
-    Receives the model's per-token outputs (``[b, S]``, aligned with ``batch.input_ids``) and the
-    micro-batch. Returns ``(loss_sum, metrics)``: ``loss_sum`` is a scalar tensor, the **sum** over the
-    micro-batch's loss tokens (``batch.loss_mask``) of the per-token loss; ``metrics`` are sums of the
-    same kind. The engine divides both by the global number of loss tokens of the whole batch (over all
-    micro-batches and data-parallel ranks), so the gradient is that of the token-mean loss however the
-    batch is split.
+    ``loss_fn(outputs, batch, ctx) -> (contribution, metrics)``:
+
+    - ``outputs``: the model's per-token outputs ``[b, S]`` aligned with ``batch.input_ids``;
+      ``batch``: the micro-batch (rows of this rank's shard, ``extras`` sliced with them);
+      ``ctx``: :class:`LossContext`, the global loss-token and sequence counts, this micro-batch's
+      counts and place, and the data-parallel size.
+    - ``contribution``: a floating scalar tensor attached to the graph, this micro-batch's
+      contribution to the global objective. The engine backpropagates it unchanged and gradients
+      **sum** over micro-batches and data-parallel ranks (the engine compensates any averaging of its
+      gradient reduction), so the global objective is the sum of all contributions whatever the
+      micro-batching and ranks. ``ops.aggregate_loss(values, batch.loss_mask, mode, ctx)`` gives
+      verl's aggregation modes (token-mean, seq-mean-token-mean, ...) exactly over the global batch.
+    - ``metrics``: name -> :class:`Metric` (``reduce`` ``"sum"``, ``"mean"``, ``"max"`` or
+      ``"min"`` over every micro-batch of every rank) or a plain number / one-element tensor (a
+      ``"sum"``, i.e. a contribution like the loss). The name ``"loss"`` is the engine's (the sum of
+      the contributions).
+
+    A function of two parameters (the contract before v3) is refused with ``InvalidInput``.
     """
 
     def __call__(
-        self, outputs: TokenOutputs, batch: TokenBatch
-    ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]: ...
+        self, outputs: TokenOutputs, batch: TokenBatch, ctx: LossContext
+    ) -> tuple[torch.Tensor, Mapping[str, Metric | torch.Tensor | float]]: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,7 @@ class ParallelEngine(Protocol):
 
     - ``forward_backward``: every rank passes its data-parallel shard (ranks of one ``groups.mp``
       group pass the same rows) and every rank of the engine returns identical ``StepResult`` metrics,
-      the token mean over the whole global batch.
+      each reduced over the whole global batch as the ``loss_fn`` declared it (``LossFn``).
     - ``infer``: every rank returns the per-token outputs of the rows it passed, ``[B, S]`` in its
       order. Ranks that do not compute the last pipeline stage (or hold a context slice) receive them
       by a broadcast inside ``groups.mp``.
@@ -134,9 +148,11 @@ class ParallelEngine(Protocol):
 
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
         """Run ``batch`` (this rank's data-parallel shard) in packed micro-batches of at most
-        ``config.micro_batch_max_tokens`` tokens, accumulate gradients of the global token-mean loss.
-        Does not step the optimizer. Every rank returns the same metrics. Raises ``InvalidInput`` on a
-        malformed batch before any compute or state change."""
+        ``config.micro_batch_max_tokens`` tokens, calling ``loss_fn(outputs, micro_batch, ctx)`` on each
+        (``LossFn``) and accumulating the gradients of the sum of its contributions over micro-batches
+        and data-parallel ranks. Does not step the optimizer. Every rank returns the same metrics.
+        Raises ``InvalidInput`` on a malformed batch or a ``loss_fn`` without the v3 signature before
+        any compute or state change."""
 
     def infer(
         self, batch: TokenBatch, *, temperature: float | None = None, with_entropy: bool = False

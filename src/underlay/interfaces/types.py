@@ -19,7 +19,10 @@ __all__ = [
     "AttentionSpec",
     "BackendKind",
     "LogprobOutput",
+    "LossContext",
     "MemoryStats",
+    "Metric",
+    "MetricReduce",
     "OptimizerStepResult",
     "PackedBatch",
     "ParallelLayout",
@@ -556,14 +559,128 @@ class TokenOutputs:
     aux_loss: torch.Tensor | None = None
 
 
+MetricReduce = Literal["sum", "mean", "max", "min"]
+"""How a loss_fn metric reduces over the micro-batches of every data-parallel rank: ``"sum"`` (a
+contribution, like the loss), ``"mean"`` (unweighted mean over every ``loss_fn`` call of every rank),
+``"max"``, ``"min"``."""
+
+_METRIC_REDUCES = ("sum", "mean", "max", "min")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A ``loss_fn`` metric with its reduction: ``value`` a number or a one-element tensor (detached by
+    the engine), ``reduce`` one of :data:`MetricReduce`. A plain tensor or number returned as a metric
+    means ``Metric(value, "sum")``. ``InvalidInput`` for an unknown ``reduce`` or a non-scalar value."""
+
+    value: torch.Tensor | float
+    reduce: MetricReduce = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in _METRIC_REDUCES:
+            raise InvalidInput(f"Metric reduce={self.reduce!r}; use one of {list(_METRIC_REDUCES)}")
+        v = self.value
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise InvalidInput(
+                    f"Metric value has shape {tuple(v.shape)}; give a number or a one-element tensor"
+                )
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidInput(f"Metric value is {type(v).__name__}; give a number or a one-element tensor")
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """What a ``loss_fn`` knows about where its micro-batch sits in the global batch (loss contract v3).
+
+    Counts come from ``TokenBatch.loss_mask`` (a *sequence* is a row with at least one loss token):
+
+    - ``global_loss_tokens`` / ``global_sequences``: of the whole global batch, every micro-batch of
+      every data-parallel rank (ranks that share a data shard, Ulysses or context parallel, count it
+      once).
+    - ``dp_size``: data-parallel ranks holding different data.
+    - ``micro_batch``: index of this micro-batch on this rank, ``0 <= micro_batch < num_micro_batches``.
+    - ``local_loss_tokens`` / ``local_sequences``: of this micro-batch.
+    - ``loss_mask``: the micro-batch's ``batch.loss_mask`` the counts come from (the engine checked
+      it is 0/1), or ``None``; ``ops.aggregate_loss`` reads nothing back when given this tensor.
+
+    The ``loss_fn`` returns this micro-batch's contribution to the global objective; the engine sums
+    the contributions' gradients over micro-batches and ranks (``ops.aggregate_loss`` builds
+    contributions with verl's aggregation modes). ``InvalidInput`` on negative or inconsistent counts.
+    """
+
+    global_loss_tokens: int
+    global_sequences: int
+    dp_size: int
+    micro_batch: int
+    num_micro_batches: int
+    local_loss_tokens: int
+    local_sequences: int
+    loss_mask: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if name == "loss_mask":
+                continue
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidInput(f"LossContext.{name}={v!r} must be an int >= 0")
+        if self.dp_size < 1 or self.num_micro_batches < 1:
+            raise InvalidInput(
+                f"LossContext: dp_size={self.dp_size} and num_micro_batches={self.num_micro_batches} "
+                "must be >= 1"
+            )
+        if self.micro_batch >= self.num_micro_batches:
+            raise InvalidInput(
+                f"LossContext.micro_batch={self.micro_batch} out of range [0, {self.num_micro_batches})"
+            )
+        if self.local_loss_tokens > self.global_loss_tokens or self.local_sequences > self.global_sequences:
+            raise InvalidInput(
+                f"LossContext: local counts ({self.local_loss_tokens} tokens, {self.local_sequences} "
+                f"sequences) exceed the global ones ({self.global_loss_tokens}, {self.global_sequences})"
+            )
+        if self.local_sequences > self.local_loss_tokens or self.global_sequences > self.global_loss_tokens:
+            raise InvalidInput(
+                "LossContext: more sequences than loss tokens (a sequence has at least one loss token): "
+                f"local {self.local_sequences} > {self.local_loss_tokens} or global "
+                f"{self.global_sequences} > {self.global_loss_tokens}"
+            )
+
+    @property
+    def token_share(self) -> float:
+        """``local_loss_tokens / global_loss_tokens`` (0 when the global batch has no loss token)."""
+        return self.local_loss_tokens / self.global_loss_tokens if self.global_loss_tokens else 0.0
+
+    @property
+    def sequence_share(self) -> float:
+        """``local_sequences / global_sequences`` (0 when no sequence has a loss token)."""
+        return self.local_sequences / self.global_sequences if self.global_sequences else 0.0
+
+    @classmethod
+    def single(cls, loss_mask: torch.Tensor) -> LossContext:
+        """The context of one micro-batch that is the whole global batch on one rank (what a float64
+        reference or a unit test passes to a ``loss_fn``); ``loss_mask`` ``[B, S]`` 0/1."""
+        if not isinstance(loss_mask, torch.Tensor) or loss_mask.dim() != 2:
+            raise InvalidInput(
+                f"LossContext.single: loss_mask must be a [B, S] tensor, got {getattr(loss_mask, 'shape', loss_mask)!r}"
+            )
+        per_row = (loss_mask != 0).sum(dim=1)
+        tokens, rows = int(per_row.sum()), int((per_row > 0).sum())
+        return cls(tokens, rows, 1, 0, 1, tokens, rows)  # loss_mask unset: aggregate_loss checks it
+
+
 @dataclass(frozen=True)
 class StepResult:
-    """What ``forward_backward`` returns: metrics averaged as the loss is (token mean over the whole batch
-    on every rank), the number of micro-batches run, and the global count of loss tokens."""
+    """What ``forward_backward`` returns, identical on every rank: ``metrics`` reduced as each was
+    declared (``Metric``; ``"loss"`` is the sum of the ``loss_fn`` contributions, the global
+    objective), the number of micro-batches run on this rank, and the global counts of loss tokens and
+    of sequences with at least one loss token (``LossContext.global_loss_tokens`` /
+    ``global_sequences``)."""
 
     metrics: Mapping[str, float]
     num_micro_batches: int
     loss_tokens: int
+    sequences: int
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Submodules: ``logprob`` (log-probs/entropy from logits or hidden states), ``masked`` (masked
 statistics), ``packing`` (THD unpad/pad, position ids), ``groups`` (GRPO group statistics),
 ``balancing`` (sequence-length balancing, micro-batch planning), ``schedules`` (LR schedules),
-``flops`` (FLOPs/MFU), ``distributed`` (statistics reduced over a process group); ``attention`` and
+``flops`` (FLOPs/MFU), ``loss`` (verl's loss aggregation modes over the global batch),
+``distributed`` (statistics reduced over a process group); ``attention`` and
 ``quant`` hold argument checks and references shared by the attention and quantisation backends.
 """
 
@@ -21,6 +22,7 @@ from underlay.ops.distributed import collective_device, distributed_masked_mean,
 from underlay.ops.flops import SUPPORTED_MODEL_TYPES, FlopsCounter
 from underlay.ops.groups import group_ids_to_index, group_mean_std, group_normalize
 from underlay.ops.logprob import entropy_from_logits, linear_logprobs, logprobs_from_logits
+from underlay.ops.loss import AGGREGATION_MODES, AggregationMode, aggregate_loss
 from underlay.ops.masked import (
     clip_by_value,
     masked_mean,
@@ -38,9 +40,12 @@ from underlay.ops.schedules import (
 )
 
 __all__ = [
+    "AGGREGATION_MODES",
     "ATTENTION_WORKLOAD_A",
     "SUPPORTED_MODEL_TYPES",
+    "AggregationMode",
     "FlopsCounter",
+    "aggregate_loss",
     "balanced_group_partitions",
     "balanced_partitions",
     "build_lr_scheduler",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from underlay.interfaces import InvalidInput
+from underlay.ops._checks import checked
 
 __all__ = [
     "ATTENTION_WORKLOAD_A",
@@ -214,8 +215,14 @@ def _lpt(w: list[float], k: int, equal_size: bool) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+@checked
 def partition_loads(weights: Sequence[float], partitions: Sequence[Sequence[int]]) -> list[float]:
-    """Sum of ``weights`` in each partition (for quality checks and logging)."""
+    """Sum of ``weights`` in each partition (for quality checks and logging); ``InvalidInput`` for an
+    index outside ``[0, len(weights))``."""
+    n = len(weights)
+    bad = [i for p in partitions for i in p if not 0 <= int(i) < n]
+    if bad:
+        raise InvalidInput(f"partition_loads: indices {bad[:5]} outside [0, {n}) of weights")
     get = weights.__getitem__
     return [float(sum(map(get, p))) for p in partitions]
 
@@ -224,6 +231,7 @@ def _max_load(w: list[float], parts: list[list[int]]) -> float:
     return max(partition_loads(w, parts)) if parts else 0.0
 
 
+@checked
 def greedy_lpt(weights: Sequence[float], k: int, equal_size: bool = False) -> list[list[int]]:
     """Longest-processing-time greedy: heaviest item first into the lightest partition.
 
@@ -236,6 +244,7 @@ def greedy_lpt(weights: Sequence[float], k: int, equal_size: bool = False) -> li
     return _lpt(w, k, equal_size)
 
 
+@checked
 def karmarkar_karp(weights: Sequence[float], k: int, equal_size: bool = False) -> list[list[int]]:
     """k-way Karmarkar-Karp (largest differencing method) partition of ``weights`` into ``k`` parts.
 
@@ -276,6 +285,7 @@ def _seqlens(seqlens: Sequence[int] | torch.Tensor, what: str) -> list[int]:
     return out
 
 
+@checked
 def balanced_partitions(
     seqlens: Sequence[int] | torch.Tensor,
     k: int,
@@ -316,6 +326,7 @@ def _group_max(value: int, group: Any) -> int:
     return int(t.item())
 
 
+@checked
 def plan_micro_batches(
     seqlens: Sequence[int] | torch.Tensor,
     max_tokens: int,
@@ -368,6 +379,7 @@ def _partition_tokens(lens: list[int], count: int) -> list[list[int]]:
     return karmarkar_karp([float(s) for s in lens], count)
 
 
+@checked
 def restore_order(micro_batches: Sequence[Sequence[int]]) -> list[int]:
     """Inverse permutation of the concatenated micro-batches.
 
@@ -388,6 +400,7 @@ def restore_order(micro_batches: Sequence[Sequence[int]]) -> list[int]:
     return inverse
 
 
+@checked
 def balanced_group_partitions(
     group_ids: Sequence[Hashable] | torch.Tensor,
     seqlens: Sequence[int] | torch.Tensor,

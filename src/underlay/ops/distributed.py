@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.interfaces import InvalidInput
+from underlay.ops._checks import checked
 
 __all__ = ["collective_device", "distributed_masked_mean", "distributed_mean_max_min_std"]
 
@@ -54,6 +55,7 @@ def _reduce(t: torch.Tensor, op: Any, group: Any | None) -> torch.Tensor:
     return moved.to(t.device)
 
 
+@checked
 def distributed_masked_mean(x: torch.Tensor, mask: torch.Tensor, group: Any | None = None) -> torch.Tensor:
     """Mean of the kept elements of ``x`` over all ranks of ``group`` (a 0-d fp32 tensor on x's device,
     fp64 when ``x`` is fp64).
@@ -70,6 +72,7 @@ def distributed_masked_mean(x: torch.Tensor, mask: torch.Tensor, group: Any | No
     return mean.to(_out_dtype(x))
 
 
+@checked
 def distributed_mean_max_min_std(
     x: torch.Tensor, group: Any | None = None, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,12 +8,14 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from underlay.interfaces import InvalidInput
+from underlay.ops._checks import checked
 
 __all__ = ["group_ids_to_index", "group_mean_std", "group_normalize"]
 
 GroupIds = Sequence[Hashable] | torch.Tensor
 
 
+@checked
 def group_ids_to_index(group_ids: GroupIds, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
     """Map labels to dense int64 indices ``[N]`` numbered by first appearance; returns ``(index, G)``.
 
@@ -79,6 +81,7 @@ def _finite(what: str, **values: float) -> None:
             raise InvalidInput(f"{what}: {name}={v!r} must be a finite number")
 
 
+@checked
 def group_mean_std(
     scores: torch.Tensor, group_ids: GroupIds, *, single_mean: float = 0.0, single_std: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,6 +99,7 @@ def group_mean_std(
     return mean.to(_out_dtype(scores)), std.to(_out_dtype(scores)), count
 
 
+@checked
 def group_normalize(
     scores: torch.Tensor,
     group_ids: GroupIds,

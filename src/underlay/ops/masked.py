@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from underlay.interfaces import InvalidInput
+from underlay.ops._checks import checked
 
 __all__ = ["clip_by_value", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "response_mask"]
 
@@ -50,6 +51,7 @@ def _sum(t: torch.Tensor, dim: Dim) -> torch.Tensor:
     return t.sum() if d is None else t.sum(dim=d)
 
 
+@checked
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None) -> torch.Tensor:
     """Sum of ``x`` where ``mask`` is non-zero, over ``dim`` (all dims when ``None``); dtype of ``x``."""
     keep = _keep(x, mask, "masked_sum")
@@ -64,6 +66,7 @@ def _float(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_floating_point() else x.float()
 
 
+@checked
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None) -> torch.Tensor:
     """Mean of the kept elements of ``x`` over ``dim`` (all dims when ``None``).
 
@@ -77,6 +80,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None) -> torch.T
     return torch.where(count > 0, total / count.clamp_min(1), torch.zeros_like(total))
 
 
+@checked
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, dim: Dim = None) -> torch.Tensor:
     """Variance of the kept elements over ``dim``; Bessel-corrected (``n - 1``) when ``unbiased``.
 
@@ -102,6 +106,7 @@ def _unsqueeze(t: torch.Tensor, dims: tuple[int, ...], ndim: int) -> torch.Tenso
     return t
 
 
+@checked
 def masked_whiten(
     x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
 ) -> torch.Tensor:
@@ -122,6 +127,7 @@ def masked_whiten(
     return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+@checked
 def response_mask(
     response_ids: torch.Tensor, eos_token_ids: int | Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
@@ -150,6 +156,7 @@ def response_mask(
     return (seen_before == 0).to(torch.int64)
 
 
+@checked
 def clip_by_value(x: torch.Tensor, low: float | torch.Tensor, high: float | torch.Tensor) -> torch.Tensor:
     """``min(max(x, low), high)`` elementwise; bounds are numbers or tensors broadcasting to ``x``.
 
@@ -163,6 +170,17 @@ def clip_by_value(x: torch.Tensor, low: float | torch.Tensor, high: float | torc
             raise InvalidInput(f"clip_by_value: {name} bound is NaN; give a number (use inf for no bound)")
     if not isinstance(low, torch.Tensor) and not isinstance(high, torch.Tensor) and low > high:
         raise InvalidInput(f"clip_by_value: low={low} > high={high}; swap the bounds")
+    for name, b in (("low", low), ("high", high)):
+        if isinstance(b, torch.Tensor):
+            try:
+                fits = torch.broadcast_shapes(x.shape, b.shape) == x.shape  # type: ignore[no-untyped-call]
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise InvalidInput(
+                    f"clip_by_value: {name} bound shape {tuple(b.shape)} does not broadcast to x shape "
+                    f"{tuple(x.shape)}; give a number or a tensor of a broadcastable shape"
+                )
     lo = low if isinstance(low, torch.Tensor) else torch.tensor(low, dtype=x.dtype, device=x.device)
     hi = high if isinstance(high, torch.Tensor) else torch.tensor(high, dtype=x.dtype, device=x.device)
     return torch.minimum(torch.maximum(x, lo.to(x.dtype)), hi.to(x.dtype))

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from underlay.interfaces import InvalidInput, PackedBatch
+from underlay.ops._checks import checked
 
 __all__ = ["pad", "pad_to_multiple", "position_ids_from_mask", "unpad"]
 
@@ -20,6 +21,7 @@ def _check_mask(attention_mask: torch.Tensor, what: str) -> torch.Tensor:
     return keep
 
 
+@checked
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
     """Remove the padding of ``input_ids [B, S]`` under ``attention_mask [B, S]`` (1/True = real token).
 
@@ -58,6 +60,7 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
     )
 
 
+@checked
 def pad(values: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> torch.Tensor:
     """Inverse of ``unpad``: scatter ``values [T, ...]`` back to ``[B, S, ...]``, ``pad_value`` elsewhere.
 
@@ -75,6 +78,7 @@ def pad(values: torch.Tensor, packed: PackedBatch, pad_value: float = 0) -> torc
     return out.view(b, s, *values.shape[1:])
 
 
+@checked
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` int64 position ids counting real tokens from 0 in each row; padding gets 0.
 
@@ -85,6 +89,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, pos, torch.zeros_like(pos))
 
 
+@checked
 def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = -1, value: float = 0) -> torch.Tensor:
     """Append ``value`` along ``dim`` so its size becomes the next multiple of ``multiple``.
 

@@ -14,6 +14,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from underlay.interfaces import ConfigError, OptimConfig
+from underlay.ops._checks import checked
 
 __all__ = [
     "build_lr_scheduler",
@@ -42,6 +43,7 @@ def _warmup(step: int, warmup_steps: int) -> float | None:
     return (step + 1) / warmup_steps if step < warmup_steps else None
 
 
+@checked
 def constant_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> LambdaLR:
     """Linear warmup over ``warmup_steps`` then the base learning rate. ``ConfigError`` if negative."""
     _check(warmup_steps, None)
@@ -53,6 +55,7 @@ def constant_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) ->
     return LambdaLR(optimizer, factor)
 
 
+@checked
 def cosine_with_warmup(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
 ) -> LambdaLR:
@@ -74,6 +77,7 @@ def cosine_with_warmup(
     return LambdaLR(optimizer, factor)
 
 
+@checked
 def warmup_stable_decay(
     optimizer: torch.optim.Optimizer,
     warmup_steps: int,
@@ -107,6 +111,7 @@ def warmup_stable_decay(
     return LambdaLR(optimizer, factor)
 
 
+@checked
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config: OptimConfig) -> LambdaLR:
     """The scheduler ``optim_config.schedule`` names (``constant``, ``cosine``, ``wsd``) with its
     warmup, total steps and ratios. ``ConfigError`` for an unknown schedule or missing total steps."""

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines._core import LiveState, check_token_batch, load_transaction, report_nonfinite
+from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
 from underlay.engines.fsdp2 import _auto, _build
 from underlay.engines.fsdp2.act_offload import ActivationOffloader, install_activation_offload
 from underlay.engines.fsdp2.options import FSDP2Options
@@ -461,14 +462,15 @@ class FSDP2Engine:
         return multimodal_inputs(batch), most - calls
 
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
-        """Accumulate gradients of the global token-mean loss over ``batch`` (this rank's share).
+        """Accumulate gradients of the sum of ``loss_fn``'s contributions over ``batch`` (this rank's
+        share; loss contract v3, ``interfaces.LossFn``).
 
         Micro-batches come from ``ops.plan_micro_batches`` (same count on every dp rank); each is
-        packed, run through ``models.packed_forward``, padded back and handed to ``loss_fn``. Every
-        ``loss_sum`` is scaled by ``world_size / N`` (``N``: loss tokens of the whole global batch,
-        counted once per Ulysses group) before backward, which with FSDP's mean over ranks gives the
-        gradient of ``sum(loss) / N``. Metrics are summed over micro-batches and dp ranks and divided
-        by ``N``; ``"loss"`` is always reported.
+        packed, run through ``models.packed_forward``, padded back and handed to ``loss_fn`` with its
+        ``LossContext`` (global counts once per Ulysses group, ``engines._loss``). Every contribution
+        is scaled by ``world_size`` before backward, which undoes FSDP's mean over ranks: gradients sum
+        over micro-batches and dp ranks. Metrics reduce as declared (``"loss"``: the sum of the
+        contributions).
 
         Gradient sync (``options.grad_sync``): ``"per_micro_batch"`` reduce-scatters each micro-batch's
         gradients into the sharded ones; ``"per_step"`` only at the last micro-batch (FSDP2 accumulates
@@ -477,6 +479,7 @@ class FSDP2Engine:
         call then syncs per micro-batch, so unsharded and sharded gradients never add up). The same
         gradients up to floating-point summation order. An exception leaves no gradient behind (the
         earlier calls' included), resets FSDP's per-iteration state and restores gradient sync."""
+        check_loss_fn(loss_fn)
         if self._adapter_disabled:
             raise InvalidInput(
                 "forward_backward inside disable_adapter(): the adapters are bypassed there, nothing would "
@@ -485,11 +488,9 @@ class FSDP2Engine:
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         dp_group = self._dp_group
-        count = batch.loss_mask.sum().to(torch.float64)
-        dist.all_reduce(count, group=dp_group)
-        n_tokens = int(count.item())
-        denom = float(max(n_tokens, 1))
-        scale = self._layout.world_size / denom
+        counts = count_loss(batch.loss_mask, dp_group, self._layout.dp, self._torch_device)
+        reducer = MetricReducer(self._torch_device)
+        scale = self._layout.world_size  # FSDP averages gradients over every rank: sum instead
         plan = self._plan(batch)
         from underlay.models.randomness import set_training_mode
 
@@ -497,7 +498,6 @@ class FSDP2Engine:
         # the same on every rank: the plan has as many micro-batches on every dp rank, and the
         # pending flag follows the calls, which are collective
         sync_once = self._options.grad_sync == "per_step" and len(plan) > 1 and not self._grads_pending
-        sums: dict[str, torch.Tensor] = {}
         completed = False
         filled: list[_ZeroFilled] = []
         warm = self._compile_warmup.start() if self._options.compile else None
@@ -516,11 +516,10 @@ class FSDP2Engine:
                     continue
                 sub = batch.select(idx)
                 outputs = self._forward(sub, self._config.temperature, self._config.with_entropy)
-                loss_sum, metrics = _checked_loss(loss_fn(outputs, sub))
-                (loss_sum * scale).backward()  # type: ignore[no-untyped-call]
-                _accumulate(sums, "loss", loss_sum.detach())
-                for key, value in metrics.items():
-                    _accumulate(sums, key, torch.as_tensor(value, device=self._torch_device).detach())
+                ctx = counts.context(i, len(plan), idx, sub.loss_mask)
+                loss, metrics = checked_loss(loss_fn(outputs, sub, ctx))
+                (loss * scale).backward()  # type: ignore[no-untyped-call]
+                reducer.add(loss, metrics)
             completed = True
         finally:
             _unfill(filled, completed)
@@ -536,14 +535,10 @@ class FSDP2Engine:
         self._grads_pending = True
         if warm is not None:
             self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
-        keys = sorted(sums)
-        stacked = torch.stack([sums[k].to(torch.float64).reshape(()) for k in keys]).to(self._torch_device)
-        dist.all_reduce(stacked, group=dp_group)
-        values = (stacked / denom).tolist()
-        metrics = dict(zip(keys, values))
-        if report_nonfinite("forward_backward", metrics, sums, self._torch_device):
+        metrics_out = reducer.reduce(dp_group, self._layout.dp)
+        if report_nonfinite("forward_backward", metrics_out, reducer.local(), self._torch_device):
             self._skip_next = True
-        return StepResult(metrics, len(plan), n_tokens)
+        return StepResult(metrics_out, len(plan), counts.global_tokens, counts.global_sequences)
 
     def _dummy_backward(self, batch: TokenBatch) -> None:
         """This rank has no sequence for a micro-batch that other dp ranks run: take part in FSDP's
@@ -980,46 +975,6 @@ def _compile_backend() -> str:
     return name
 
 
-def _checked_loss(result: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
-    """Validate what a ``LossFn`` returned, before backward: ``(loss_sum, metrics)`` with ``loss_sum`` a
-    floating scalar tensor attached to the graph and every metric a number or one-element tensor
-    (not named ``"loss"``, which the engine reports itself). ``InvalidInput`` naming the problem."""
-    if not isinstance(result, tuple) or len(result) != 2:
-        raise InvalidInput(f"loss_fn returned {type(result).__name__}; return a tuple (loss_sum, metrics)")
-    loss_sum, metrics = result
-    if not isinstance(loss_sum, torch.Tensor):
-        raise InvalidInput(
-            f"loss_fn returned loss_sum as {type(loss_sum).__name__} ({loss_sum!r}); return a scalar "
-            "tensor computed from outputs so that it has a gradient"
-        )
-    if loss_sum.dim() != 0:
-        raise InvalidInput(f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar")
-    if not loss_sum.is_floating_point():
-        raise InvalidInput(f"loss_fn returned loss_sum of dtype {loss_sum.dtype}; return a float tensor")
-    if not loss_sum.requires_grad:
-        raise InvalidInput(
-            "loss_fn returned a loss_sum without a graph (requires_grad=False: detached, computed "
-            "under no_grad, or not from outputs); compute it from the outputs tensors"
-        )
-    if not isinstance(metrics, Mapping):
-        raise InvalidInput(f"loss_fn returned metrics as {type(metrics).__name__}; return a dict")
-    for key, value in metrics.items():
-        if not isinstance(key, str) or key == "loss":
-            raise InvalidInput(
-                f"loss_fn metric name {key!r}: use a str other than 'loss' (the engine reports the loss)"
-            )
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise InvalidInput(
-                    f"loss_fn metric {key!r} has shape {tuple(value.shape)}; metrics are scalar sums"
-                )
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidInput(
-                f"loss_fn metric {key!r} is {type(value).__name__}; give a number or a scalar tensor"
-            )
-    return loss_sum, metrics
-
-
 def _fresh(tree: Any) -> Any:
     """A copy of a (nested) state dict with every tensor cloned (DTensors stay DTensors)."""
     if torch.is_tensor(tree):
@@ -1031,11 +986,6 @@ def _fresh(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(_fresh(v) for v in tree)
     return tree
-
-
-def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    value = value.to(torch.float64).reshape(())
-    sums[key] = sums[key] + value if key in sums else value
 
 
 def _optim_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

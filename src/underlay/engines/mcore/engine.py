@@ -8,9 +8,10 @@ from the same weights), wrap each chunk in megatron's DDP, and build megatron's 
 
 Training runs megatron's pipeline schedules (``get_forward_backward_func``) over packed THD micro-batches
 (``PackedSeqParams``); the output layer returns the final hidden states and the log-probs come from the
-vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are never built. The loss is
-``sum(loss) / N`` with ``N`` the loss tokens over dp x cp: megatron's per-token-loss mode
-(``calculate_per_token_loss``) divides the summed gradients by the token count it all-reduces. A value
+vocab-parallel ``LogprobKernel`` over the TP group, so ``[T, V]`` logits are never built. The
+``loss_fn``'s contributions (loss contract v3) are backpropagated as they are and their gradients sum
+over micro-batches and dp x cp (megatron's per-token-loss mode, ``calculate_per_token_loss``, sums in
+its DDP; the token count it would divide by is reported as 0). A value
 model's last stage runs ``layers.ValueHead`` instead (per-token values, no vocabulary projection).
 Context parallelism splits each micro-batch's sequences into megatron's load-balanced chunks
 (``context_parallel``); per-token outputs (log-probs, entropy, values) are gathered back so every CP
@@ -19,9 +20,9 @@ gradient summed over dp x cp by megatron's DDP.
 
 Host synchronisation: batches are validated, planned and packed on the host (micro-batch tensors are
 queued to the device without waiting; the attention kernel gets the host lengths), so the data path
-reads no device values (without context parallelism); per step what is read back is the metrics and
-token count at the end of ``forward_backward`` (one all-reduce) and the grad norm in
-``optimizer_step`` (it decides a skip).
+reads no device values (without context parallelism); per step what is read back is the global
+loss counts at the start of ``forward_backward`` and its metrics at the end (one all-reduce each) and
+the grad norm in ``optimizer_step`` (it decides a skip).
 
 Options (``EngineConfig.options``, see ``MCoreOptions``).
 """
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines._core import LiveState, check_token_batch, load_transaction, report_nonfinite
 from underlay.engines._inductor import inductor_ok
+from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
@@ -832,20 +834,25 @@ class MCoreEngine:
         )
 
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn) -> StepResult:
-        """Accumulate gradients of the global token-mean loss over ``batch`` (this dp rank's share).
+        """Accumulate gradients of the sum of ``loss_fn``'s contributions over ``batch`` (this dp
+        rank's share; loss contract v3, ``interfaces.LossFn``).
 
         Micro-batches come from ``ops.plan_micro_batches`` (same count on every dp rank, a multiple of
         pp with virtual pipelines); megatron's schedule runs them; on the last stage each micro-batch's
         per-token outputs (``TokenOutputs``: log-probs and entropy, or ``values`` for a value model)
-        go to ``loss_fn``. Metrics are summed over micro-batches and dp ranks, divided by the global
-        loss-token count ``N``, and broadcast over the pipeline so every rank returns the same
-        ``StepResult``. ``InvalidInput`` on a malformed batch before any compute.
+        go to ``loss_fn`` with its ``LossContext`` (``engines._loss``; every CP rank gets the whole
+        micro-batch and the same context). Gradients sum over micro-batches and dp x cp: megatron's
+        per-token-loss mode sums in its DDP; the reduction (``finalize_grads``) runs once per optimizer
+        step, so several calls accumulate like one call over their concatenated micro-batches. Metrics reduce as declared over dp on the last
+        stage and are broadcast over the pipeline so every rank returns the same ``StepResult``.
+        ``InvalidInput`` on a malformed batch or ``loss_fn`` before any compute.
 
         Host synchronisation: validation, planning and packing read host tensors (none for a host
-        batch; one copy for a device batch), ``N`` travels with the metrics in the one all-reduce at
-        the end, whose result is read once (``StepResult`` holds Python numbers)."""
+        batch; one copy for a device batch); the global counts are one all-reduce before the first
+        micro-batch, the metrics one at the end, each read once."""
         from megatron.core import parallel_state as ps
 
+        check_loss_fn(loss_fn)
         host = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         if self._grads == "reduced":
@@ -853,75 +860,45 @@ class MCoreEngine:
                 "forward_backward: the accumulated gradients were already reduced over the ranks "
                 "(finalize_grads); call optimizer_step or zero_grad before the next forward_backward"
             )
-        local_tokens = int(host.loss_mask.sum())
-        # each call's gradient is that of its own token-mean loss: divide by the global loss-token
-        # count of this call before the backward (a device value: no host read here)
-        denom = torch.full((), float(local_tokens), dtype=torch.float32, device=self._torch_device)
-        if self._layout.dp_shard > 1:
-            dist.all_reduce(denom, group=self._pg["dp"])
-        denom = denom.clamp(min=1.0)
+        dp_group = self._pg["dp"] if self._layout.dp > 1 else None
+        counts = count_loss(host.loss_mask, dp_group, self._layout.dp, self._torch_device)
         plan = self._plan(host)
         mbs = self._micro_batches(host, plan)
-        sums: dict[str, torch.Tensor] = {}
-        cp_rank = ps.get_context_parallel_rank()
+        contexts = {
+            id(mb): counts.context(i, len(plan), idx, None if mb.sub is None else mb.sub.loss_mask)
+            for i, (mb, idx) in enumerate(zip(mbs, plan))
+        }
+        reducer = MetricReducer(self._torch_device)
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
 
         def loss_func(model: Any, mb: _MicroBatch, output: torch.Tensor) -> Any:
+            no_tokens = torch.zeros((), dtype=torch.int, device=output.device)
             if mb.sub is None:
-                zero = output.sum() * 0.0
-                return zero, torch.zeros((), dtype=torch.int, device=output.device), {}
+                return output.sum() * 0.0, no_tokens, {}
             outputs = self._head_outputs(model, output, mb, temperature, with_entropy)
-            loss_sum, metrics = loss_fn(outputs, mb.sub)
-            if loss_sum.dim() != 0:
-                raise InvalidInput(
-                    f"loss_fn returned loss_sum of shape {tuple(loss_sum.shape)}; return a scalar"
-                )
-            _accumulate(sums, "loss", loss_sum.detach())
-            for key, value in metrics.items():
-                _accumulate(sums, key, _as_device_scalar(value, output.device))
-            tokens = mb.sub.loss_mask.sum().to(torch.int)
-            if cp_rank:  # each CP rank holds the whole loss: count its tokens once over dp x cp
-                tokens = torch.zeros_like(tokens)
-            return loss_sum / denom.to(loss_sum.dtype), tokens, {}
+            loss, metrics = checked_loss(loss_fn(outputs, mb.sub, contexts[id(mb)]))
+            reducer.add(loss, metrics)
+            return loss, no_tokens, {}
 
         for c in self._chunks:
             c.train()
         self._grads = "local"
         self._run_schedule(mbs, loss_func, forward_only=False)
-        metrics, n_tokens = self._share_metrics(
-            sums, local_tokens, ps.is_pipeline_last_stage(ignore_virtual=True)
-        )
-        if report_nonfinite("forward_backward", metrics, sums, self._torch_device):
+        metrics = self._share_metrics(reducer, dp_group, ps.is_pipeline_last_stage(ignore_virtual=True))
+        if report_nonfinite("forward_backward", metrics, reducer.local(), self._torch_device):
             self._skip_next = True
-        return StepResult(metrics, len(plan), n_tokens)
+        return StepResult(metrics, len(plan), counts.global_tokens, counts.global_sequences)
 
-    def _share_metrics(
-        self, sums: dict[str, torch.Tensor], local_tokens: int, last: bool
-    ) -> tuple[dict[str, float], int]:
-        """Sum the metric sums and the loss-token count over dp on the last stage (one all-reduce),
-        broadcast them from the last stage over pp, read them on the host once: ``(metrics / N, N)``."""
+    def _share_metrics(self, reducer: MetricReducer, dp_group: Any, last: bool) -> dict[str, float]:
+        """Reduce the metrics over dp on the last stage and broadcast them from there over pp."""
         from megatron.core import parallel_state as ps
 
-        keys = [sorted(sums)] if last else [None]
-        pp_group = self._pg["pp"]
-        src = ps.get_pipeline_model_parallel_last_rank()
+        box: list[Any] = [reducer.reduce(dp_group, self._layout.dp) if last else None]
         if self._layout.pp > 1:
-            dist.broadcast_object_list(keys, src=src, group=pp_group)
-        names: list[str] = keys[0] or []
-        if last:
-            count = torch.full((1,), float(local_tokens), dtype=torch.float64, device=self._torch_device)
-            stacked = torch.cat([count, *(sums[k].to(torch.float64).reshape(1) for k in names)])
-            if self._layout.dp_shard > 1:
-                dist.all_reduce(stacked, group=self._pg["dp"])
-        else:
-            stacked = torch.zeros(len(names) + 1, dtype=torch.float64, device=self._torch_device)
-        if self._layout.pp > 1:
-            dist.broadcast(stacked, src=src, group=pp_group)
-        values = stacked.tolist()
-        n_tokens = int(values[0])
-        denom = float(max(n_tokens, 1))
-        return {k: v / denom for k, v in zip(names, values[1:])}, n_tokens
+            src = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast_object_list(box, src=src, group=self._pg["pp"])
+        return dict(box[0])
 
     @torch.no_grad()
     def infer(
@@ -1598,19 +1575,6 @@ def _clip_by_norm(opt: Any, clip: float, norm: float) -> None:
         if params:
             decoupled = bool(getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
             clip_grad_by_total_norm_fp32(params, clip, norm, decoupled)
-
-
-def _as_device_scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A metric value as a detached scalar tensor on ``device``: tensors as they are (no copy when
-    already there), Python numbers through a device fill (not a host->device copy that would wait)."""
-    if torch.is_tensor(value):
-        return value.detach().to(device)
-    return torch.full((), float(value), dtype=torch.float64, device=device)
-
-
-def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    value = value.to(torch.float64).reshape(())
-    sums[key] = sums[key] + value if key in sums else value
 
 
 def _swap_out(tensors: list[torch.Tensor], pin: bool) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
