@@ -46,6 +46,8 @@ from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines._core import LiveState, check_token_batch, load_transaction, report_nonfinite
 from underlay.engines._inductor import inductor_ok
 from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
+from underlay.engines.mcore._chunks import torch_optimizers as _torch_optimizers
+from underlay.engines.mcore._chunks import unwrap as _unwrap
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
@@ -1525,18 +1527,6 @@ def _step_kept_aside(opt: Any) -> Iterator[None]:
     finally:
         for o in patched:
             del o._set_main_param_and_optimizer_states
-
-
-def _unwrap(module: Any) -> Any:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
-def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
-    if hasattr(opt, "chained_optimizers"):
-        return [o.optimizer for o in opt.chained_optimizers]
-    return [opt.optimizer]
 
 
 def _grad_norm(opt: Any, device: torch.device) -> float:

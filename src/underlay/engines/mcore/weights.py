@@ -137,7 +137,7 @@ class MCoreWeightLoader:
                         f"{n}: shape mismatch: {stored} in the files != {shapes[n]} of the model config; load a "
                         "checkpoint of this architecture"
                     )
-            from underlay.engines.mcore.engine import _unwrap
+            from underlay.engines.mcore._chunks import unwrap as _unwrap
 
             eng.load_tensors([_unwrap(c) for c in eng.chunks], reader.get)
             # HF tensors of the files the model consumed (over all ranks: every rank reads its shards)
