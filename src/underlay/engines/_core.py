@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from underlay.interfaces import CheckpointError, InvalidInput, TokenBatch, UnderlayError
+from underlay.interfaces import CheckpointError, Device, EngineConfig, InvalidInput, TokenBatch, UnderlayError
 
 __all__ = [
+    "EngineBase",
     "LiveState",
     "check_token_batch",
     "export_hf_atomic",
@@ -267,3 +268,48 @@ def export_hf_atomic(
         abort_directory(tmp)
     agree(error is None, describe(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error)
     return out if rank0 else None
+
+
+class EngineBase:
+    """The members every engine implements identically: the read-only properties over what its
+    ``__init__`` sets (``_config``, ``_device``, ``_hf_config``, ``_param_dtype``, ``_global_step``)
+    and the offload guard over ``_offloaded`` (kinds of state now on the host)."""
+
+    _config: EngineConfig
+    _device: Device
+    _hf_config: Any
+    _param_dtype: torch.dtype
+    _global_step: int
+    _offloaded: dict[str, Any]
+
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration it was built from."""
+        return self._config
+
+    @property
+    def device(self) -> Device:
+        """The device it computes on."""
+        return self._device
+
+    @property
+    def hf_config(self) -> Any:
+        """The ``transformers`` config of the model."""
+        return self._hf_config
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' compute dtype (``config.param_dtype``)."""
+        return self._param_dtype
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (skipped ones included)."""
+        return self._global_step
+
+    def _ensure_onloaded(self, what: str) -> None:
+        """``InvalidInput`` naming ``what`` while any state is offloaded to the host."""
+        if self._offloaded:
+            raise InvalidInput(
+                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
+            )

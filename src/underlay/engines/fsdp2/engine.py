@@ -35,7 +35,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
-from underlay.engines._core import LiveState, check_token_batch, load_transaction, report_nonfinite
+from underlay.engines._core import (
+    EngineBase,
+    LiveState,
+    check_token_batch,
+    load_transaction,
+    report_nonfinite,
+)
 from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
 from underlay.engines.fsdp2 import _auto, _build
 from underlay.engines.fsdp2.act_offload import ActivationOffloader, install_activation_offload
@@ -79,7 +85,7 @@ _STATE_FILE = "engine_state.pt"
 _SIGNATURE_FILE = "engine_signature.json"
 
 
-class FSDP2Engine:
+class FSDP2Engine(EngineBase):
     """A model sharded with FSDP2 over the default process group, with AdamW and an LR schedule.
 
     Collective: every rank of the default process group constructs it (a single process without a
@@ -295,16 +301,6 @@ class FSDP2Engine:
         return "fsdp2"
 
     @property
-    def config(self) -> EngineConfig:
-        """The configuration it was built from."""
-        return self._config
-
-    @property
-    def device(self) -> Device:
-        """The device it computes on."""
-        return self._device
-
-    @property
     def layout(self) -> ParallelLayout:
         """dp_replicate x dp_shard (Ulysses inside dp_shard); groups ``world``, ``dp`` = ``dp_cp`` (one
         rank per Ulysses group: distinct data), ``ulysses`` = ``mp`` (ranks sharing a data shard),
@@ -368,11 +364,6 @@ class FSDP2Engine:
         )
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        """Compute dtype of the parameters (``config.param_dtype``)."""
-        return self._param_dtype
-
-    @property
     def weight_map(self) -> WeightMap:
         """HF names of the parameters (``underlay.engines.fsdp2.weightmap``)."""
         return self._weight_map
@@ -390,16 +381,6 @@ class FSDP2Engine:
     def optimizer(self) -> torch.optim.Optimizer:
         """The AdamW optimizer over the trainable sharded parameters."""
         return self._optimizer
-
-    @property
-    def hf_config(self) -> Any:
-        """The ``transformers`` config of the model."""
-        return self._hf_config
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken (skipped ones included)."""
-        return self._global_step
 
     # --------------------------------------------------------------------------------- compute
 
@@ -674,12 +655,6 @@ class FSDP2Engine:
         return float(self._optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------ offloading
-
-    def _ensure_onloaded(self, what: str) -> None:
-        if self._offloaded:
-            raise InvalidInput(
-                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
-            )
 
     def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Move parameters, gradients and/or optimizer state to host memory and release the device

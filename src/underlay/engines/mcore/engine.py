@@ -43,7 +43,13 @@ import torch
 import torch.distributed as dist
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
-from underlay.engines._core import LiveState, check_token_batch, load_transaction, report_nonfinite
+from underlay.engines._core import (
+    EngineBase,
+    LiveState,
+    check_token_batch,
+    load_transaction,
+    report_nonfinite,
+)
 from underlay.engines._inductor import inductor_ok
 from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
 from underlay.engines.mcore._chunks import torch_optimizers as _torch_optimizers
@@ -105,7 +111,7 @@ class _MicroBatch:
     cp: CPSplit | None = None  # context parallelism: how this rank's tokens map to the micro-batch
 
 
-class MCoreEngine:
+class MCoreEngine(EngineBase):
     """A Hugging Face causal LM (or, with ``ModelConfig.kind="value"``, its token-classification value
     model: ``layers.ValueHead`` in place of the output layer) as megatron-core ``GPTModel`` chunks with
     DDP and megatron's optimizer.
@@ -527,16 +533,6 @@ class MCoreEngine:
         return "mcore"
 
     @property
-    def config(self) -> EngineConfig:
-        """The configuration it was built from."""
-        return self._config
-
-    @property
-    def device(self) -> Device:
-        """The device it computes on."""
-        return self._device
-
-    @property
     def layout(self) -> ParallelLayout:
         """dp x tp x pp (x cp); groups ``world``, ``dp``, ``dp_cp``, ``tp``, ``pp``, ``ep``."""
         return self._layout
@@ -547,16 +543,6 @@ class MCoreEngine:
         return torch.nn.ModuleList(self._chunks)
 
     @property
-    def hf_config(self) -> Any:
-        """The ``transformers`` config of the model."""
-        return self._hf_config
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        """The parameters' compute dtype (``config.param_dtype``)."""
-        return self._param_dtype
-
-    @property
     def arch(self) -> MCoreArch:
         """The converted architecture facts."""
         return self._arch
@@ -565,11 +551,6 @@ class MCoreEngine:
     def chunks(self) -> list[torch.nn.Module]:
         """This rank's DDP-wrapped pipeline chunks (one per virtual stage)."""
         return self._chunks
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken (skipped ones included)."""
-        return self._global_step
 
     # --------------------------------------------------------------------------------- compute
 
@@ -1009,12 +990,6 @@ class MCoreEngine:
         return float(_torch_optimizers(self._optimizer)[0].param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------ offloading
-
-    def _ensure_onloaded(self, what: str) -> None:
-        if self._offloaded:
-            raise InvalidInput(
-                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
-            )
 
     def _param_tensors(self) -> list[torch.Tensor]:
         return [p for c in self._chunks for p in c.parameters()]
