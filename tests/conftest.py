@@ -27,7 +27,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason="needs an Ascend NPU with torch_npu (UNDERLAY_DEVICE=npu pytest on that host)"
     )
     gpu, npu = _has_cuda(), _has_npu()
+    conformance = pytest.mark.conformance
     for item in items:
+        if item.nodeid.startswith("tests/conformance/"):  # scripts/test_gpu.sh selects them by marker
+            item.add_marker(conformance)
         if "gpu" in item.keywords and not gpu:
             item.add_marker(skip_gpu)
         if "npu" in item.keywords and not npu:

@@ -8,30 +8,26 @@
 
 bf16, head_dim 128, 32 q heads, 8 kv heads, 64k tokens. Run from the repository root:
 
-    PYTHONPATH=src UNDERLAY_DEVICE=cuda python benchmarks/gpu/bench_attention.py
+    python -m benchmarks.gpu.bench_attention [--out DIR]
 
-Prints a table and writes ``$OUT/attention_bench.json`` (``$OUT`` defaults to ``.``).
+Times are medians over ``--repeats`` (default 25) calls after ``--warmup`` (5) through the harness
+(synchronised wall clock; gradients dropped before each call); the multi-second padded-mask steps: 2
+after 1. Prints a table and writes ``OUT/attention.json``.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import math
-import os
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-os.environ.setdefault("UNDERLAY_DEVICE", "cuda")
-
+from benchmarks import _harness as harness
 from underlay import registry
 from underlay.backends.portable.attention import TorchAttention
 from underlay.interfaces import AttentionKernel
@@ -63,41 +59,20 @@ def causal_flops(lens: list[int]) -> float:
     return 3.5 * fwd
 
 
-def bench(fn: Callable[[], Any], grads: list[torch.Tensor], rep_ms: int = 300) -> float:
-    """Median milliseconds of ``fn`` (triton.testing.do_bench, else CUDA events)."""
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=50, rep=rep_ms, grad_to_none=grads, return_mode="median"))
-    except ImportError:
-        times = []
-        for i in range(30):
-            for g in grads:
-                g.grad = None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            if i >= 5:
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
+_TIMING = {"warmup": 5, "repeats": 25}
 
 
-def bench_few(fn: Callable[[], Any], grads: list[torch.Tensor], reps: int = 2) -> float:
-    """Median milliseconds of ``reps`` runs after one warmup, for steps that take seconds."""
-    times = []
-    for i in range(reps + 1):
+def bench(fn: Callable[[], Any], grads: list[torch.Tensor], few: int = 0) -> float:
+    """Median milliseconds of ``fn`` with the gradients of ``grads`` dropped before each call
+    (``few``: that many calls after 1 warm-up, for steps that take seconds)."""
+
+    def call() -> None:
         for g in grads:
             g.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        end.record()
-        end.synchronize()
-        if i:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    warmup, repeats = (1, few) if few else (_TIMING["warmup"], _TIMING["repeats"])
+    return harness.timeit(call, warmup=warmup, repeats=repeats, device="cuda").median * 1e3
 
 
 def interleaved(
@@ -135,9 +110,13 @@ def direct_varlen(name: str) -> Callable[..., torch.Tensor] | None:
 
 
 def main() -> None:
+    ap = harness.parser(__doc__)
+    ap.set_defaults(warmup=5, repeats=25)
+    args = ap.parse_args()
+    _TIMING.update(warmup=args.warmup, repeats=args.repeats)
     if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA GPU")
-    dev = registry.get_device().torch_device()
+        sys.exit("bench_attention needs a CUDA GPU")
+    dev = registry.get_device("cuda").torch_device()
     torch.manual_seed(0)
     lens = long_tailed_lengths(TOTAL)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
@@ -228,9 +207,9 @@ def main() -> None:
     def padded_masked() -> None:
         torch_kernel.padded(pq, pk, pv, attention_mask=mask, causal=True).backward(pdout)
 
-    t_pf = bench_few(padded_flash, [pq, pk, pv], reps=5)
+    t_pf = bench(padded_flash, [pq, pk, pv], few=5)
     try:
-        t_pm: float | None = bench_few(padded_masked, [pq, pk, pv], reps=2)
+        t_pm: float | None = bench(padded_masked, [pq, pk, pv], few=2)
     except torch.OutOfMemoryError:
         t_pm = None
         torch.cuda.empty_cache()
@@ -268,21 +247,20 @@ def main() -> None:
             f"{'' if sp is None else f'{sp:.2f}x':>9}"
         )
     result = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
         "config": {"dtype": "bf16", "hq": HQ, "hk": HK, "head_dim": D, "total_tokens": TOTAL},
         "lengths": {"count": len(lens), "max": max_len, "median": statistics.median(lens), "values": lens},
         "useful_flops_fwd_bwd": flops,
         "rows": rows,
         "goal": "dispatch overhead < 3%",
     }
-    out = Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_bench.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {out / 'attention_bench.json'}")
+    overheads = ", ".join(
+        f"{r['what'].split()[0]} {r['overhead_pct']:+.1f}%" for r in rows if "overhead_pct" in r
+    )
+    packed = [r["packed_speedup"] for r in rows if r.get("packed_speedup")]
+    summary = f"dispatch overhead vs the wrapped kernel: {overheads or 'n/a'}; packed vs padded up to " + (
+        f"{max(packed):.1f}x" if packed else "n/a"
+    )
+    harness.report("attention", result, summary, harness.out_dir(args))
 
 
 if __name__ == "__main__":

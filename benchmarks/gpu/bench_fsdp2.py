@@ -1,4 +1,4 @@
-"""FSDP2 engine training throughput vs plain transformers (issue 10, item 6; dp=2 part of issue 8).
+"""FSDP2 engine training throughput vs plain transformers; with ``--mcore``, the mcore engine vs fsdp2.
 
 Model: ``--model`` (default ``qwen2-1.5b``: Qwen2-shaped 1.5B, vocab 151936, hidden 1536, 28 layers,
 12 q / 2 kv heads, ffn 8960, tied embeddings; also ``llama-3.2-1b``, ``qwen3-1.7b``, ``qwen3-4b``,
@@ -30,25 +30,34 @@ for both contenders, a policy-gradient token-mean loss over the response tokens.
 Reports real (non-padding) tokens/s, MFU (``ops.FlopsCounter`` over the real tokens / the device's
 dense bf16 peak) and peak allocated memory, averaged over ``--steps`` timed steps after a warm-up.
 Goals: fsdp2 >= 50% MFU, >= 2x hf tokens/s, <= 0.5x hf peak memory. ``--profile`` profiles one more
-step of every fsdp2 variant: the costliest kernels and where the GPU sat idle (``trace_gaps.py``).
+step of every fsdp2 variant: the costliest kernels and where the GPU sat idle
+(``underlay.profiling.trace_gaps``).
 
 Run on the GPU host from the repo root (one H200, well under 5 minutes)::
 
-    PYTHONPATH=src python benchmarks/gpu/bench_fsdp2.py
+    python -m benchmarks.gpu.bench_fsdp2 [--out DIR]
+    python -m benchmarks.gpu.bench_fsdp2 --mcore [--profile] [--out DIR]   # needs megatron-core
 
-Under ``torchrun --nproc_per_node 2`` (weak scaling: every rank its own sequences of the same mix)
-it measures fsdp2 at dp=2 and writes ``fsdp2_bench_dp2.json``; ``multigpu/run_all.sh`` derives the
-scaling efficiency from that and the 1-GPU run. Prints a table; writes ``$OUT/fsdp2_bench.json``.
+Under ``torchrun --nproc_per_node 2 -m benchmarks.gpu.bench_fsdp2`` (weak scaling: every rank its own
+sequences of the same mix) it measures fsdp2 at dp=2 and writes ``fsdp2_dp2.json``; the scaling
+efficiency is its tokens/s over twice the 1-GPU run's. Prints a table; writes ``OUT/fsdp2.json``.
 ``--device cpu --quick`` is a smoke run with a tiny model.
+
+``--mcore``: the same model, workload and sequences through the mcore engine at TP=1 (world size 1,
+megatron's DDP + distributed optimizer, bf16 compute / fp32 master weights, packed micro-batches of at
+most 16384 tokens) and through fsdp2 (the first ``--act-ckpt`` variant) in the same run: tokens/s of
+both and the ratio (goal: mcore >= 0.9x fsdp2), into ``OUT/mcore.json``. With ``--profile`` it
+profiles one more step of each engine and counts the device->host synchronisations of one mcore
+``forward_backward`` and one ``optimizer_step`` (``torch.cuda.set_sync_debug_mode("warn")``, grouped
+by the Python line that made them) for a batch on the host and on the device
+(``OUT/mcore_syncs_tp1.json``).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -60,6 +69,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks import _harness as harness
 from underlay.interfaces import EngineConfig, LossContext, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
 from underlay.ops import aggregate_loss
 
@@ -283,7 +293,7 @@ def bench_engine(cfg: Any, work: list[Step], args: Any, dev: Any, variant: str) 
     print(f"fsdp2/{variant}: torch.compile {dynamo_counts()}; engine-reported warm-up {warm}", flush=True)
     repr_ = repr(engine)
     if args.profile and dev.is_accelerator:
-        profile_step(engine, work[-1].batch, variant)
+        profile_step(engine, work[-1].batch, f"fsdp2_{variant}", args.out)
     del engine
     gc.collect()
     dev.empty_cache()
@@ -395,34 +405,18 @@ def dynamo_counts() -> str:
     return text
 
 
-def profile_step(engine: Any, batch: TokenBatch, label: str, loss: Any = None) -> None:
-    """One step under torch.profiler (``loss``: the loss function, default :func:`pg_loss`): its wall
-    time, the 30 costliest device ops and the idle-gap attribution of ``trace_gaps.py``, printed and
-    written to ``$OUT/fsdp2_profile_<label>.txt``."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+def profile_step(engine: Any, batch: TokenBatch, label: str, out: Path, loss: Any = None) -> None:
+    """One step of ``engine`` under the harness's profiler (``loss``: default :func:`pg_loss`), into
+    ``out/profile_<label>.txt``."""
+    from torch.profiler import record_function
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from trace_gaps import analyse
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
+    def step() -> None:
         with record_function("bench.forward_backward"):
             engine.forward_backward(batch, loss or pg_loss)
         with record_function("bench.optimizer_step"):
             engine.optimizer_step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    events = prof.key_averages()
-    table = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
-    out_dir = Path(os.environ.get("OUT", "."))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    trace = out_dir / f"fsdp2_trace_{label}.json"
-    prof.export_chrome_trace(str(trace))
-    gaps = analyse(json.loads(trace.read_text()), top=22)
-    trace.unlink()  # tens of MB; the report is what comes back
-    text = f"profiled step ({label}): wall {wall:.3f} s (its 'Self CUDA time total' is kernel time)\n{table}\n{gaps}"
-    print(text)
-    (out_dir / f"fsdp2_profile_{label}.txt").write_text(text)
+
+    harness.profile_step(step, label, out)
 
 
 def baseline_micro_batches(lens: list[int]) -> list[list[int]]:
@@ -526,13 +520,108 @@ def summarise(
     return row
 
 
+def bench_mcore(cfg: Any, work: list[Any], args: Any, dev: Any) -> dict[str, Any]:
+    """Time ``forward_backward`` + ``optimizer_step`` of the mcore engine over ``work``."""
+    from underlay.registry import get_engine
+
+    ec = EngineConfig(
+        model=ModelConfig(hf_config=cfg, seed=0),
+        optim=OptimConfig(lr=1e-6, grad_clip=1.0),
+        micro_batch_max_tokens=MAX_TOKENS if not args.quick else 256,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        with_entropy=False,
+        recompute=args.mcore_recompute,
+    )
+    t0 = time.perf_counter()
+    engine = get_engine(ec, "mcore")
+    build_s = time.perf_counter() - t0
+    dev.synchronize()
+    dev.reset_peak_memory_stats()
+    times: list[float] = []
+    for i, step in enumerate(work):
+        dev.synchronize()
+        t = time.perf_counter()
+        engine.forward_backward(step.batch, pg_loss)
+        engine.optimizer_step()
+        dev.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    peak = dev.memory_stats().peak_allocated
+    if args.profile and dev.is_accelerator:
+        profile_step(engine, work[-1].batch, "mcore_tp1", args.out)
+        syncs = count_syncs(engine, work[-1].batch)
+        print(json.dumps(syncs, indent=1), flush=True)
+        (Path(args.out) / "mcore_syncs_tp1.json").write_text(json.dumps(syncs, indent=1))
+    del engine
+    gc.collect()
+    dev.empty_cache()
+    return {"times": times, "peak": peak, "build_s": build_s}
+
+
+def count_syncs(engine: Any, batch: Any) -> dict[str, Any]:
+    """Synchronising CUDA calls of one ``forward_backward`` and one ``optimizer_step`` (under
+    ``torch.cuda.set_sync_debug_mode("warn")``), for ``batch`` on the host and on the device: per
+    phase the count and the ``file:line`` sites that made them (most frequent first)."""
+    import warnings
+    from collections import Counter
+    from collections.abc import Callable
+
+    result: dict[str, Any] = {}
+    for where, b in (
+        ("host_batch", batch.to(torch.device("cpu"))),
+        ("device_batch", batch.to(engine.device.torch_device())),
+    ):
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("forward_backward", lambda b=b: engine.forward_backward(b, pg_loss)),
+            ("optimizer_step", engine.optimizer_step),
+        ]
+        for phase, call in calls:
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    call()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            sites = Counter(
+                f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+                for w in rec
+                if "synchroniz" in str(w.message)
+            )
+            result[f"{where}/{phase}"] = {"count": sum(sites.values()), "sites": dict(sites.most_common())}
+    return result
+
+
+def mcore_compare(cfg: Any, work: list[Step], args: Any, dev: Any) -> int:
+    """``--mcore``: mcore at TP=1 against fsdp2 (the first ``--act-ckpt`` variant) on ``work``."""
+    tokens = [sum(s.lens) for s in work[args.warmup :]]
+    results: dict[str, Any] = {"mcore": bench_mcore(cfg, work, args, dev)}
+    print(f"mcore  {sum(tokens) / sum(results['mcore']['times']):10.0f} tokens/s (before fsdp2)", flush=True)
+    results["fsdp2"] = bench_engine(cfg, work, args, dev, args.act_ckpt.split(",")[0])
+    rows = {}
+    for name, r in results.items():
+        tps = sum(tokens) / sum(r["times"])
+        rows[name] = {"tokens_per_s": tps, "peak_gib": r["peak"] / 2**30, "build_s": r["build_s"]}
+        print(f"{name:6s} {tps:10.0f} tokens/s  peak {r['peak'] / 2**30:6.1f} GiB", flush=True)
+    ratio = harness.ratio(rows["mcore"]["tokens_per_s"], rows["fsdp2"]["tokens_per_s"])
+    summary = (
+        f"{args.model}: mcore {rows['mcore']['tokens_per_s']:.0f} vs fsdp2 {rows['fsdp2']['tokens_per_s']:.0f} "
+        f"tokens/s ({ratio:.3f}x; goal >= 0.9), peak {rows['mcore']['peak_gib']:.1f} vs "
+        f"{rows['fsdp2']['peak_gib']:.1f} GiB"
+    )
+    harness.report("mcore", {"rows": rows, "ratio": ratio, "args": vars(args)}, summary, args.out)
+    return 0
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="qwen2-1.5b", choices=sorted(MODELS), help="model shape (random init)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation settles)")
+    ap.set_defaults(warmup=2)  # untimed steps first (compilation settles)
     ap.add_argument("--sequences", type=int, default=64, help="sequences per rank and step")
     ap.add_argument(
         "--act-ckpt",
@@ -558,7 +647,10 @@ def main() -> int:
         action="store_true",
         help="repeat one batch every step (runs A-F did) instead of new ones",
     )
+    ap.add_argument("--mcore", action="store_true", help="mcore at TP=1 against fsdp2 instead (see above)")
+    ap.add_argument("--mcore-recompute", default="none", choices=["none", "full", "selective"])
     args = ap.parse_args()
+    harness.out_dir(args)
     from underlay.parallel.distributed import init_distributed
     from underlay.registry import get_device
 
@@ -571,6 +663,8 @@ def main() -> int:
     rank, world = env.rank, env.world_size
     cfg = model_config(args.quick, args.model)
     work = workload(cfg, args, rank)
+    if args.mcore:
+        return mcore_compare(cfg, work, args, dev)
     peak_flops = dev.peak_flops(torch.bfloat16)
     rows: list[dict[str, Any]] = []
     hf_row = None  # the baseline runs first, so a time limit cuts variants rather than the baseline
@@ -612,9 +706,6 @@ def main() -> int:
         "mean_len": sum(sum(st.lens) for st in work[args.warmup :]) / (args.sequences * args.steps),
         "device": dev.model_name() if dev.is_accelerator else platform.processor(),
         "peak_tflops": peak_flops / 1e12 if peak_flops else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "args": vars(args),
         "model": args.model,
     }
@@ -622,8 +713,8 @@ def main() -> int:
     if hf_rows:
         ours, hf = rows[0], hf_rows[0]
         result["speedup_by_mode"] = {r["name"]: r["tokens_per_s"] / hf["tokens_per_s"] for r in rows[:-1]}
-        result["speedup"] = ours["tokens_per_s"] / hf["tokens_per_s"]
-        result["memory_ratio"] = ours["peak_gib"] / hf["peak_gib"]
+        result["speedup"] = harness.ratio(ours["tokens_per_s"], hf["tokens_per_s"])
+        result["memory_ratio"] = harness.ratio(ours["peak_gib"], hf["peak_gib"])
         result["goals"] = {
             "mfu>=0.50": bool(ours["mfu"] is not None and ours["mfu"] >= 0.5),
             "speedup>=2": bool(result["speedup"] >= 2.0),
@@ -699,12 +790,15 @@ def main() -> int:
             print(
                 "speedup by mode: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup_by_mode"].items())
             )
-        out_dir = Path(os.environ.get("OUT", "."))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        name = "fsdp2_bench.json" if world == 1 else f"fsdp2_bench_dp{world}.json"
+        name = "fsdp2" if world == 1 else f"fsdp2_dp{world}"
         if args.model != "qwen2-1.5b":
-            name = name.replace(".json", f"_{args.model}.json")
-        (out_dir / name).write_text(json.dumps(result, indent=2, default=str))
+            name += f"_{args.model}"
+        first = rows[0]
+        mfu = f"{first['mfu'] * 100:.1f}% MFU" if first["mfu"] is not None else "MFU n/a"
+        summary = f"{args.model} {first['name']}: {first['tokens_per_s_total']:.0f} tokens/s, {mfu}, peak {first['peak_gib']:.1f} GiB"
+        if "speedup" in result:
+            summary += f"; {result['speedup']:.2f}x hf tokens/s, {result['memory_ratio']:.2f}x its peak"
+        harness.report(name, result, summary, args.out)
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Fused linear -> log-prob + entropy, forward + backward, on one GPU (issue 9, item 5).
+"""Fused linear -> log-prob + entropy, forward + backward, on one GPU.
 
-Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as arguments):
+Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``--shape N H V``):
 - ``triton``: underlay's TritonLogprobKernel in its default mode (``_logprob_triton.DEFAULT_MODE``),
   log-prob + entropy, both with upstream gradients; ``triton_fwd_only``: its forward alone;
 - ``triton_no_ent``: the same kernel with ``with_entropy=False``;
@@ -13,25 +13,24 @@ Compares, in one run at N=32768, H=4096, V=152064 bf16 (override: ``N H V`` as a
 - ``liger_flce``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss (loss only, reduction="sum"), when
   ``liger_kernel`` is importable (carry its wheel);
 and the plain bf16 matmul rate ``N x H x V``. Each method: 2 warm-up calls (the first includes Triton's
-autotuning), then the median of 5 timed forward + backward calls (CUDA events); peak extra memory is
+autotuning), then the median of ``--repeats`` (5) timed forward + backward calls (the harness's
+synchronised wall clock); the baselines are the 4-matmul floor, chunked and naive torch and Liger; peak extra memory is
 ``max_memory_allocated`` during one call minus the allocation before it (inputs excluded, gradients
 included).
 
-Run (repo root): ``PYTHONPATH=src python3 benchmarks/gpu/bench_logprob.py``; prints a table and writes
-``$OUT/bench_logprob.json``.
+    python -m benchmarks.gpu.bench_logprob [--shape N H V] [--out DIR]
+
+Prints a table and writes ``OUT/logprob.json``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from benchmarks import _harness as harness
 from underlay import registry
 from underlay.backends.cuda import _logprob_triton as impl
 from underlay.backends.cuda.logprob import TritonLogprobKernel
@@ -56,21 +55,17 @@ def timed(
 
 
 def event_ms(fn: Callable[[], Any], reps: int) -> float:
-    """Median CUDA-event time of ``reps`` calls of ``fn``, in ms (no warm-up: call it warm)."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median time of ``reps`` calls of ``fn``, in ms (no warm-up: call it warm)."""
+    return harness.timeit(fn, warmup=0, repeats=reps, device="cuda").median * 1e3
 
 
 def main() -> None:
     """Run all methods and print/write the table."""
-    n, h, v = (int(a) for a in sys.argv[1:4]) if len(sys.argv) >= 4 else (32768, 4096, 152064)
+    ap = harness.parser(__doc__)
+    ap.add_argument("--shape", type=int, nargs=3, default=(32768, 4096, 152064), metavar=("N", "H", "V"))
+    ap.set_defaults(warmup=2)
+    args = ap.parse_args()
+    n, h, v = args.shape
     dev = torch.device("cuda")
     torch.manual_seed(0)
     hidden = torch.randn(n, h, device=dev, dtype=torch.bfloat16)
@@ -165,7 +160,7 @@ def main() -> None:
     rows: dict[str, dict[str, Any]] = {}
     for name, fn, gemms in methods:
         try:
-            ms, gib = timed(fn, clear)
+            ms, gib = timed(fn, clear, reps=args.repeats, warm=args.warmup)
             rows[name] = {"ms": ms, "peak_extra_gib": gib, "tflops": gemms * flop / ms / 1e9, "gemms": gemms}
         except torch.OutOfMemoryError as exc:
             rows[name] = {"error": f"OOM: {str(exc)[:120]}"}
@@ -187,7 +182,7 @@ def main() -> None:
     }
     for ref in ("liger_flce", "chunked_torch", "naive_torch"):
         if "ms" in rows.get(ref, {}) and "ms" in rows["triton"]:
-            info[f"speedup_vs_{ref}"] = rows[ref]["ms"] / rows["triton"]["ms"]
+            info[f"speedup_vs_{ref}"] = harness.ratio(rows[ref]["ms"], rows["triton"]["ms"])
     if "ms" in rows.get("matmul_bf16", {}):
         # Per-token outputs get their upstream gradients only in backward, so any kernel with this contract
         # makes 4 matmuls of this size (forward logits, recomputed logits, grad_hidden, grad_weight).
@@ -199,7 +194,7 @@ def main() -> None:
             f"triton_{other}",
         ):  # goal (issue 23): <= 1.10
             if "ms" in rows.get(name, {}):
-                info[f"backward_ratio_to_floor_{name}"] = rows[name]["ms"] / floor
+                info[f"backward_ratio_to_floor_{name}"] = harness.ratio(rows[name]["ms"], floor)
     print(f"shape N={n} H={h} V={v} bf16 | torch {torch.__version__} triton {impl.triton.__version__} | "
           f"{torch.cuda.get_device_name()}")  # fmt: skip
     print(f"{'method':>16} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} (gemms counted)")
@@ -211,8 +206,13 @@ def main() -> None:
     for key, val in info.items():
         if key.startswith(("speedup", "backward", "mm_path")) or key.endswith(("config", "_ms")):
             print(f"{key}: {val}")
-    with open(os.path.join(os.environ.get("OUT", "."), "bench_logprob.json"), "w") as f:
-        json.dump(info, f, indent=1, default=str)
+    tri = rows.get("triton", {})
+    summary = (
+        f"N={n} H={h} V={v}: triton {tri.get('ms', float('nan')):.1f} ms, "
+        f"{info.get('backward_ratio_to_floor_triton', float('nan')):.2f}x the 4-matmul floor, "
+        f"peak {tri.get('peak_extra_gib', float('nan')):.2f} GiB"
+    )
+    harness.report("logprob", info, summary, harness.out_dir(args))
 
 
 if __name__ == "__main__":

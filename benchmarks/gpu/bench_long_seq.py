@@ -1,4 +1,4 @@
-"""Long-sequence training on one GPU: recomputation against activation offload (issue 23, item 3).
+"""Long-sequence training on one GPU: recomputation against activation offload.
 
 Model: Qwen2-1.5B shape, random init (vocab 151936, hidden 1536, 28 layers, 12 q / 2 kv heads, ffn
 8960, tied embeddings), bf16 compute / fp32 master weights, fused log-prob head, TiledMLP
@@ -18,19 +18,16 @@ Variants, measured in the same run (same sequences, same process):
 model is built twice, not three times. For each variant: peak allocated device memory (GiB), mean step
 time (forward_backward + optimizer_step) over ``--steps`` steps after ``--warmup``, tokens/s, the host
 bytes the offloader copied per step, and the step-time ratio of each offload variant against
-``recompute`` (the overhead of offload against recomputation). Writes ``long_seq.json`` into
-``--out``. Fits about 150 s on one H200 at the defaults.
+``recompute`` (the baseline: the overhead of offload against recomputation). Writes
+``OUT/long_seq.json``. Fits about 150 s on one H200 at the defaults.
 
-    python benchmarks/gpu/bench_long_seq.py --out DIR            # the H200 run
-    python benchmarks/gpu/bench_long_seq.py --out DIR --quick    # cpu smoke run, tiny model
+    python -m benchmarks.gpu.bench_long_seq [--out DIR]            # the H200 run
+    python -m benchmarks.gpu.bench_long_seq --quick [--out DIR]    # cpu smoke run, tiny model
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -38,6 +35,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import _harness as harness
 from underlay.interfaces import EngineConfig, LossContext, ModelConfig, OptimConfig, TokenBatch, TokenOutputs
 from underlay.ops import aggregate_loss
 
@@ -170,11 +168,9 @@ def measure(engine: Any, batches: list[TokenBatch], args: Any, label: str, offlo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for long_seq.json")
+    parser = harness.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=65536, help="tokens of the one sequence per step")
     parser.add_argument("--tiles", type=int, default=8, help="TiledMLP tiles")
-    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument(
         "--variants",
@@ -221,28 +217,18 @@ def main() -> int:
         base = rows["recompute"]["step_s"]
         for label in ("offload+recompute", "offload"):
             if label in rows:
-                ratios[f"{label} / recompute step time"] = rows[label]["step_s"] / base
+                ratios[f"{label} / recompute step time"] = harness.ratio(rows[label]["step_s"], base)
     for key, value in ratios.items():
         print(f"{key}: {value:.3f}x", flush=True)
     print(f"total {time.perf_counter() - t_all:.1f} s", flush=True)
-    import transformers
-
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": dev.model_name() if dev.is_accelerator else platform.processor() or "cpu",
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "command": " ".join(sys.argv),
-        "tokens": args.tokens,
-        "tiles": args.tiles,
-        "rows": rows,
-        "ratios": ratios,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "long_seq.json").write_text(json.dumps(result, indent=2, default=str))
+    result = {"tokens": args.tokens, "tiles": args.tiles, "rows": rows, "ratios": ratios}
+    summary = f"{args.tokens} tokens: " + "; ".join(
+        f"{label} {r['step_s']:.2f} s/step, peak {(r['peak_gib'] or float('nan')):.1f} GiB"
+        for label, r in rows.items()
+    )
+    if ratios:
+        summary += "; " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+    harness.report("long_seq", result, summary, harness.out_dir(args))
     return 0
 
 

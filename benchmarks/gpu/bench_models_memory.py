@@ -1,4 +1,4 @@
-"""Peak memory of the fused log-prob head vs logits, and of TiledMLP vs the plain MLP (issue 5, item 7).
+"""Peak memory of the fused log-prob head vs logits, and of TiledMLP vs the plain MLP.
 
 One H200, bf16, forward + backward, in one run:
 
@@ -16,21 +16,17 @@ Each row: peak extra memory (``max_memory_allocated`` during one call minus the 
 inputs and weights excluded, gradients included), median time of 3 timed calls after 1 warm-up, and
 the max abs difference of the outputs to the first row of its group.
 
-Run from the repo root on the GPU host::
+The first row of each group is its baseline. Run on the GPU host::
 
-    PYTHONPATH=src python benchmarks/gpu/bench_models_memory.py
+    python -m benchmarks.gpu.bench_models_memory [--out DIR]
 
-Prints a table and writes ``$OUT/bench_models_memory.json``. ``--quick`` uses small shapes (smoke run;
+Prints a table and writes ``OUT/models_memory.json``. ``--quick`` uses small shapes (smoke run;
 ``--device cpu`` then reports no memory).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import _harness as harness
 from underlay.models import TiledMLP, packed_forward, prepare_model
 from underlay.ops.packing import unpad
 from underlay.registry import get_logprob_kernel
@@ -63,14 +60,8 @@ def measure(
     if cuda:
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), peak, out.detach()
+    ms = harness.timeit(fn, warmup=0, repeats=reps, device=device).median * 1e3
+    return ms, peak, out.detach()
 
 
 def head_rows(n: int, h: int, v: int, device: torch.device) -> list[dict[str, Any]]:
@@ -225,12 +216,12 @@ def run_group(
             torch.cuda.empty_cache()
     base = rows[0]["peak_gib"]
     for r in rows:
-        r["peak_vs_first"] = round(r["peak_gib"] / base, 3) if base else None
+        r["peak_vs_first"] = round(harness.ratio(r["peak_gib"], base), 3) if base else None
     return rows
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     args = ap.parse_args()
@@ -238,7 +229,6 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device visible; run on the GPU host (or --device cpu --quick for a smoke run)")
         return 2
-    import transformers
 
     t0 = time.time()
     if args.quick:
@@ -251,28 +241,30 @@ def main() -> int:
         rows = head_rows(16384, 3584, 152064, device)
         rows += model_rows(8, 2048, False, device)
         rows += mlp_rows(16384, 3584, 18944, device)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "seconds": round(time.time() - t0, 1),
-    }
-    print(f"# {meta['device']} torch {meta['torch']} transformers {meta['transformers']}  (fwd+bwd, bf16)")
+    meta = {"seconds": round(time.time() - t0, 1), "device": str(device)}
+    print(f"# {meta['device']} (fwd+bwd, bf16)")
     print(f"{'group':<44}{'method':<20}{'peak GiB':>10}{'x first':>9}{'ms':>10}{'max|diff|':>12}")
     for r in rows:
         ratio = "-" if r["peak_vs_first"] is None else f"{r['peak_vs_first']:.3f}"
         print(
             f"{r['group']:<44}{r['method']:<20}{r['peak_gib']:>10.3f}{ratio:>9}{r['ms']:>10.1f}{r['max_abs_diff']:>12.2e}"
         )
-    out_dir = os.environ.get("OUT", ".")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "bench_models_memory.json")
-    with open(path, "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=2)
-    print(f"wrote {path}")
+    firsts: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        firsts.setdefault(r["group"], r)
+    summary = "; ".join(
+        f"{g.split(' (')[0]}: "
+        + ", ".join(
+            f"{r['method']} {r['peak_vs_first']}x" for r in rows if r["group"] == g and r is not first
+        )
+        for g, first in firsts.items()
+    )
+    harness.report(
+        "models_memory",
+        {"meta": meta, "rows": rows},
+        f"peak vs the group's first row: {summary}",
+        harness.out_dir(args),
+    )
     return 0
 
 

@@ -1,4 +1,4 @@
-"""FSDP2 engine training throughput on a vision-language model with synthetic images (issue 22, item 4).
+"""FSDP2 engine training throughput on a vision-language model with synthetic images.
 
 Model: Qwen2.5-VL shaped like the 3B release, random init: text vocab 151936, hidden 2048, 36 layers,
 16 q / 2 kv heads, ffn 11008, tied embeddings, 3-D rotary sections (16, 24, 24); vision tower 32
@@ -20,26 +20,22 @@ averaged over ``--steps`` timed steps after ``--warmup``.
 
 Run on the GPU host from the repo root (one H200, about 2 minutes)::
 
-    PYTHONPATH=src python benchmarks/gpu/bench_vlm.py --out DIR
+    python -m benchmarks.gpu.bench_vlm [--out DIR]
 
-Writes ``DIR/vlm_bench.json`` and prints a table. ``--device cpu --quick`` is a smoke run at tiny size.
+Writes ``OUT/vlm.json`` and prints a table. ``--device cpu --quick`` is a smoke run at tiny size.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import platform
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import _harness as harness
 from underlay.interfaces import (
     EngineConfig,
     LossContext,
@@ -161,17 +157,16 @@ def compile_counts() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench_vlm_"))
+    ap = harness.parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny model (a smoke run, e.g. on the cpu)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.set_defaults(warmup=2)
     ap.add_argument("--sequences", type=int, default=32, help="rows per rank and step")
     ap.add_argument("--image-share", type=float, default=0.75)
     ap.add_argument("--max-tokens", type=int, default=16384, help="micro_batch_max_tokens")
     ap.add_argument("--recompute", default="full", choices=("none", "full"))
-    ap.add_argument("--profile", action="store_true", help="profile one more step (bench_fsdp2.profile_step)")
+    ap.add_argument("--profile", action="store_true", help="profile one more step (the harness profiler)")
     ap.add_argument(
         "--compile", default=None, help="fsdp2 option compile (default: the device's, 'layer' on cuda)"
     )
@@ -180,7 +175,6 @@ def main() -> int:
     from underlay.ops import FlopsCounter
     from underlay.registry import get_device, get_engine
 
-    os.environ.setdefault("UNDERLAY_DEVICE", args.device)
     dev = get_device(args.device)
     cfg = model_config(args.quick)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
@@ -225,14 +219,14 @@ def main() -> int:
                 "micro_batches": float(res.num_micro_batches),
             })  # fmt: skip
     if args.profile and dev.is_accelerator:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_fsdp2 import profile_step
-
-        profile_step(engine, make_batch(cfg, args.sequences, rank + 7919 * (i + 1), args.image_share, args.quick),
-                     "vlm", loss=pg_loss)  # fmt: skip
+        extra = make_batch(cfg, args.sequences, rank + 7919 * (i + 1), args.image_share, args.quick)
+        harness.profile_step(
+            lambda: (engine.forward_backward(extra, pg_loss), engine.optimizer_step()),
+            "vlm",
+            harness.out_dir(args),
+        )
     secs = sum(r["seconds"] for r in rows)
     result = {
-        "benchmark": "bench_vlm",
         "model": "qwen2_5_vl tiny" if args.quick else "qwen2_5_vl 3B-shaped, random init",
         "device": dev.name,
         "param_dtype": dtype,
@@ -245,25 +239,16 @@ def main() -> int:
         "mfu": (sum(r["flops"] for r in rows) / secs / peak) if peak else None,
         "vision_flop_share": sum(r["vision_flop_share"] for r in rows) / len(rows),
         "peak_allocated_gib": dev.memory_stats().peak_allocated / 2**30,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-        },
-        "command": " ".join(sys.argv),
     }
     mfu = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
-    print(
-        f"bench_vlm {result['model']} on {dev.name}: {result['tokens_per_s']:.0f} tokens/s, "
+    summary = (
+        f"{result['model']} on {dev.name}: {result['tokens_per_s']:.0f} tokens/s, "
         f"{result['images_per_s']:.1f} images/s, {result['tflops_per_s']:.1f} TFLOP/s, MFU {mfu} "
         f"(vision tower {100 * result['vision_flop_share']:.1f}% of the FLOPs), peak "
         f"{result['peak_allocated_gib']:.1f} GiB, build {build_s:.1f} s"
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        (out / "vlm_bench.json").write_text(json.dumps(result, indent=2, default=str))
-        print(f"wrote {out / 'vlm_bench.json'}")
+        harness.report("vlm", result, summary, harness.out_dir(args))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Rollout weight sync: fsdp2 engine -> a transformers model in another process (issue 21).
+"""Rollout weight sync: fsdp2 engine -> a transformers model in another process.
 
 One trainer rank builds the fsdp2 engine (Qwen2-1.5B shape by default: 1.54 B parameters, bf16 on an
 accelerator = 3.1 GB; random init) and an ``HFRolloutWorker`` process holding the same model. Each
@@ -8,7 +8,7 @@ timed sync streams ``engine.iter_weights`` through a ``WeightSender`` into the w
 - ``--mode colocated`` (default): the worker shares the trainer's device; one reusable bucket buffer
   (CUDA IPC on cuda, shared memory on cpu). Goal on the H200: 3 GB in under 0.1 s.
 - ``--mode disaggregated``: the worker joins a broadcast group of its own (nccl on cuda, needs two GPUs:
-  the worker runs on device 1; gloo on cpu, see ``benchmarks/bench_weight_sync_gloo.py``).
+  the worker runs on device 1; gloo on cpu: the CPU record's command below).
 
 Reported in the same run: sync seconds and GB/s (median of ``--repeats`` after one warm-up sync), the
 engine's own ``iter_weights`` time (gather + cast, no transport), and the device copy bandwidth
@@ -16,27 +16,26 @@ engine's own ``iter_weights`` time (gather + cast, no transport), and the device
 at least two copies of every byte: into the bucket buffer and out of it into the staging buffer).
 Every synced state is checked bit-equal to the engine's weights after the last sync.
 
-    PYTHONPATH=src python benchmarks/gpu/bench_weight_sync.py --out /tmp/ws            # H200
-    PYTHONPATH=src python benchmarks/gpu/bench_weight_sync.py --mode disaggregated      # 2 GPUs
-    PYTHONPATH=src python benchmarks/gpu/bench_weight_sync.py --device cpu --size tiny  # dry run
+    python -m benchmarks.gpu.bench_weight_sync [--out DIR]                  # H200
+    python -m benchmarks.gpu.bench_weight_sync --mode disaggregated           # 2 GPUs
+    OMP_NUM_THREADS=1 python -m benchmarks.gpu.bench_weight_sync --device cpu --mode disaggregated \
+        --size small --bucket-mb 64                                           # the CPU (gloo) figure
+    python -m benchmarks.gpu.bench_weight_sync --device cpu --size tiny       # dry run
 
-Writes ``OUT/weight_sync_<mode>_<device>.json``.
+The device copy bandwidth is the same-run baseline. Writes ``OUT/weight_sync_<mode>_<device>.json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import _harness as harness
 from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig
 
 
@@ -58,19 +57,12 @@ def model_config(size: str) -> Any:
 def copy_bandwidth(device: Any, nbytes: int, reps: int = 5) -> float:
     """GB/s of ``dst.copy_(src)`` for ``nbytes`` bytes on the device (median over ``reps``)."""
     tdev = device.torch_device() if device.is_accelerator else torch.device("cpu")
-    src = torch.empty(nbytes, dtype=torch.uint8, device=tdev).random_(0, 255)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        device.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        device.synchronize()
-        times.append(time.perf_counter() - t0)
-    del src, dst
+    pair = [torch.empty(nbytes, dtype=torch.uint8, device=tdev).random_(0, 255)]
+    pair.append(torch.empty_like(pair[0]))
+    median = harness.timeit(lambda: pair[1].copy_(pair[0]), warmup=1, repeats=reps, device=tdev).median
+    pair.clear()
     device.empty_cache()
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / median / 1e9
 
 
 def iter_weights_seconds(engine: Any, bucket_bytes: int, reps: int = 3) -> tuple[float, int]:
@@ -88,13 +80,11 @@ def iter_weights_seconds(engine: Any, bucket_bytes: int, reps: int = 3) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
     ap.add_argument("--size", choices=("qwen2-1.5b", "small", "tiny"), default="qwen2-1.5b")
     ap.add_argument("--bucket-mb", type=int, default=512, help="bucket size in MiB (peak extra memory)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/underlay_gpu_out"))
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
@@ -181,23 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         "iter_weights_seconds": t_iter,
         "iter_weights_GBps": total / t_iter / 1e9,
         "copy_GBps": copy_gbs,
-        "ratio_sync_to_copy": sync_gbs / copy_gbs,
+        "ratio_sync_to_copy": harness.ratio(sync_gbs, copy_gbs),
         "seconds_for_3GB": sync_s * 3e9 / report.nbytes,
         "bit_exact": exact,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"weight_sync_{args.mode}_{device.name}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(
+    summary = (
         f"{args.mode} {device.name} {args.size}: {report.nbytes / 1e9:.3f} GB in {report.buckets} buckets, "
-        f"sync {sync_s * 1e3:.1f} ms = {sync_gbs:.2f} GB/s (3 GB -> {result['seconds_for_3GB']:.3f} s; goal < 0.1 s); "
-        f"iter_weights alone {t_iter * 1e3:.1f} ms; device copy {copy_gbs:.1f} GB/s; "
-        f"ratio sync/copy {result['ratio_sync_to_copy']:.3f}; bit-exact {exact}; -> {path}"
+        f"sync {sync_s * 1e3:.1f} ms = {sync_gbs:.2f} GB/s ({result['ratio_sync_to_copy']:.3f} of the device "
+        f"copy, {copy_gbs:.1f} GB/s); iter_weights alone {t_iter * 1e3:.1f} ms; bit-exact {exact}"
     )
+    harness.report(f"weight_sync_{args.mode}_{device.name}", result, summary, harness.out_dir(args))
     return 0 if exact else 1
 
 

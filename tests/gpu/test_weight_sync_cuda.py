@@ -1,28 +1,70 @@
 """Colocated weight sync over a CUDA IPC bucket: fsdp2 engine -> HFRolloutWorker process, bit-exact.
 
-Run on the GPU host: ``UNDERLAY_DEVICE=cuda pytest -q -m gpu tests/gpu``.
+A bf16 tiny Qwen2 engine streams its weights in 1 MiB buckets (several per sync) three times (a step
+between the syncs changes them); after each, the worker's state equals the engine's bit for bit.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+from tests._dist import run_distributed
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def job_colocated_cuda(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 of ``run_distributed``: engine, worker and three syncs; returns what the test checks."""
+    from transformers import Qwen2Config
+
+    import underlay
+    from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig
+    from underlay.rollout import HFRolloutWorker, WeightSender
+
+    hf = Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    device = underlay.get_device("cuda")
+    engine = underlay.get_engine(
+        EngineConfig(
+            model=ModelConfig(hf_config=hf, seed=0), optim=OptimConfig(lr=1e-2), param_dtype="bfloat16"
+        )
+    )
+    bucket = 1 << 20
+    sender = WeightSender.colocated(device, bucket_bytes=bucket, timeout_s=300, wait=False)
+    worker = HFRolloutWorker(
+        hf, dtype=torch.bfloat16, device="cuda", device_index=device.current_index(), port=sender.port,
+        mode="colocated", timeout_s=300,
+    )  # fmt: skip
+    worker.wait_ready()
+    sender.wait_for_receivers()
+    exact, buckets = [], []
+    try:
+        for i in range(3):
+            if i:
+                with torch.no_grad():
+                    for p in engine.model.parameters():
+                        p.add_(0.01 * i)
+            worker.start_receive()
+            report = sender.sync(engine)
+            worker.finish_receive()
+            state = {n: t.cpu() for b in engine.iter_weights(bucket) for n, t in b}
+            got = worker.state_dict()
+            exact.append(
+                set(got) >= set(state) and all(torch.equal(got[n].cpu(), t) for n, t in state.items())
+            )
+            buckets.append(report.buckets)
+    finally:
+        worker.close()
+        sender.close()
+    return {"exact": exact, "buckets": buckets}
 
 
-def test_colocated_cuda_ipc_sync_is_bit_exact(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/bench_weight_sync.py"), "--device", "cuda"]
-    cmd += ["--size", "tiny", "--bucket-mb", "1", "--repeats", "2", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads((tmp_path / "weight_sync_colocated_cuda.json").read_text())
-    assert result["bit_exact"] and result["buckets"] >= 1
+def test_colocated_cuda_ipc_sync_is_bit_exact() -> None:
+    (res,) = run_distributed(job_colocated_cuda, 1, backend="nccl", timeout_s=300)
+    assert res["exact"] == [True, True, True], res
+    assert all(b >= 1 for b in res["buckets"]), res

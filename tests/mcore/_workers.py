@@ -261,8 +261,11 @@ def _value_engine(family: str, *, seed: int = 0, path: str | None = None, **size
     import dataclasses
 
     cfg = H.tiny_config(family, classifier_dropout=sizes.pop("dropout", 0.0))
+    randomness = sizes.pop("randomness", "off")
     ecfg = H.engine_config(cfg, kind="value", **sizes)
-    model = dataclasses.replace(ecfg.model, seed=seed, path=path, hf_config=None if path else cfg)
+    model = dataclasses.replace(
+        ecfg.model, seed=seed, path=path, hf_config=None if path else cfg, training_randomness=randomness
+    )
     return cfg, H.make_engine(dataclasses.replace(ecfg, model=model))
 
 
@@ -361,23 +364,27 @@ def value_layouts(rank: int, world: int, family: str, out_dir: str) -> dict[str,
     )
     del eng
     ps.destroy_model_parallel()
-    # dropout in training: the same mask on both TP ranks, none in infer
-    _, eng = _value_engine(family, tp=2, dropout=0.5)
-    seen: list[torch.Tensor] = []
+    # dropout kept in training (training_randomness="keep"): the same mask on both TP ranks, none in
+    # infer; with the default ("off") training equals infer
+    for randomness in ("keep", "off"):
+        _, eng = _value_engine(family, tp=2, dropout=0.5, randomness=randomness)
+        seen: list[torch.Tensor] = []
 
-    def capture(outputs: Any, b: Any, ctx: Any) -> Any:
-        seen.append(outputs.values.detach().clone())
-        return H.value_loss(outputs, b, ctx)
+        def capture(outputs: Any, b: Any, ctx: Any, seen: list[torch.Tensor] = seen) -> Any:
+            seen.append(outputs.values.detach().clone())
+            return H.value_loss(outputs, b, ctx)
 
-    res = eng.forward_backward(batch, capture)
-    train = torch.cat([v.reshape(-1) for v in seen])
-    other = [torch.zeros_like(train) for _ in range(world)]
-    dist.all_gather(other, train)
-    out["dropout_tp_agree"] = float(torch.equal(other[0], other[1]))
-    clean = eng.infer(batch).values
-    lm = batch.loss_mask.to(clean.dtype)
-    eval_loss = float((0.5 * (clean - batch.extras["ret"]).pow(2) * lm).sum() / lm.sum())
-    out["dropout_loss_change"] = abs(res.metrics["loss"] - eval_loss)
+        res = eng.forward_backward(batch, capture)
+        train = torch.cat([v.reshape(-1) for v in seen])
+        other = [torch.zeros_like(train) for _ in range(world)]
+        dist.all_gather(other, train)
+        clean = eng.infer(batch).values
+        lm = batch.loss_mask.to(clean.dtype)
+        eval_loss = float((0.5 * (clean - batch.extras["ret"]).pow(2) * lm).sum() / lm.sum())
+        out[f"dropout_tp_agree_{randomness}"] = float(torch.equal(other[0], other[1]))
+        out[f"dropout_loss_change_{randomness}"] = abs(res.metrics["loss"] - eval_loss)
+        del eng
+        ps.destroy_model_parallel()
     return out
 
 

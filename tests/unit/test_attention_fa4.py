@@ -2,9 +2,9 @@
 packages apart (flash-attn-4 installs a bare ``flash_attn`` namespace holding ``cute/``), building it
 off a Hopper/Blackwell GPU fails with the reason, and ``auto`` then skips it.
 
-The kernels themselves need an sm90/sm100 GPU: ``benchmarks/gpu/probe_fa4.py`` and
+The kernels themselves need an sm90/sm100 GPU:
 ``UNDERLAY_DEVICE=cuda UNDERLAY_ATTENTION=fa4 pytest tests/conformance/test_attention_contract.py``
-check them there against the float32/eager references."""
+checks them there against the float32/eager references."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_activation_overrides_aten_flash_kernels_and_restores(site: Path) -> Non
     """Activation registers ``_fa4_glue.register`` with torch's registry and activates it; the glue maps
     aten's arguments to FA4's (``varlen_attn``'s causal window ``(-1, 0)`` is ``causal=True``) and keeps
     the values aten's ops return. The FA4 functions here record their arguments (the kernels need a GPU:
-    ``benchmarks/gpu/probe_fa4.py`` runs them)."""
+    the conformance suite runs them there)."""
     _install(site, ["flash_attn/cute/__init__.py"])
     (site / "flash_attn" / "cute" / "interface.py").write_text(
         "calls = []\n"

@@ -24,11 +24,6 @@ from underlay.utils.env import ENV_VARS
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_BYTES = 12_000
 
-# Written by other changes of the same issue, linked before they land. Remove each entry once the file
-# exists (the test then requires it like any other target).
-ALLOWED_MISSING = frozenset(
-    {"benchmarks/README.md", "scripts/test_gpu.sh", "scripts/gpu_wheels.sh", "benchmarks/run.sh"}
-)
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _INLINE_CODE = re.compile(r"`+[^`]*`+")
@@ -98,8 +93,7 @@ def _broken_links(page: Path, text: str | None = None) -> list[str]:
             broken.append(f"{page.name}: {target} (outside the repository)")
             continue
         if not dest.exists():
-            if rel not in ALLOWED_MISSING:
-                broken.append(f"{page.name}: {target} (no file {rel})")
+            broken.append(f"{page.name}: {target} (no file {rel})")
             continue
         if anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
             broken.append(f"{page.name}: {target} (no heading #{anchor} in {rel})")

@@ -1,14 +1,12 @@
-"""Blockwise FP8 quantisation: the torch reference/quantiser, the library's Triton quantiser and the
-benchmark's kernel variants (``benchmarks/gpu/fp8_variants.py``), interpreted on CPU.
+"""Blockwise FP8 quantisation: the torch reference/quantiser and the library's Triton quantiser,
+interpreted on CPU.
 
 The Triton checks run in a child process (this file as a script) with ``TRITON_INTERPRET=1`` so the
-interpreter never reaches the pytest process. The reciprocal ("rcp") division of the variant kernels is
-also checked in plain torch against IEEE division, with an exact emulation of fp32 fused multiply-add.
+interpreter never reaches the pytest process.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,19 +22,6 @@ from underlay.interfaces import ConfigError, Fp8Quantizer, InvalidInput
 from underlay.ops.quant import dequantize_fp8_blockwise, quantize_fp8_blockwise
 
 _SRC = str(Path(__file__).resolve().parents[2] / "src")
-_VARIANTS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "fp8_variants.py"
-
-
-def _variants() -> Any:
-    """The benchmark's variant module, loaded from its file (benchmarks/ is not a package)."""
-    if "fp8_variants" in sys.modules:
-        return sys.modules["fp8_variants"]
-    spec = importlib.util.spec_from_file_location("fp8_variants", _VARIANTS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fp8_variants"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 _CASES = [
@@ -165,157 +150,11 @@ def test_triton_quantizer_refuses_cpu_tensors_without_interpreter() -> None:
         quant.quantize(torch.randn(8, 8))
 
 
-# ---- the reciprocal division ("rcp" variants), emulated exactly in torch -------------------------------
-
-
-def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Exact fp32 fused multiply-add ``RN(a * b + c)`` for fp32 tensors.
-
-    ``a * b`` is exact in fp64; ``s = RN64(a * b + c)`` with its exact error ``e`` (TwoSum). Rounding
-    ``s`` to fp32 is then correct except when ``s`` is exactly halfway between two fp32 values and
-    ``e != 0`` (double rounding): the tie is broken towards the sign of ``e``.
-    """
-    p = a.double() * b.double()
-    cd = c.double()
-    s = p + cd
-    bb = s - p
-    e = (p - (s - bb)) + (cd - bb)
-    f = s.float()
-    fd = f.double()
-    inf = torch.full_like(f, float("inf"))
-    g = torch.where(s > fd, torch.nextafter(f, inf), torch.nextafter(f, -inf))
-    tie = (s != fd) & (s == (fd + g.double()) * 0.5) & (e != 0)
-    return torch.where(tie, torch.where(e > 0, torch.maximum(f, g), torch.minimum(f, g)), f)
-
-
-def _rcp_divide(w: torch.Tensor, s: torch.Tensor, corrections: int) -> torch.Tensor:
-    """The kernels' ``rcp`` quotient of fp32 ``w`` by fp32 ``s``: ``y = RN(1/s)``, ``q = RN(w*y)``,
-    then ``corrections`` times ``q = RN(q + RN(w - q*s) * y)`` (1 for 16-bit inputs, 2 for fp32)."""
-    y = torch.ones_like(s) / s
-    q = w * y
-    for _ in range(corrections):
-        q = _fma32(_fma32(q, -s, w), y, q)
-    return q
-
-
-def _e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def test_fma32_emulation_is_exact() -> None:
-    from fractions import Fraction
-
-    gen = torch.Generator().manual_seed(1)
-    a = torch.randn(300, generator=gen)
-    b = torch.randn(300, generator=gen)
-    c = torch.randn(300, generator=gen) * torch.exp2(torch.randint(-40, 2, (300,), generator=gen).float())
-    # exact fp32 midpoints as a*b, pushed either way by a tiny c (the double-rounding cases)
-    a = torch.cat([a, torch.full((3,), 1 + 2**-12)])
-    b = torch.cat([b, torch.full((3,), 1 + 2**-12)])
-    c = torch.cat([c, torch.tensor([2.0**-80, -(2.0**-80), 0.0])])
-    got = _fma32(a, b, c)
-    for i in range(len(a)):
-        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
-        f = torch.tensor([float(exact)], dtype=torch.float64).float()
-        cands = [f, torch.nextafter(f, f - 1), torch.nextafter(f, f + 1)]
-        best = min(cands, key=lambda t: (abs(Fraction(float(t)) - exact), int(t.view(torch.int32)) & 1))
-        assert got[i].item() == best.item(), (i, float(a[i]), float(b[i]), float(c[i]))
-    assert (got[-3:].double() - 1).mul(2**23).tolist() == [4097.0, 4096.0, 4096.0]
-
-
-def test_rcp_division_equals_ieee_division_exhaustive_slice() -> None:
-    # Scale invariance: with no underflow the steps scale exactly by powers of two, so significands in
-    # [1, 2) cover every exponent. All 2^23 scale significands against a few bf16 significands here;
-    # the full 2^7 (bf16) and 2^10 (fp16) sweeps were run once offline with no mismatch.
-    s = (torch.arange(1 << 23, dtype=torch.int32) | (127 << 23)).view(torch.float32)
-    for wv in (1.0 + 2**-7, 2.0 - 2**-7):
-        w = torch.full_like(s, wv)
-        x = _rcp_divide(w, s, 1)
-        assert torch.equal(x.view(torch.int32), (w / s).view(torch.int32)), wv
-
-
-def _quant_pairs(dtype: torch.dtype, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w, scale)`` as the quantiser sees them: ``scale = RN(amax / 448)`` for a random amax in the
-    input dtype over the kernels' reciprocal range, ``|w| <= amax``, w in the input dtype, with exact
-    e4m3 midpoints (times the scale), the amax itself, signed zeros and tiny values mixed in."""
-    gen = torch.Generator().manual_seed(seed)
-    lo, hi = (-20, 15) if dtype == torch.float16 else (-70, 70)
-    amax = (torch.rand(n, generator=gen) + 1) * torch.exp2(torch.randint(lo, hi, (n,), generator=gen).float())
-    amax = amax.to(dtype).float()
-    scale = amax / torch.full_like(amax, 448.0)
-    w = (torch.rand(n, generator=gen) * 2 - 1) * amax
-    grid = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    mids = (grid[1:] + grid[:-1]) / 2
-    k = n // 8
-    pick = torch.randint(0, len(mids), (k,), generator=gen)
-    w[:k] = mids[pick] * scale[:k] * torch.where(torch.rand(k, generator=gen) < 0.5, -1.0, 1.0)
-    w[k : 2 * k] = amax[k : 2 * k]  # the amax element itself -> exactly 448
-    w[2 * k : 2 * k + 16] = -0.0
-    w[2 * k + 16 : 3 * k] *= torch.exp2(-torch.randint(5, 30, (k - 16,), generator=gen).float())
-    return w.to(dtype).float(), scale
-
-
-@pytest.mark.parametrize(
-    ("dtype", "corrections"), [(torch.bfloat16, 1), (torch.float16, 1), (torch.float32, 2)]
-)
-def test_rcp_division_equals_ieee_division_on_quantiser_inputs(dtype: torch.dtype, corrections: int) -> None:
-    w, s = _quant_pairs(dtype, 1 << 20, seed=7)
-    ref = w / s
-    x = _rcp_divide(w, s, corrections)
-    normal = ref.abs() >= 2.0**-126
-    assert torch.equal(x[normal].view(torch.int32), ref[normal].view(torch.int32))
-    # sign fix as in the kernels: the input's sign goes on every byte (Markstein turns -0 into +0)
-    sign = ((w.view(torch.int32) >> 24) & 0x80).to(torch.uint8)
-    assert torch.equal(_e4m3_bytes(x) | sign, _e4m3_bytes(ref))
-    amax_pos = slice(len(w) // 8, 2 * len(w) // 8)
-    assert (x[amax_pos].to(torch.float8_e4m3fn).float().abs() == 448).all()  # amax -> exactly 448
-
-
-def test_rcp_division_fp32_significands_random() -> None:
-    gen = torch.Generator().manual_seed(3)
-    bits = torch.randint(0, 1 << 23, (2, 1 << 21), generator=gen, dtype=torch.int32) | (127 << 23)
-    w, s = bits[0].view(torch.float32), bits[1].view(torch.float32)
-    ref = (w / s).view(torch.int32)
-    assert torch.equal(_rcp_divide(w, s, 2).view(torch.int32), ref)
-    assert torch.equal(_rcp_divide(w, s, 1).view(torch.int32), ref)  # one correction suffices here too
-
-
-# ---- variants -------------------------------------------------------------------------------------------
-
-
-def test_variant_names_and_errors() -> None:
-    fp8 = _variants()
-    assert fp8.DEFAULT_VARIANT in fp8.VARIANTS
-    for name in fp8.VARIANTS:
-        assert fp8.parse_variant(name).name == name
-    v = fp8.parse_variant(" RCP-ptx-t4-mfast ")
-    assert (v.div, v.cvt, v.tiles_per_program, v.k_fast) == ("rcp", "ptx", 4, False)
-    for bad in ("", "rcp", "rcp-ptx", "rcp-hw-t1", "div-sw-t3", "div-sw-t1-kfast", "mul-sw-t1"):
-        with pytest.raises(InvalidInput, match="FP8 kernel variant"):
-            fp8.parse_variant(bad)
-    with pytest.raises(InvalidInput, match="FP8 kernel variant"):
-        fp8.VariantFp8Quantizer(None, variant="nope")
-    assert fp8.VariantFp8Quantizer(None, variant="div-sw-t4").variant == "div-sw-t4"
-    assert fp8.VariantFp8Quantizer(None).variant == "div-cast-t1"
-
-
-def test_variant_tiles_per_program_and_launch_configurations() -> None:
-    fp8 = _variants()
-    assert [fp8._tiles_per_program(4, kb) for kb in (1, 2, 3, 4, 6, 7, 8, 64)] == [1, 2, 1, 4, 2, 1, 4, 4]
-    assert fp8._tiles_per_program(2, 6) == 2 and fp8._tiles_per_program(1, 8) == 1
-    old = fp8.AUTOTUNE
-    try:
-        fp8.AUTOTUNE = False
-        assert [(c.num_warps, c.maxnreg) for c in fp8._prune(fp8._CONFIGS, {}, BM=128, BK=128)] == [(8, None)]
-        fp8.AUTOTUNE = True
-        fp8.FORCE_CONFIG = (4, None)
-        assert [(c.num_warps, c.maxnreg) for c in fp8._prune(fp8._CONFIGS, {}, BM=128, BK=128)] == [(4, None)]
-    finally:
-        fp8.AUTOTUNE, fp8.FORCE_CONFIG = old, None
+# ---- the library kernel's options ----------------------------------------------------------------------
 
 
 def test_library_kernel_has_no_variant_switches() -> None:
-    """The library keeps the one default kernel; the variant zoo and its switches live in benchmarks/."""
+    """The library keeps the one default kernel: no variant switches, no process-wide tuning flags."""
     from underlay.backends.cuda import fp8
 
     for gone in ("VARIANTS", "FORCE_CONFIG", "AUTOTUNE", "parse_variant", "Fp8Variant"):
@@ -428,36 +267,29 @@ def _compare(tq: Any, w: torch.Tensor, block: tuple[int, int], strided: bool = F
 _ADVERSARIAL = [((32, 32), torch.bfloat16), ((16, 24), torch.float16), ((32, 16), torch.float32)]
 
 
-def _child(variants: list[str]) -> None:
+def _child(autotunes: list[bool]) -> None:
     from underlay.backends.cpu.device import CpuDevice
     from underlay.backends.cuda.fp8 import TritonFp8Quantizer
 
     res = []
-    for name in variants:
-        tq = (
-            TritonFp8Quantizer(CpuDevice())
-            if name == "library"
-            else _variants().VariantFp8Quantizer(CpuDevice(), variant=name)
-        )
-        # cast/ptx run as sw under the interpreter: those variants get one case, the others all
-        full = "-sw-" in name or name.endswith("-mfast") or name == "library"
-        for i, (shape, block, dtype) in enumerate(_CASES if full else _CASES[1:2]):
+    for autotune in autotunes:
+        tq = TritonFp8Quantizer(CpuDevice(), autotune=autotune)
+        for i, (shape, block, dtype) in enumerate(_CASES):
             w = _weight(shape, block, dtype, seed=100 + i)
             if i == 1:
                 w = w.T.contiguous().T  # non-contiguous input
-            res.append({"variant": name, "case": f"random{i}", **_compare(tq, w, block, strided=i == 1)})
-        if full:
-            for j, (block, dtype) in enumerate(_ADVERSARIAL):
-                w = _adversarial_weight(dtype, block, seed=j)
-                res.append({"variant": name, "case": f"adversarial{j}", **_compare(tq, w, block)})
+            res.append({"autotune": autotune, "case": f"random{i}", **_compare(tq, w, block, strided=i == 1)})
+        for j, (block, dtype) in enumerate(_ADVERSARIAL):
+            w = _adversarial_weight(dtype, block, seed=j)
+            res.append({"autotune": autotune, "case": f"adversarial{j}", **_compare(tq, w, block)})
     print(json.dumps(res))
 
 
-def _run_child(variants: list[str]) -> subprocess.Popen[str]:
+def _run_child(autotunes: list[bool]) -> subprocess.Popen[str]:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([_SRC, env.get("PYTHONPATH", "")])
     return subprocess.Popen(
-        [sys.executable, __file__, ",".join(variants)],
+        [sys.executable, __file__, ",".join("1" if a else "0" for a in autotunes)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -466,24 +298,19 @@ def _run_child(variants: list[str]) -> subprocess.Popen[str]:
 
 
 def test_triton_interpreted_is_bit_identical_to_torch() -> None:
-    """Every benchmark variant, bit for bit against torch (the library kernel: the conformance suite)."""
-    VARIANTS = _variants().VARIANTS
-
-    # Under the interpreter the cast/ptx conversions run as the exact arithmetic (no inline PTX), so
-    # every variant is runnable; two child processes split them (CI has 2 cores).
-    halves = [list(VARIANTS[0::2]), list(VARIANTS[1::2])]  # each half has 4 of the "full" variants
-    procs = [_run_child(h) for h in halves]
+    """The library's Triton quantiser, autotuned and not, bit for bit against torch on random and
+    adversarial tiles (one child process each: CI has 2 cores)."""
+    procs = [_run_child([True]), _run_child([False])]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-4000:]
         results += json.loads(out.strip().splitlines()[-1])
-    assert {r["variant"] for r in results} == set(VARIANTS)
-    full = [v for v in VARIANTS if "-sw-" in v or v.endswith("-mfast")]
-    assert len(full) == 8 and sum(r["case"].startswith("adversarial") for r in results) == 3 * len(full)
+    assert {r["autotune"] for r in results} == {True, False}
+    assert sum(r["case"].startswith("adversarial") for r in results) == 2 * len(_ADVERSARIAL)
     for r in results:
         assert r["q"] and r["scales"] and r["deq"], r
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1].split(","))
+    _child([a == "1" for a in sys.argv[1].split(",")])

@@ -110,8 +110,8 @@ def test_device_defaults_per_device_type() -> None:
         assert set(d.reasons) == {"compile", "fused_adamw", "compile_memory_budget"}
 
 
-# peaks recorded by bench_fsdp2.py on the H200 (benchmarks/results/h200_2026-12-02.md runs J, K, I;
-# the Qwen3-4B tuned peak from issue 23), 16384-token micro-batches, parameters kept unsharded
+# peaks recorded by benchmarks.gpu.bench_fsdp2 on the H200 (the latest in benchmarks/results/fsdp2.md;
+# the others in its git history), 16384-token micro-batches, parameters kept unsharded
 RECORDED = [
     ("qwen2-1.5b", "none", 0.85, 47.99),
     ("qwen2-1.5b", "none", None, 59.55),

@@ -1,6 +1,6 @@
 """Call sequence of the nvtx profiler with torch.cuda's NVTX/profiler functions replaced by recorders.
 
-Not evidence that NVTX works on a GPU (see ``benchmarks/gpu/check_nvtx.py`` and the gpu test in
+Not evidence that NVTX works on a GPU (see ``tests/gpu/test_profiling_cuda.py`` and the gpu test in
 test_profiler.py): it checks that ranges, marks and cudaProfilerStart/Stop follow the configured steps.
 """
 

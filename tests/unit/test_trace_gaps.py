@@ -1,26 +1,21 @@
-"""``benchmarks/gpu/trace_gaps.py`` (the idle-gap attribution behind the fsdp2 profiles) on synthetic
+"""``underlay.profiling.trace_gaps`` (the idle-gap attribution behind the fsdp2 profiles) on synthetic
 chrome traces in torch.profiler's format, where the right answer is known."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "trace_gaps.py"
+from underlay.profiling import trace_gaps
 
 
 @pytest.fixture(scope="module")
-def tg() -> Any:
-    spec = importlib.util.spec_from_file_location("trace_gaps", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trace_gaps"] = module  # (dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+def tg() -> ModuleType:
+    return trace_gaps
 
 
 def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict[str, Any]:
@@ -67,3 +62,15 @@ def test_nested_host_spans_are_found_however_long_ago_the_outer_one_began(tg: An
 def test_a_trace_without_device_events_says_so(tg: Any) -> None:
     report = tg.analyse({"traceEvents": [_x("cpu_op", "aten::mm", 0, 5)]})
     assert "no device events" in report
+
+
+def test_command_line_prints_the_report_of_a_trace_file(
+    tg: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = [_x("kernel", "k1", 0, 10, corr=1), _x("kernel", "k2", 110, 10, corr=2)]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    assert tg.main([str(trace), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == tg.analyse({"traceEvents": events}, top=3).strip()
+    assert "idle 0.1 ms in 1 gaps" in out

@@ -16,8 +16,8 @@ share one budget).
 Operand tiles of the ``tl.dot`` GEMMs are loaded through Hopper's tensor-memory accelerator (host-side
 ``TensorDescriptor``s, a persistent grid of one program per multiprocessor walking the tiles) where the
 device and the operands allow it (:func:`tma_usable`), and through pointer loads otherwise; the TMA loads
-brought both kernels from about 540 / 430 TFLOP/s to about 650 (``benchmarks/gpu/logprob_tma_variants.py``,
-figures in ``benchmarks/results/``). The ``tma`` option (:data:`TMA_SETTINGS`): ``store`` (the default)
+brought both kernels from about 540 / 430 TFLOP/s to about 650 on the H200 (``benchmarks/results/logprob.md``
+holds the current figures of every ``tma`` setting). The ``tma`` option (:data:`TMA_SETTINGS`): ``store`` (the default)
 also stores the dlogits tiles through a TMA descriptor (a masked pointer store cannot vectorise with
 unspecialised N and V); ``load`` loads the GEMM tiles through TMA and stores dlogits with masked pointer
 stores; ``off`` uses pointer loads and stores. All three pass the same float64 bounds.
@@ -74,8 +74,8 @@ MODES: tuple[LogprobMode, ...] = ("hybrid", "fused")
 DEFAULT_MODE: LogprobMode = "fused"
 """The default mode. Hybrid's fp32 logits blocks cost memory traffic per FLOP in proportion to 1/H, so it
 can only win at large hidden sizes; fused is the one that does not lose inside a training step at the
-hidden sizes RL actors use (figures: ``benchmarks/results/logprob_h200_2026-12-02.md`` and
-``h200_2026-12-02.md``, fourth session)."""
+hidden sizes RL actors use (``benchmarks/results/logprob.md``; inside the Qwen2-1.5B fsdp2 step,
+H=1536, hybrid cost 2 MFU points)."""
 
 INTERPRET = triton_interprets()
 """Whether the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET`` as Triton reads it).
@@ -105,8 +105,8 @@ _SHAPES = (
 _READ_SHAPES = (
     # BLOCK_N, BLOCK_V, num_warps: tiles for reading an fp32 logits buffer (no K loop, so no stages).
     # Few rows per tile keep the fp32 tile and its exponentials in registers; the matmul tiles above hold
-    # too many rows for that and read the buffer at a fraction of memory bandwidth (figures:
-    # benchmarks/results/logprob_h200_2026-12-02.md, "read tiles").
+    # too many rows for that and read the buffer at a fraction of memory bandwidth (measured on the
+    # H200 when these tiles were chosen; benchmarks/results/logprob.md has the kernel's current figures).
     (8, 256, 4),
     (16, 256, 4),
     (32, 256, 8),
@@ -120,7 +120,7 @@ _READ_SHAPES = (
 
 _TMA_SHAPES = (
     # BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages: tiles of the TMA-loaded persistent kernels
-    # (benchmarks/gpu/logprob_tma_variants.py measured these best on the H200)
+    # (the best of the tile shapes measured on the H200; figures: benchmarks/results/logprob.md)
     (128, 256, 64, 8, 3),
     (128, 256, 64, 8, 4),
     (128, 128, 64, 8, 5),
@@ -530,7 +530,7 @@ def _tma_operand(t: torch.Tensor) -> bool:
 TMA_SETTINGS: tuple[TmaSetting, ...] = ("store", "load", "off")
 """Values of the ``tma`` option (see the module docstring)."""
 DEFAULT_TMA: TmaSetting = "store"
-"""The default ``tma`` option: the fastest of the three on the H200 (figures in ``benchmarks/results/``);
+"""The default ``tma`` option: the fastest of the three on the H200 (``benchmarks/results/logprob.md``);
 where TMA cannot be used (:func:`tma_usable`) every setting falls back to pointer loads and stores."""
 
 

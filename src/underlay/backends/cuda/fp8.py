@@ -11,9 +11,8 @@ set before this module is imported) for tests.
 ``TritonFp8Quantizer(device, autotune=False)`` launches with 8 warps instead of autotuning the warp count
 (and register cap) for each new shape (the launch configuration does not change the result).
 
-Other kernel variants (reciprocal division, inline-PTX conversion, several tiles per program) and the
-measurements that chose this one live beside the benchmark: ``benchmarks/gpu/fp8_variants.py`` and
-``benchmarks/results/fp8_h200_2026-12-02.md``.
+This kernel was chosen on the H200 among variants (reciprocal division, inline-PTX conversion, several
+tiles per program) that were no faster; its figures are in ``benchmarks/results/fp8.md``.
 """
 
 from __future__ import annotations

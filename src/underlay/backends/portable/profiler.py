@@ -25,7 +25,7 @@ class OffProfiler:
     """The ``off`` profiler: records nothing and writes nothing on any rank, whatever the config says.
 
     ``range`` returns one shared no-op context and ``annotate`` returns the function itself, so both cost
-    well under a microsecond per call (``benchmarks/bench_profiler_overhead.py``).
+    well under a microsecond per call (``benchmarks/results/profiler.md``).
     """
 
     __slots__ = ("_config", "_device")

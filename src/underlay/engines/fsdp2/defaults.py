@@ -4,9 +4,8 @@ Two parts, both unit-tested with made-up device sizes:
 
 - ``device_defaults(device_type, ...)``: the speed settings per device family (``compile``,
   ``fused_adamw``, ``compile_memory_budget``), each with the reason it was chosen. On ``cuda`` they are
-  the fastest robust settings measured on the H200 (``benchmarks/results/h200_2026-12-02.md`` runs J-O:
-  whole-layer compile, fused AdamW, a 0.85 activation budget: 51.8% MFU against 40% eager on the
-  Qwen2-1.5B benchmark); on ``cpu`` and ``npu`` the safe ones (no compile; fused AdamW where torch has
+  the fastest robust settings measured on the H200 (``benchmarks/results/fsdp2.md``: whole-layer
+  compile, fused AdamW, a 0.85 activation budget: 51.8% MFU on the Qwen2-1.5B benchmark, 40% eager); on ``cpu`` and ``npu`` the safe ones (no compile; fused AdamW where torch has
   the kernel for that device and it was measured).
 - ``estimate_memory`` and ``choose_memory_policy``: device bytes of one training step from the model's
   shape and ``micro_batch_max_tokens``, and the first configuration in a fixed order that fits the

@@ -55,7 +55,7 @@ def seeded_hf_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.T
     """The fp32 model built on the cpu under ``torch.manual_seed(model_cfg.seed)`` (global RNG state
     restored afterwards): the causal LM, or for ``kind="value"`` the token-classification model
     (``hf_config.num_labels`` must be 1), as the fsdp2 engine builds them; as tensors under the names
-    ``save_pretrained`` writes (per-expert MoE names)."""
+    ``save_pretrained`` writes (per-expert MoE names, ``weightmap.checkpoint_names``)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     auto = AutoModelForTokenClassification if model_cfg.kind == "value" else AutoModelForCausalLM
@@ -63,7 +63,11 @@ def seeded_hf_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.T
         torch.manual_seed(model_cfg.seed)
         model = auto.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
-    return per_expert_names(state)
+    # routing-bias buffers (glm4_moe's e_score_correction_bias) are model state the weight map carries
+    state.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    from underlay.engines.mcore.weightmap import checkpoint_names
+
+    return checkpoint_names(str(getattr(hf_config, "model_type", "")), per_expert_names(state))
 
 
 def per_expert_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

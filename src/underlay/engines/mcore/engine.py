@@ -59,8 +59,10 @@ from underlay.engines.mcore.config import (
     arch_of,
     check_interleaved_count,
     check_layout,
+    config_class,
     transformer_config_kwargs,
     value_arch,
+    with_padded_vocab,
 )
 from underlay.engines.mcore.context_parallel import CPSplit
 from underlay.engines.mcore.options import MCoreOptions
@@ -198,6 +200,7 @@ class MCoreEngine(EngineBase):
             etp=etp,
             sequence_parallel=opts.sequence_parallel,
         )
+        self._arch = with_padded_vocab(self._arch, par.tp)  # vocab rows a multiple of tp (vocab.py)
         self._config = config
         self._device = device
         self._opts = opts
@@ -222,9 +225,8 @@ class MCoreEngine(EngineBase):
         self._init_parallel_state(par.tp, par.pp, par.vpp, par.cp, par.ep, etp)
         _compat_shims()
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer import TransformerConfig
 
-        self._tf_config = TransformerConfig(
+        self._tf_config = config_class(self._arch)(
             **transformer_config_kwargs(
                 self._arch,
                 tp=par.tp,
@@ -330,7 +332,7 @@ class MCoreEngine(EngineBase):
             model = GPTModel(
                 config=self._tf_config,
                 transformer_layer_spec=spec,
-                vocab_size=arch.vocab,
+                vocab_size=arch.vocab_rows,
                 max_sequence_length=arch.max_positions,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -408,7 +410,7 @@ class MCoreEngine(EngineBase):
         missing: list[str] = []
         shapes = hf_shapes(self._arch)
         for chunk in chunks:
-            params = dict(_unwrap(chunk).named_parameters())
+            params = _named_tensors(chunk)
             for rule in self.chunk_rules(chunk):
                 tensors = []
                 for name in rule.hf:
@@ -775,6 +777,13 @@ class MCoreEngine(EngineBase):
         )
         h = output.reshape(-1, output.shape[-1])
         group = self._pg["tp"] if self._layout.tp > 1 else None
+        if self._arch.vocab_rows != self._arch.vocab:  # padded rows get no probability
+            from megatron.core import parallel_state as ps
+
+            from underlay.engines.mcore.vocab import mask_padded_rows
+
+            rank = ps.get_tensor_model_parallel_rank()
+            h, weight = mask_padded_rows(h, weight, vocab=self._arch.vocab, rank=rank)
         out = self._logprob_kernel(
             h, weight, mb.labels, temperature=temperature, with_entropy=with_entropy, vocab_group=group
         )
@@ -1110,7 +1119,7 @@ class MCoreEngine(EngineBase):
         broadcast from the lowest owning rank (pipeline stage, expert rank): full (``tp == 1`` layout)
         fp32 tensors on the device, on every rank. Collective."""
         self._ensure_onloaded("weights")
-        params = [dict(_unwrap(c).named_parameters()) for c in self._chunks]
+        params = [_named_tensors(c) for c in self._chunks]
         for wr in self._weight_map.rules:
             stage, v, e, rule = self._where[wr.engine_name]
             full: torch.Tensor | None = None
@@ -1168,7 +1177,7 @@ class MCoreEngine(EngineBase):
         written = 0
         for chunk, local_name in targets:
             piece = wr.tp_shard(full, rank, size)
-            param = dict(_unwrap(self._chunks[chunk]).named_parameters())[local_name]
+            param = _named_tensors(self._chunks[chunk])[local_name]
             with torch.no_grad():
                 param.copy_(piece.to(param.device, param.dtype))
             self._masters_stale = True
@@ -1230,6 +1239,8 @@ class MCoreEngine(EngineBase):
             "model_type": getattr(cfg, "model_type", None),
             "kind": self._config.model.kind,
             "params": {n: list(s) for n, s in hf_shapes(self._arch).items()},
+            # padded vocabulary rows (a multiple of tp) live in the checkpoint's tensors
+            **({"vocab_rows": self._arch.vocab_rows} if self._arch.vocab_rows != self._arch.vocab else {}),
         }
 
     def _sharded_state(self) -> dict[str, Any]:
@@ -1502,6 +1513,13 @@ def _step_kept_aside(opt: Any) -> Iterator[None]:
     finally:
         for o in patched:
             del o._set_main_param_and_optimizer_states
+
+
+def _named_tensors(chunk: Any) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of an (unwrapped) chunk by name: the weight map also covers buffers
+    that checkpoints hold (glm4_moe's routing bias is the router's ``expert_bias`` buffer)."""
+    inner = _unwrap(chunk)
+    return {**dict(inner.named_buffers()), **dict(inner.named_parameters())}
 
 
 def _grad_norm(opt: Any, device: torch.device) -> float:

@@ -6,7 +6,8 @@
 - ``CoreAttention``: causal attention through the selected ``AttentionKernel`` (varlen), for packed THD
   input (``PackedSeqParams``) and for ``[s, b, h, d]`` input; GQA is left to the kernel. Under context
   parallelism it gathers K/V over the CP group (``context_parallel.cp_attention``). It applies RoPE to
-  q/k first (after megatron's q/k norm), vectorized over the packed micro-batch (``rope``).
+  q/k first (after megatron's q/k norm), vectorized over the packed micro-batch (``rope``), with the
+  HF config's scaled inverse frequencies when it has them, and each layer's sliding window.
 - ``layer_spec``: the GPT layer spec with these plugged in, or the Transformer Engine spec when
   ``transformer_engine`` is importable.
 - ``mark_tensor_parallel``: the TP attributes megatron sets only when it initialises weights itself.
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import InvalidInput
+from underlay.interfaces import ConfigError, InvalidInput
 
 __all__ = [
     "DEVICE_CU_ATTR",
@@ -181,7 +182,12 @@ def _core_attention_class() -> type:
             kernel: str | None = None,
             rotary_base: float | None = None,
             fused_rope: bool = False,
+            inv_freq: tuple[float, ...] | None = None,
+            windows: tuple[int | None, ...] = (),
+            k_channels: int | None = None,
+            v_channels: int | None = None,
         ) -> None:
+            # k_channels/v_channels: MLA's q/k and v head widths (the kernel reads them off q and v)
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
             self.fused_rope = bool(fused_rope)
@@ -198,10 +204,16 @@ def _core_attention_class() -> type:
             # RoPE is applied here (GPTModel is built with position_embedding_type="none", see
             # ``position_embedding_type``): vectorized over the packed micro-batch, see ``rope``
             self._inv_freq: torch.Tensor | None = None
-            if rotary_base is not None:
+            if inv_freq is not None:  # a scaled RoPE: transformers' own inverse frequencies (fp32)
+                self._inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
+            elif rotary_base is not None:
                 from underlay.engines.mcore.rope import rope_inv_freq
 
                 self._inv_freq = rope_inv_freq(config, rotary_base)
+            # transformers' sliding window w: query i sees key j when 0 <= i - j < w, i.e. the kernel's
+            # (left, right) = (w - 1, 0); ``layer_number`` is megatron's global 1-based layer index
+            w = windows[layer_number - 1] if windows else None
+            self.window: tuple[int, int] | None = None if w is None else (int(w) - 1, 0)
 
         def _get_kernel(self) -> Any:
             if self._kernel is None:
@@ -237,6 +249,7 @@ def _core_attention_class() -> type:
                     int(packed_seq_params.max_seqlen_q),
                     int(packed_seq_params.max_seqlen_kv),
                     causal=True,
+                    window=self.window,
                     scale=self.softmax_scale,
                 )
                 result: torch.Tensor = out.reshape(out.shape[0], -1)
@@ -246,7 +259,9 @@ def _core_attention_class() -> type:
             k = key.transpose(0, 1).reshape(b * s, *key.shape[2:])
             v = value.transpose(0, 1).reshape(b * s, *value.shape[2:])
             cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-            out = kernel.varlen(q, k, v, cu, cu, s, s, causal=True, scale=self.softmax_scale)
+            out = kernel.varlen(
+                q, k, v, cu, cu, s, s, causal=True, window=self.window, scale=self.softmax_scale
+            )
             result = out.reshape(b, s, -1).transpose(0, 1).contiguous()
             return result
 
@@ -260,7 +275,7 @@ def _core_attention_class() -> type:
             from underlay.engines.mcore.rope import apply_rope, rope_cos_sin
 
             assert self._inv_freq is not None
-            rope = fused(apply_rope) if self.fused_rope else apply_rope
+            rope = _partial(fused(apply_rope) if self.fused_rope else apply_rope)
             if packed is None:
                 pos = torch.arange(query.shape[0], device=query.device)
                 cos, sin = rope_cos_sin(pos, self._device_inv_freq(query.device), query.dtype)
@@ -336,6 +351,71 @@ def _core_attention_class() -> type:
 CoreAttention: Any = None  # the class, built on first use (megatron is imported lazily)
 
 
+@functools.cache
+def _mla_class() -> type:
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class UnderlayMLASelfAttention(MLASelfAttention):  # type: ignore[misc]
+        """megatron's ``MLASelfAttention`` whose column-parallel kv down projection hands back the
+        whole ``[kv_lora_rank + qk_pos_emb_head_dim]`` output (gathered over TP, then this rank's
+        sequence slice under sequence parallelism), as a replicated projection would.
+
+        Why: with the split output megatron gathers it itself and uses the shared rotary key part
+        (``k_pos_emb``) for this rank's heads only; the gather's backward keeps this rank's columns of
+        the gradient, so the rotary key's gradient from the other ranks' heads is lost (gradients 2%
+        off at TP=2). On the replicated path megatron all-gathers ``k_pos_emb`` along the sequence,
+        whose backward sums it over the TP ranks. Sequence parallelism is required (the engine
+        requires it for MoE under TP, and deepseek_v3 has MoE layers)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if torch.distributed.get_world_size(self.tp_group) == 1:
+                return
+            if not self.config.sequence_parallel:
+                raise ConfigError("mcore: multi-latent attention under tp > 1 needs sequence_parallel=True")
+            proj = self.linear_kv_down_proj
+            inner = proj.forward
+            group = self.tp_group
+
+            def forward(x: torch.Tensor, *a: Any, **kw: Any) -> Any:
+                out, bias = inner(x, *a, **kw)
+                full = gather_from_tensor_model_parallel_region(out, group=group)
+                return scatter_to_sequence_parallel_region(full, group=group), bias
+
+            proj.forward = forward  # keeps the parameter names (linear_kv_down_proj.weight)
+
+    return UnderlayMLASelfAttention
+
+
+def _mla_without_te() -> None:
+    """megatron-core 0.16.1's ``multi_latent_attention`` sets ``HAVE_TE = True`` when its import of
+    megatron's TE extension module succeeds, which it does without Transformer Engine (the extension
+    then binds ``TELinear = None``); ``MLASelfAttention`` then calls ``isinstance(x, None)``. Its
+    ``HAVE_TE`` only selects TE's fp8/fp4 output saving, so it is set to ``False`` when ``TELinear`` is
+    not a class. Touches nothing with Transformer Engine installed."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False
+
+
+def _partial(rope: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``rope(x, cos, sin)`` on the first ``cos.shape[-1]`` dimensions of each head, the rest of
+    ``x`` unchanged (transformers' partial rotary embedding); ``rope`` itself on whole heads."""
+
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = cos.shape[-1]
+        if r == x.shape[-1]:
+            return rope(x, cos, sin)
+        return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    return apply
+
+
 def position_embedding_type() -> str:
     """``GPTModel``'s ``position_embedding_type``: ``"rope"`` with Transformer Engine (its layers apply
     RoPE, fused), else ``"none"``: ``CoreAttention`` then applies RoPE itself, vectorized over the
@@ -360,30 +440,65 @@ def block_spec(
 
     num_experts = arch.num_experts or None
     if have_te():
+        if arch.inv_freq is not None or arch.windows or arch.first_dense or arch.is_mla:
+            raise ConfigError(
+                "mcore with Transformer Engine: scaled or partial RoPE, sliding windows, dense layers "
+                "in an MoE stack and multi-latent attention are built by underlay's local spec only; uninstall "
+                "transformer_engine or use the fsdp2 engine for this model"
+            )
         layer = specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
         )
         return layer
     if CoreAttention is None:
         CoreAttention = _core_attention_class()
-    layer = specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
-    )
-    sub = layer.submodules
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     norm = ModuleSpec(module=RMSNorm, params={"fused": fused_elementwise})
-    sub.input_layernorm = norm
-    sub.pre_mlp_layernorm = norm
-    att = sub.self_attention.submodules
     rotary_base = int(arch.rope_theta) if float(arch.rope_theta).is_integer() else float(arch.rope_theta)
-    att.core_attention = ModuleSpec(
-        module=CoreAttention,
-        params={"kernel": attention, "rotary_base": rotary_base, "fused_rope": fused_elementwise},
-    )
-    if arch.qk_norm:
-        att.q_layernorm = norm
-        att.k_layernorm = norm
+
+    def local(experts: int | None) -> Any:
+        layer = specs.get_gpt_layer_local_spec(
+            num_experts=experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=arch.qk_norm or arch.is_mla,
+            multi_latent_attention=arch.is_mla,
+            normalization="RMSNorm",
+        )
+        sub = layer.submodules
+        sub.input_layernorm = norm
+        sub.pre_mlp_layernorm = norm
+        att = sub.self_attention.submodules
+        att.core_attention = ModuleSpec(
+            module=CoreAttention,
+            params={
+                "kernel": attention,
+                # megatron's MLA applies RoPE itself (to the rotary part of q/k, per packed sequence)
+                "rotary_base": None if arch.is_mla else rotary_base,
+                "fused_rope": fused_elementwise,
+                "inv_freq": arch.inv_freq,
+                "windows": arch.windows,
+            },
+        )
+        if arch.is_mla:  # q_a_layernorm (with a q LoRA rank) and kv_a_layernorm
+            att.q_layernorm = norm
+            att.kv_layernorm = norm
+            sub.self_attention.module = _mla_class()
+        elif arch.qk_norm:
+            att.q_layernorm = norm
+            att.k_layernorm = norm
+        return layer
+
+    if arch.is_mla:
+        _mla_without_te()
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=norm)
+    if not arch.first_dense:
+        return TransformerBlockSubmodules(layer_specs=[local(num_experts)] * n, layer_norm=norm)
+    # dense MLPs on the first ``first_dense`` layers of an MoE model (global layer indices)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    moe, dense = local(num_experts), local(None)
+    specs_ = [moe if arch.moe_layer(offset + i) else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs_, layer_norm=norm)
 
 
 _TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")

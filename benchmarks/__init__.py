@@ -1,0 +1,1 @@
+"""Maintained benchmarks of underlay: ``python -m benchmarks.<cpu|gpu>.bench_<name>`` (see README.md)."""

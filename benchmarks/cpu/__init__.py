@@ -1,0 +1,1 @@
+"""Benchmarks that run on the CPU (some also take ``--device cuda``)."""

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Run the maintained benchmarks of one machine kind. From anywhere in the repository:
+#
+#     bash benchmarks/run.sh cpu [NAME ...] [--out DIR]                # the CPU set at smoke sizes (2-3 min)
+#     bash benchmarks/run.sh gpu [NAME ...] [--out DIR] [--wheels DIR] # one H200: benchmarks/results/
+#
+# NAME: one of the names below (default: all of that kind). Each benchmark writes OUT/<name>.json and
+# prints one summary line; OUT defaults to a new temporary directory (never the repository). The GPU set
+# needs the wheels of scripts/gpu_wheels.sh for mcore (megatron-core) and the Liger row of logprob:
+# --wheels DIR installs them into a temporary directory put first on PYTHONPATH.
+# Exit status: the number of benchmarks that failed.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# name -> module and arguments. cpu: smoke sizes that keep the whole set short on 2 cores (the recorded
+# figures' commands are in benchmarks/results/); gpu: the recorded configurations.
+declare -A CPU=(
+  [balancing]="benchmarks.cpu.bench_balancing --repeats 3"
+  [profiler_overhead]="benchmarks.cpu.bench_profiler_overhead --calls 50000 --repeats 3"
+  [data]="benchmarks.cpu.bench_data --n 2000"
+  [logprob_memory]="benchmarks.cpu.bench_logprob_memory --n 512 --vocab 32000"
+  [weights_io]="benchmarks.cpu.bench_weights_io --tiny --verify --repeats 1 --file-mb 1"
+)
+CPU_ORDER=(balancing profiler_overhead data logprob_memory weights_io)
+declare -A GPU=(
+  [logprob]="benchmarks.gpu.bench_logprob"
+  [attention]="benchmarks.gpu.bench_attention"
+  [fp8]="benchmarks.gpu.bench_fp8"
+  [fsdp2]="benchmarks.gpu.bench_fsdp2 --act-ckpt defaults,tuned"
+  [mcore]="benchmarks.gpu.bench_fsdp2 --mcore"
+  [long_seq]="benchmarks.gpu.bench_long_seq"
+  [vlm]="benchmarks.gpu.bench_vlm"
+  [models_memory]="benchmarks.gpu.bench_models_memory"
+  [weight_sync]="benchmarks.gpu.bench_weight_sync"
+  [weights_io]="benchmarks.cpu.bench_weights_io --device cuda --world 1 --repeats 1"
+)
+GPU_ORDER=(logprob attention fp8 fsdp2 mcore long_seq vlm models_memory weight_sync weights_io)
+
+usage() { echo "usage: bash benchmarks/run.sh {cpu|gpu} [NAME ...] [--out DIR]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+KIND=$1; shift
+case "$KIND" in cpu|gpu) ;; *) usage ;; esac
+OUT=""
+WHEELS=""
+NAMES=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
+    --out=*) OUT="${1#--out=}"; shift ;;
+    --wheels) WHEELS="${2:?--wheels needs a directory}"; shift 2 ;;
+    -h|--help) usage ;;
+    *) NAMES+=("$1"); shift ;;
+  esac
+done
+if [ -n "$WHEELS" ]; then
+  SITE="$(mktemp -d "${TMPDIR:-/tmp}/underlay-site.XXXXXX")"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+    || { echo "run.sh: installing the wheels of $WHEELS failed" >&2; exit 2; }
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
+[ -n "$OUT" ] || OUT="$(mktemp -d "${TMPDIR:-/tmp}/underlay-bench.XXXXXX")"
+mkdir -p "$OUT"
+if [ "$KIND" = cpu ]; then ORDER=("${CPU_ORDER[@]}"); else ORDER=("${GPU_ORDER[@]}"); fi
+[ ${#NAMES[@]} -gt 0 ] || NAMES=("${ORDER[@]}")
+fails=0
+for name in "${NAMES[@]}"; do
+  if [ "$KIND" = cpu ]; then cmd="${CPU[$name]:-}"; else cmd="${GPU[$name]:-}"; fi
+  if [ -z "$cmd" ]; then
+    echo "unknown $KIND benchmark '$name'; known: ${ORDER[*]}" >&2
+    fails=$((fails + 1))
+    continue
+  fi
+  t0=$(date +%s)
+  # shellcheck disable=SC2086  # cmd is a module name and its arguments
+  if OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m $cmd --out "$OUT/$name" > "$OUT/$name.log" 2>&1; then
+    echo "ok   $name ($(( $(date +%s) - t0 )) s): $(grep -E "^[a-z0-9_]+: " "$OUT/$name.log" | tail -n 1)"
+  else
+    echo "FAIL $name ($(( $(date +%s) - t0 )) s): see $OUT/$name.log"
+    tail -n 5 "$OUT/$name.log" | sed 's/^/     /'
+    fails=$((fails + 1))
+  fi
+done
+echo "$fails failed; records and logs in $OUT"
+exit "$fails"
