@@ -39,8 +39,8 @@ def check_token_batch(batch: TokenBatch, vocab: int) -> None:
 
     Raises ``InvalidInput`` naming the bad value and the fix for: ``input_ids`` not int64/int32; an
     empty batch (``B = 0``); an ``attention_mask`` or ``loss_mask`` with values other than 0/1; a
-    ``loss_mask`` that marks padding (``attention_mask`` 0: it would change the loss-token count that
-    normalises the loss); a row without tokens; token ids outside ``[0, vocab)`` (``vocab`` 0: no
+    row without tokens; a ``loss_mask`` that marks padding (``attention_mask`` 0: it would change the
+    loss-token count that normalises the loss); token ids outside ``[0, vocab)`` (``vocab`` 0: no
     upper bound). Changes nothing."""
     ids, mask, loss = batch.input_ids, batch.attention_mask, batch.loss_mask
     if ids.dtype not in (torch.int64, torch.int32):
@@ -54,6 +54,10 @@ def check_token_batch(batch: TokenBatch, vocab: int) -> None:
                 f"TokenBatch.{name} holds values other than 0/1 ({sorted(set(m[bad].tolist()))[:5]}); "
                 "masks select tokens, weight the loss in loss_fn instead"
             )
+    lengths = mask.sum(dim=1)
+    if bool((lengths < 1).any()):
+        rows = torch.nonzero(lengths < 1).flatten().tolist()
+        raise InvalidInput(f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences")
     padding_loss = (loss != 0) & (mask == 0)
     if bool(padding_loss.any()):
         rows = torch.nonzero(padding_loss.any(dim=1)).flatten().tolist()
@@ -61,10 +65,6 @@ def check_token_batch(batch: TokenBatch, vocab: int) -> None:
             f"TokenBatch.loss_mask marks padding (attention_mask 0) in rows {rows[:5]}; the loss "
             "token count would include padding: set loss_mask = loss_mask * attention_mask"
         )
-    lengths = mask.sum(dim=1)
-    if bool((lengths < 1).any()):
-        rows = torch.nonzero(lengths < 1).flatten().tolist()
-        raise InvalidInput(f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences")
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or (vocab and high >= vocab):
         raise InvalidInput(f"TokenBatch.input_ids out of range [0, {vocab}): min {low}, max {high}")
