@@ -282,7 +282,8 @@ def main() -> None:
                 flush=True,
             )
         results[case] = entry
-    (out_dir / f"torchtitan_{args.shape}.json").write_text(json.dumps(results, indent=2))
+        # after every case: a run stopped later still leaves the cases it finished
+        (out_dir / f"torchtitan_{args.shape}.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
