@@ -78,11 +78,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_torchtitan(tt: Any, args: Any, shape: dict[str, Any], batches: Any, device: torch.device, hf_dir: Path) -> dict[str, Any]:
+def run_torchtitan(
+    tt: Any, args: Any, shape: dict[str, Any], batches: Any, device: torch.device, hf_dir: Path
+) -> dict[str, Any]:
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
 
-    margs = tt.TransformerModelArgs(vocab_size=args.vocab, rope_theta=500000, max_seq_len=args.seq_len + 1, **shape)
+    margs = tt.TransformerModelArgs(
+        vocab_size=args.vocab, rope_theta=500000, max_seq_len=args.seq_len + 1, **shape
+    )
     job = JobConfig()
     job.training.seq_len = args.seq_len
     job.compile.enable = device.type == "cuda"
@@ -99,17 +103,28 @@ def run_torchtitan(tt: Any, args: Any, shape: dict[str, Any], batches: Any, devi
         model.init_weights(buffer_device=device)
     # the initial weights, in Hugging Face names, for underlay
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if "freqs_cis" not in k}
-    state = {k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): v for k, v in state.items()}
+    state = {
+        k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): v for k, v in state.items()
+    }
     hf_state = tt.Llama3StateDictAdapter(margs, None).to_hf(state)
     _save_hf(hf_state, margs, model, hf_dir, args)
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(
-        params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **({"fused": True} if device.type == "cuda" else {})
+        params,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        **({"fused": True} if device.type == "cuda" else {}),
     )
     loss_fn = torch.nn.functional.cross_entropy
     if job.compile.enable:
         loss_fn = torch.compile(loss_fn)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    amp = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
     losses, times = [], []
     for seqs in batches:
         _sync(device)
@@ -126,7 +141,10 @@ def run_torchtitan(tt: Any, args: Any, shape: dict[str, Any], batches: Any, devi
             inp, lab = inp.to(device), lab.to(device)
             with amp:
                 logits = model(inp)
-            loss = loss_fn(logits.flatten(0, 1).float(), lab.flatten(0, 1), ignore_index=-100, reduction="sum") / real
+            loss = (
+                loss_fn(logits.flatten(0, 1).float(), lab.flatten(0, 1), ignore_index=-100, reduction="sum")
+                / real
+            )
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=device.type == "cuda")
@@ -248,10 +266,16 @@ def main() -> None:
         batches = _batches(args.steps, rows, args.seq_len, args.vocab, case, args.seed)
         real = [sum(len(s) - 1 for s in b) for b in batches]
         hf_dir = out_dir / f"hf_{args.shape}_{case}"
-        entry: dict[str, Any] = {"rows": rows, "real_tokens_per_step": real[0] if case == "full" else sum(real) / len(real)}
+        entry: dict[str, Any] = {
+            "rows": rows,
+            "real_tokens_per_step": real[0] if case == "full" else sum(real) / len(real),
+        }
         for name, fn in (
-            ("torchtitan", lambda: run_torchtitan(tt, args, SHAPES[args.shape], batches, device, hf_dir)),
-            ("underlay", lambda: run_underlay(args, batches, device, hf_dir)),
+            (
+                "torchtitan",
+                lambda b=batches, d=hf_dir: run_torchtitan(tt, args, SHAPES[args.shape], b, device, d),
+            ),
+            ("underlay", lambda b=batches, d=hf_dir: run_underlay(args, b, device, d)),
         ):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -267,7 +291,10 @@ def main() -> None:
                 t = r["times"][args.warmup :]
                 r["tokens_per_s"] = sum(real[args.warmup :]) / sum(t)
             entry[name] = r
-            print(f"[{case}] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("times",)}), flush=True)
+            print(
+                f"[{case}] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("times",)}),
+                flush=True,
+            )
             if name == "torchtitan" and "error" in r and not hf_dir.exists():
                 entry["underlay"] = {"error": "skipped: torchtitan did not produce the initial weights"}
                 break
