@@ -79,4 +79,6 @@ def test_videos_from_files_and_frames_into_the_engine(tmp_path: Path) -> None:
     want = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
     want[:, 1:] = lsm[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     assert got is not None
-    assert float((got.double().cpu() - want * batch.attention_mask).abs().max()) < 2e-5
+    # fp32 on cuda (TF32 matmuls, the device's attention kernel) against float64: 1e-3-level agreement
+    # (measured 1.6e-3 on the H200); the token layout itself is checked exactly above
+    assert float((got.double().cpu() - want * batch.attention_mask).abs().max()) < 5e-3
