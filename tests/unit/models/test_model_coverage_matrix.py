@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from underlay.models import coverage  # noqa: E402
+from underlay.models import coverage
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "model-matrix.md"
 
