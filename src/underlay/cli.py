@@ -58,8 +58,30 @@ def _print_info(data: dict[str, Any]) -> None:
                     print(f"        {opt} = {value!r}: {why}")
 
 
+def _print_models(rows: list[Any], counts: dict[str, dict[str, int]]) -> None:
+    for engine, per in counts.items():
+        print(f"\n{engine}: " + ", ".join(f"{n} {status}" for status, n in per.items()))
+        for r in rows:
+            if r.engine == engine:
+                reason = f": {r.reason}" if r.reason else ""
+                print(f"  {r.model_type:<28} {r.status}{reason}")
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from underlay import registry
+
+    if args.models:
+        from dataclasses import asdict
+
+        from underlay.models import coverage
+
+        rows = coverage.coverage_matrix()
+        counts = coverage.counts(rows)
+        if args.json:
+            print(json.dumps({"counts": counts, "rows": [asdict(r) for r in rows]}, indent=2))
+        else:
+            _print_models(rows, counts)
+        return 0
 
     data = registry.info()
     if args.json:
@@ -76,6 +98,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, hardware, backends and what auto selects")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--models",
+        action="store_true",
+        help="per engine, which causal-LM model types of the installed transformers run (exact / refused "
+        "with the engine's reason); needs transformers",
+    )
     p.set_defaults(func=_cmd_info)
     import importlib.util
 

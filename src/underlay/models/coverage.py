@@ -1,0 +1,394 @@
+"""Which decoder-only causal-LM model types of the installed transformers each engine runs.
+
+The classification is generated from transformers" own registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``):
+every model type there is built as a tiny model on the ``meta`` device (no memory, no weights) and
+handed to each engine"s own capability check -- :func:`underlay.models.inspect_model` for ``fsdp2``
+(what ``prepare_model`` calls) and ``arch_of`` of the mcore engine (what its build calls) -- so a
+refusal"s reason is the ``ConfigError`` the engine itself raises.
+
+:data:`KNOWN` is the reviewed expectation per model type; a model type the installed transformers
+registers and :data:`KNOWN` lacks is reported by :func:`unknown_model_types` (the coverage test fails
+on it until it is classified, so a new transformers release is picked up).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from underlay.interfaces import ConfigError
+
+__all__ = [
+    "ENGINES",
+    "EXACT",
+    "KNOWN",
+    "CoverageRow",
+    "Status",
+    "causal_lm_model_types",
+    "classify",
+    "counts",
+    "coverage_matrix",
+    "markdown_table",
+    "tiny_config",
+    "unknown_model_types",
+]
+
+Status = Literal["exact", "accepted", "refused", "encoder-decoder", "no-tiny-config"]
+"""``exact``: the engine runs the type and a test proves it equal to transformers" eager forward;
+``accepted``: the engine"s capability check passes but no test proves exactness yet; ``refused``: the
+engine raises ``ConfigError`` (the reason is its message); ``encoder-decoder``: transformers"
+default config of the type is an encoder-decoder (its causal-LM class is a decoder half; not a
+decoder-only causal LM); ``no-tiny-config``: transformers cannot build
+the type at the generic tiny sizes (the type"s config needs other sizes), so it is not classified."""
+
+ENGINES: tuple[str, ...] = ("fsdp2", "mcore")
+
+EXACT: dict[str, frozenset[str]] = {
+    "fsdp2": frozenset(
+        {
+            "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text",
+            "mixtral", "phi3", "glm4", "glm4_moe", "deepseek_v3", "gpt_oss",
+        }
+    ),
+    "mcore": frozenset(
+        {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"}
+    ),
+}  # fmt: skip
+"""Per engine, the model types whose equality with transformers" float64 eager forward is proven by
+tests (tests/unit/models/test_model_fixes.py, tests/distributed/test_model_coverage.py,
+tests/mcore/test_mcore_models.py)."""
+
+_TINY: dict[str, Any] = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    # every layer but the first MoE (the defaults make the first 3 dense, leaving no MoE layer of 2)
+    "deepseek_v3": dict(num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4, n_group=2),
+    "glm4_moe": dict(first_k_dense_replace=1, n_routed_experts=4, n_group=2, num_experts_per_tok=2),
+}
+"""Per model type, tiny-size overrides on top of the generic ones (what the type"s config needs)."""
+
+
+def causal_lm_model_types() -> tuple[str, ...]:
+    """Sorted model types of transformers" ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (what
+    ``AutoModelForCausalLM`` builds: decoder-only LMs, decoder halves, and vision-language models whose
+    causal-LM class is the text part or the whole model). Needs transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+def tiny_config(model_type: str) -> Any:
+    """A transformers config of ``model_type`` at tiny sizes (hidden 32, 2 layers, vocabulary 96).
+
+    Raises whatever transformers raises when the type cannot take these sizes."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**_TINY, **_OVERRIDES.get(model_type, {})})
+
+
+@dataclass(frozen=True)
+class CoverageRow:
+    """One model type on one engine: ``status`` (see :data:`Status`) and ``reason`` (the engine"s
+    ``ConfigError`` message for ``refused``, transformers" error for ``no-tiny-config``, else empty)."""
+
+    model_type: str
+    engine: str
+    status: Status
+    reason: str = ""
+
+
+def _fsdp2_check(config: Any) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from underlay.models._compat import inspect_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    inspect_model(model)
+
+
+def _mcore_check(config: Any) -> None:
+    # coverage reports over both engines; the engine module is looked up late (models sits below
+    # engines in the layer contract and must not import them at module level)
+    importlib.import_module("underlay.engines.mcore.config").arch_of(config)
+
+
+def classify(model_type: str) -> list[CoverageRow]:
+    """The live classification of ``model_type`` on every engine of :data:`ENGINES` (one row each).
+
+    Engine refusals are caught (``ConfigError``); any other error building the tiny config or model
+    gives ``no-tiny-config``. Needs transformers and torch (mcore needs nothing more: only its config
+    check runs)."""
+    from transformers import AutoConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if bool(getattr(AutoConfig.for_model(model_type), "is_encoder_decoder", False)):
+                return [CoverageRow(model_type, e, "encoder-decoder") for e in ENGINES]
+            config = tiny_config(model_type)
+            _fsdp2_check(config)
+            fsdp2: tuple[Status, str] = ("exact" if model_type in EXACT["fsdp2"] else "accepted", "")
+        except ConfigError as exc:
+            fsdp2 = ("refused", str(exc))
+        except Exception as exc:  # transformers cannot build the type at these sizes
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return [CoverageRow(model_type, e, "no-tiny-config", reason) for e in ENGINES]
+        try:
+            _mcore_check(config)
+            mcore: tuple[Status, str] = ("exact" if model_type in EXACT["mcore"] else "accepted", "")
+        except ConfigError as exc:
+            mcore = ("refused", str(exc))
+    return [CoverageRow(model_type, "fsdp2", *fsdp2), CoverageRow(model_type, "mcore", *mcore)]
+
+
+def coverage_matrix() -> list[CoverageRow]:
+    """:func:`classify` of every :func:`causal_lm_model_types` (about 200 types; a few seconds)."""
+    return [row for mt in causal_lm_model_types() for row in classify(mt)]
+
+
+def unknown_model_types() -> tuple[str, ...]:
+    """Causal-LM model types of the installed transformers that :data:`KNOWN` does not classify."""
+    return tuple(mt for mt in causal_lm_model_types() if mt not in KNOWN)
+
+
+def counts(rows: list[CoverageRow]) -> dict[str, dict[str, int]]:
+    """Per engine, the number of rows of each status."""
+    out: dict[str, Counter[str]] = {e: Counter() for e in ENGINES}
+    for r in rows:
+        out[r.engine][r.status] += 1
+    return {e: dict(sorted(c.items())) for e, c in out.items()}
+
+
+def markdown_table(rows: list[CoverageRow]) -> str:
+    """The counts per engine then the matrix as a markdown table (one line per model type: the status
+    per engine), as in docs/model-matrix.md."""
+    out = [f"- {e}: " + ", ".join(f"{n} {s}" for s, n in per.items()) for e, per in counts(rows).items()]
+    by_type: dict[str, dict[str, str]] = {}
+    for r in rows:
+        by_type.setdefault(r.model_type, {})[r.engine] = r.status
+    out += ["", "| model type | " + " | ".join(ENGINES) + " |", "|---|" + "---|" * len(ENGINES)]
+    for mt, per in by_type.items():
+        out.append(f"| {mt} | " + " | ".join(per[e] for e in ENGINES) + " |")
+    return "\n".join(out)
+
+
+KNOWN: dict[str, tuple[str, str]] = {
+    "afmoe": ("accepted", "refused"),
+    "apertus": ("accepted", "refused"),
+    "apertus1p5_text": ("accepted", "refused"),
+    "arcee": ("accepted", "refused"),
+    "aria_text": ("accepted", "refused"),
+    "axk1": ("accepted", "refused"),
+    "axk2": ("refused", "refused"),
+    "bailing_hybrid": ("refused", "refused"),
+    "bamba": ("no-tiny-config", "no-tiny-config"),
+    "bart": ("encoder-decoder", "encoder-decoder"),
+    "beam": ("accepted", "refused"),
+    "bert": ("accepted", "refused"),
+    "bert-generation": ("accepted", "refused"),
+    "big_bird": ("refused", "refused"),
+    "bigbird_pegasus": ("encoder-decoder", "encoder-decoder"),
+    "biogpt": ("accepted", "refused"),
+    "bitnet": ("accepted", "refused"),
+    "blenderbot": ("encoder-decoder", "encoder-decoder"),
+    "blenderbot-small": ("encoder-decoder", "encoder-decoder"),
+    "bloom": ("refused", "refused"),
+    "blt": ("accepted", "refused"),
+    "camembert": ("accepted", "refused"),
+    "codegen": ("accepted", "refused"),
+    "cohere": ("refused", "refused"),
+    "cohere2": ("refused", "refused"),
+    "cohere2_moe": ("refused", "refused"),
+    "cohere_compass_text": ("no-tiny-config", "no-tiny-config"),
+    "cpmant": ("refused", "refused"),
+    "ctrl": ("accepted", "refused"),
+    "cwm": ("accepted", "refused"),
+    "data2vec-text": ("accepted", "refused"),
+    "dbrx": ("no-tiny-config", "no-tiny-config"),
+    "deepseek_v2": ("accepted", "refused"),
+    "deepseek_v3": ("exact", "exact"),
+    "deepseek_v32": ("refused", "refused"),
+    "deepseek_v4": ("refused", "refused"),
+    "diffllama": ("accepted", "refused"),
+    "doge": ("accepted", "refused"),
+    "dory": ("accepted", "refused"),
+    "dots1": ("no-tiny-config", "no-tiny-config"),
+    "dots3_note": ("no-tiny-config", "no-tiny-config"),
+    "dots3_note_text": ("no-tiny-config", "no-tiny-config"),
+    "electra": ("accepted", "refused"),
+    "emu3": ("accepted", "refused"),
+    "ergo": ("accepted", "refused"),
+    "ernie": ("accepted", "refused"),
+    "ernie4_5": ("accepted", "refused"),
+    "ernie4_5_moe": ("accepted", "refused"),
+    "exaone": ("accepted", "refused"),
+    "exaone4": ("accepted", "refused"),
+    "exaone_moe": ("accepted", "refused"),
+    "falcon": ("accepted", "refused"),
+    "falcon_h1": ("refused", "refused"),
+    "falcon_mamba": ("refused", "refused"),
+    "flex_olmo": ("accepted", "refused"),
+    "flint": ("accepted", "refused"),
+    "fuyu": ("accepted", "refused"),
+    "gemma": ("accepted", "refused"),
+    "gemma2": ("exact", "refused"),
+    "gemma3": ("refused", "refused"),
+    "gemma3_text": ("exact", "refused"),
+    "gemma3n": ("no-tiny-config", "no-tiny-config"),
+    "gemma3n_text": ("no-tiny-config", "no-tiny-config"),
+    "gemma4": ("accepted", "refused"),
+    "gemma4_assistant": ("no-tiny-config", "no-tiny-config"),
+    "gemma4_text": ("accepted", "refused"),
+    "gemma4_unified": ("accepted", "refused"),
+    "gemma4_unified_assistant": ("accepted", "refused"),
+    "gemma4_unified_text": ("accepted", "refused"),
+    "git": ("refused", "refused"),
+    "glm": ("accepted", "refused"),
+    "glm4": ("exact", "refused"),
+    "glm4_moe": ("exact", "exact"),
+    "glm4_moe_lite": ("accepted", "refused"),
+    "glm_moe_dsa": ("refused", "refused"),
+    "got_ocr2": ("refused", "refused"),
+    "gpt-sw3": ("accepted", "refused"),
+    "gpt2": ("accepted", "refused"),
+    "gpt_bigcode": ("accepted", "refused"),
+    "gpt_neo": ("no-tiny-config", "no-tiny-config"),
+    "gpt_neox": ("accepted", "refused"),
+    "gpt_neox_japanese": ("refused", "refused"),
+    "gpt_oss": ("exact", "refused"),
+    "gptj": ("accepted", "refused"),
+    "granite": ("accepted", "refused"),
+    "granite_swa": ("accepted", "refused"),
+    "granitemoe": ("accepted", "refused"),
+    "granitemoe_swa": ("accepted", "refused"),
+    "granitemoehybrid": ("no-tiny-config", "no-tiny-config"),
+    "granitemoeshared": ("accepted", "refused"),
+    "helium": ("accepted", "refused"),
+    "hrm_text": ("accepted", "refused"),
+    "hunyuan_v1_dense": ("no-tiny-config", "no-tiny-config"),
+    "hunyuan_v1_moe": ("no-tiny-config", "no-tiny-config"),
+    "hy_v3": ("accepted", "refused"),
+    "hy_v4": ("refused", "refused"),
+    "hyperclovax": ("accepted", "refused"),
+    "inkling2_loop_text": ("refused", "refused"),
+    "inkling2_text": ("refused", "refused"),
+    "inkling_text": ("refused", "refused"),
+    "internlm3": ("accepted", "refused"),
+    "iquestcoder": ("accepted", "refused"),
+    "jais2": ("accepted", "refused"),
+    "jamba": ("refused", "refused"),
+    "jetmoe": ("accepted", "refused"),
+    "kimi_linear": ("refused", "refused"),
+    "kolibri1": ("accepted", "refused"),
+    "kolibri1_1": ("no-tiny-config", "no-tiny-config"),
+    "laguna": ("accepted", "refused"),
+    "lara_mini": ("refused", "refused"),
+    "lfm2": ("accepted", "refused"),
+    "lfm2_moe": ("no-tiny-config", "no-tiny-config"),
+    "lfm3": ("refused", "refused"),
+    "llama": ("exact", "exact"),
+    "llama4": ("refused", "refused"),
+    "llama4_text": ("refused", "refused"),
+    "longcat_flash": ("refused", "refused"),
+    "mamba": ("refused", "refused"),
+    "mamba2": ("no-tiny-config", "no-tiny-config"),
+    "marian": ("encoder-decoder", "encoder-decoder"),
+    "mbart": ("encoder-decoder", "encoder-decoder"),
+    "megatron-bert": ("refused", "refused"),
+    "mellum": ("accepted", "refused"),
+    "mimo_v2_flash": ("accepted", "refused"),
+    "minicpm3": ("refused", "refused"),
+    "minicpm5_moe": ("accepted", "refused"),
+    "minimax": ("refused", "refused"),
+    "minimax_m2": ("accepted", "refused"),
+    "minimax_m3_vl_text": ("accepted", "refused"),
+    "ministral": ("no-tiny-config", "no-tiny-config"),
+    "ministral3": ("accepted", "refused"),
+    "mistral": ("exact", "exact"),
+    "mixtral": ("exact", "exact"),
+    "mllama": ("refused", "refused"),
+    "modernbert-decoder": ("accepted", "refused"),
+    "moshi": ("accepted", "refused"),
+    "moss_transcribe_diarize": ("refused", "refused"),
+    "mpt": ("refused", "refused"),
+    "musicgen": ("encoder-decoder", "encoder-decoder"),
+    "musicgen_melody": ("encoder-decoder", "encoder-decoder"),
+    "mvp": ("encoder-decoder", "encoder-decoder"),
+    "nanochat": ("accepted", "refused"),
+    "nemotron": ("accepted", "refused"),
+    "nemotron_h": ("refused", "refused"),
+    "olmo": ("accepted", "refused"),
+    "olmo2": ("accepted", "refused"),
+    "olmo3": ("accepted", "refused"),
+    "olmo_hybrid": ("refused", "refused"),
+    "olmoe": ("accepted", "refused"),
+    "openai-gpt": ("refused", "refused"),
+    "opt": ("accepted", "refused"),
+    "param2moe": ("accepted", "refused"),
+    "pegasus": ("encoder-decoder", "encoder-decoder"),
+    "persimmon": ("accepted", "refused"),
+    "phi": ("accepted", "refused"),
+    "phi3": ("exact", "refused"),
+    "phi4_multimodal": ("refused", "refused"),
+    "phimoe": ("accepted", "refused"),
+    "plbart": ("encoder-decoder", "encoder-decoder"),
+    "prophetnet": ("encoder-decoder", "encoder-decoder"),
+    "qwen2": ("exact", "exact"),
+    "qwen2_moe": ("exact", "exact"),
+    "qwen3": ("exact", "exact"),
+    "qwen3_5": ("refused", "refused"),
+    "qwen3_5_moe": ("refused", "refused"),
+    "qwen3_5_moe_text": ("refused", "refused"),
+    "qwen3_5_text": ("refused", "refused"),
+    "qwen3_moe": ("exact", "exact"),
+    "qwen3_next": ("refused", "refused"),
+    "qwen4_exp": ("no-tiny-config", "no-tiny-config"),
+    "qwen4_exp_text": ("refused", "refused"),
+    "recurrent_gemma": ("refused", "refused"),
+    "reformer": ("no-tiny-config", "no-tiny-config"),
+    "rembert": ("refused", "refused"),
+    "roberta": ("accepted", "refused"),
+    "roberta-prelayernorm": ("accepted", "refused"),
+    "roc_bert": ("accepted", "refused"),
+    "roformer": ("refused", "refused"),
+    "rwkv": ("refused", "refused"),
+    "sarvam_mla": ("accepted", "refused"),
+    "sarvam_moe": ("accepted", "refused"),
+    "seed_oss": ("accepted", "refused"),
+    "smollm3": ("accepted", "refused"),
+    "solar_open": ("accepted", "refused"),
+    "stablelm": ("accepted", "refused"),
+    "starcoder2": ("accepted", "refused"),
+    "trocr": ("refused", "refused"),
+    "vaultgemma": ("accepted", "refused"),
+    "whisper": ("encoder-decoder", "encoder-decoder"),
+    "xglm": ("refused", "refused"),
+    "xlm": ("refused", "refused"),
+    "xlm-roberta": ("accepted", "refused"),
+    "xlm-roberta-xl": ("accepted", "refused"),
+    "xlnet": ("no-tiny-config", "no-tiny-config"),
+    "xlstm": ("refused", "refused"),
+    "xmod": ("accepted", "refused"),
+    "youtu": ("accepted", "refused"),
+    "zamba": ("no-tiny-config", "no-tiny-config"),
+    "zamba2": ("no-tiny-config", "no-tiny-config"),
+    "zaya": ("refused", "refused"),
+}
+"""Reviewed ``(fsdp2 status, mcore status)`` per causal-LM model type of the installed transformers."""

@@ -1,0 +1,63 @@
+"""The model matrix (underlay.models.coverage) against the installed transformers and the engines' own
+capability checks: every causal-LM model type is classified, the live classification equals the
+reviewed one, refusals carry the engine's ConfigError, and docs/model-matrix.md shows the same table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from underlay.models import coverage
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "model-matrix.md"
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[coverage.CoverageRow]:
+    return coverage.coverage_matrix()
+
+
+def test_every_causal_lm_model_type_is_classified() -> None:
+    unknown = coverage.unknown_model_types()
+    assert not unknown, (
+        f"transformers registers causal-LM model types that underlay.models.coverage.KNOWN does not "
+        f"classify: {unknown}; run `underlay info --models`, review, and add them to KNOWN and "
+        "docs/model-matrix.md"
+    )
+    stale = sorted(set(coverage.KNOWN) - set(coverage.causal_lm_model_types()))
+    assert not stale, f"KNOWN lists model types the installed transformers lacks: {stale}"
+
+
+def test_engines_classify_as_reviewed(rows: list[coverage.CoverageRow]) -> None:
+    live = {(r.model_type, r.engine): r.status for r in rows}
+    differ = {
+        (mt, engine): (want, live[mt, engine])
+        for mt, statuses in coverage.KNOWN.items()
+        for engine, want in zip(coverage.ENGINES, statuses)
+        if live.get((mt, engine)) != want
+    }
+    assert not differ, f"(model type, engine): (reviewed, engine says) differ: {differ}"
+
+
+def test_refusals_are_the_engines_config_errors(rows: list[coverage.CoverageRow]) -> None:
+    for r in rows:
+        if r.status == "refused":
+            if r.engine == "mcore":  # arch_of's ConfigError
+                assert r.reason.startswith("mcore: "), r
+            else:  # inspect_model's ConfigError names the type (a VLM's text part may be named)
+                assert "is not supported by underlay.models" in r.reason, r
+        elif r.status in ("exact", "accepted", "encoder-decoder"):
+            assert r.reason == "", r
+    for engine, exact in coverage.EXACT.items():
+        for mt in exact:
+            assert coverage.KNOWN[mt][coverage.ENGINES.index(engine)] == "exact", (mt, engine)
+
+
+def test_docs_table_equals_coverage(rows: list[coverage.CoverageRow]) -> None:
+    assert coverage.markdown_table(rows) in DOC.read_text(), (
+        "docs/model-matrix.md differs from underlay.models.coverage; regenerate its counts and table "
+        "from coverage.markdown_table(coverage.coverage_matrix())"
+    )
