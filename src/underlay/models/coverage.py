@@ -75,10 +75,18 @@ _TINY: dict[str, Any] = dict(
 )
 
 
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
 _OVERRIDES: dict[str, dict[str, Any]] = {
-    # every layer but the first MoE (the defaults make the first 3 dense, leaving no MoE layer of 2)
-    "deepseek_v3": dict(num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4, n_group=2),
-    "glm4_moe": dict(first_k_dense_replace=1, n_routed_experts=4, n_group=2, num_experts_per_tok=2),
+    # a few experts (the defaults hold 60-256); every layer but the first MoE in the DeepSeek-style
+    # types (their defaults make the first 3 dense, leaving no MoE layer of 2)
+    "deepseek_v3": dict(
+        _MOE, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1
+    ),
+    "glm4_moe": dict(_MOE, first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_MOE, num_experts=4, shared_expert_intermediate_size=16),
+    "qwen3_moe": dict(_MOE, num_experts=4),
 }
 """Per model type, tiny-size overrides on top of the generic ones (what the type"s config needs)."""
 
