@@ -38,8 +38,11 @@ def test_offloaded_adamw_is_bit_identical_to_fused_adamw_every_step() -> None:
 
 
 def _step_peak_gib(offload: bool, numel: int) -> float:
-    params = [torch.nn.Parameter(torch.randn(numel, device="cuda"))]
-    params[0].grad = torch.randn_like(params[0])
+    # many parameters: a streamed chunk holds whole parameters' state, so one 200M-element parameter
+    # would be one chunk as large as the whole state
+    params = [torch.nn.Parameter(torch.randn(numel // 200, device="cuda")) for _ in range(200)]
+    for p in params:
+        p.grad = torch.randn_like(p)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -58,8 +61,8 @@ def _step_peak_gib(offload: bool, numel: int) -> float:
 
 
 def test_offloaded_state_stays_off_the_device() -> None:
-    """200M fp32 parameters: the device AdamW holds its two states (1.6 GB); the offloaded one streams
-    8 MiB chunks, so it holds well under a tenth of that."""
+    """200M fp32 parameter elements (200 parameters): the device AdamW holds its two states (1.6 GB);
+    the offloaded one streams 8 MiB chunks, so it holds well under a tenth of that."""
     numel = 200_000_000
     device_peak, offload_peak = _step_peak_gib(False, numel), _step_peak_gib(True, numel)
     assert device_peak >= 2 * 4 * numel / 2**30 * 0.99, device_peak

@@ -57,7 +57,8 @@ def test_videos_from_files_and_frames_into_the_engine(tmp_path: Path) -> None:
     ds = VisionPromptDataset(rows, proc)
     s0, s1 = ds[0], ds[1]
     assert s0.videos is not None and s1.videos is not None
-    assert s0.videos.grid_thw.tolist() == [[4, 4, 6]] and s1.videos.grid_thw.tolist()[0][0] == 2
+    # 3 frames given at 2 fps are 1.5 s: 3 samples at 2 fps (the tiny model's temporal patch is 1)
+    assert s0.videos.grid_thw.tolist() == [[4, 4, 6]] and s1.videos.grid_thw.tolist()[0][0] == 3
     assert sum(t == VIDEO_TOKEN for t in s0.input_ids) == 4 * 4 * 6 // 4
     assert s0.videos.second_per_grid is not None and float(s0.videos.second_per_grid[0]) == pytest.approx(
         0.75

@@ -11,6 +11,7 @@ from tests.mcore import _helpers as H
 
 def grad_by_hf_name(eng: Any) -> dict[str, torch.Tensor]:
     """Full gradients by HF name: megatron's ``main_grad`` gathered like the weights."""
+    eng.finalize_grads()
     saved = {}
     for c in eng.chunks:
         for p in c.parameters():

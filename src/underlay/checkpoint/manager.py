@@ -50,6 +50,7 @@ from underlay.parallel.agree import agree, agreed
 from underlay.parallel.rank import current_rank, current_world_size
 from underlay.utils.safe_files import (
     MANIFEST_FILE,
+    as_path,
     digest_files,
     fsync_path,
     fsync_tree,
@@ -106,7 +107,7 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     A directory counts once its ``COMPLETE`` marker exists; ``.tmp`` directories never count. The
     ``.old`` copy of a step counts only while ``step_<k>`` itself is missing or incomplete (a re-save
     that crashed between its two renames), so no complete step is ever invisible."""
-    base = Path(root)
+    base = as_path(root, "complete_checkpoints: root")
     if not base.is_dir():
         return []
     found: dict[int, Path] = {}
@@ -172,9 +173,9 @@ class CheckpointManager:
     All methods but ``latest`` are collective over the engine's world. ``device`` (default:
     ``engine.device``) provides the RNG state. ``check_hash=False`` skips the digest check at load
     (for very large checkpoints; sizes are always checked). Raises ``InvalidInput`` for
-    ``max_to_keep`` not an int >= 1. Construction recovers what a crashed save left in ``root`` (rank
-    0): ``.old`` copies without their step are renamed back, ``.tmp`` directories removed. One
-    manager writes to a ``root`` at a time.
+    ``max_to_keep`` not an int >= 1 and a ``root`` that is not a path. Construction recovers what a
+    crashed save left in ``root`` (rank 0): ``.old`` copies without their step are renamed back,
+    ``.tmp`` directories removed. One manager writes to a ``root`` at a time.
     """
 
     def __init__(
@@ -190,7 +191,9 @@ class CheckpointManager:
             raise InvalidInput(f"CheckpointManager: max_to_keep={max_to_keep!r} must be an int >= 1")
         if not isinstance(check_hash, bool):
             raise InvalidInput(f"CheckpointManager: check_hash={check_hash!r} must be True or False")
-        self.root = Path(root)
+        # the type is checked here (the same on every rank); what the file system says is checked by
+        # rank 0 inside save's agreed steps, so a failure there reaches every rank as CheckpointError
+        self.root = as_path(root, "CheckpointManager: root")
         self.engine = engine
         self.max_to_keep = max_to_keep
         self.device = device or engine.device

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -20,6 +21,22 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     },
 }
 """Qwen3-shaped sizes (head_dim 16, untied embeddings)."""
+
+
+def _kind(name: str, value: object, kind: type) -> None:
+    """``ConfigError`` unless ``value`` is a ``kind`` (an int is a float too, a bool is neither; a
+    float must be finite)."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        what = "a finite number" if kind is float else f"a {kind.__name__}"
+        raise ConfigError(f"demo {name}={value!r}: must be {what}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,19 @@ class DemoConfig:
     dataset_rows: int = 512
 
     def __post_init__(self) -> None:
+        for name in ("steps", "seed", "world_size", "prompts_per_step", "responses_per_prompt"):
+            _kind(name, getattr(self, name), int)
+        for name in ("max_new_tokens", "micro_batch_max_tokens", "dataset_rows"):
+            _kind(name, getattr(self, name), int)
+        for name in ("temperature", "lr", "clip_eps"):
+            _kind(name, getattr(self, name), float)
+        _kind("progress", self.progress, bool)
+        _kind("out_dir", self.out_dir, str)
+        _kind("model_size", self.model_size, str)
+        if self.profile_step is not None:
+            _kind("profile_step", self.profile_step, int)
+        if not self.out_dir.strip():
+            raise ConfigError("demo out_dir='': give a directory path")
         if self.steps < 2:
             raise ConfigError(
                 f"demo --steps={self.steps}: need >= 2 (the last step is redone after a checkpoint reload)"

@@ -30,7 +30,18 @@ import torch
 from underlay.interfaces import CheckpointError, InvalidInput
 from underlay.utils.safe_files import INDEX_FILE, SAFETENSORS_DTYPES
 
-__all__ = ["DEFAULT_EXPORT_BUFFER_BYTES", "StreamingShardWriter", "plan_shards"]
+__all__ = ["DEFAULT_EXPORT_BUFFER_BYTES", "StreamingShardWriter", "export_owned", "plan_shards"]
+
+_EXPORT_SUFFIXES = (".safetensors", ".json", ".model", ".jinja", ".tiktoken")
+_EXPORT_NAMES = frozenset({"merges.txt", "vocab.txt", "README.md"})
+
+
+def export_owned(name: str) -> bool:
+    """Whether a file named ``name`` in an export directory is of a kind an export writes (weights,
+    configs, tokenizer and processor files, peft's README): such a directory is replaced by the next
+    export; any other file (or a subdirectory) makes the export refuse the directory."""
+    return name.endswith(_EXPORT_SUFFIXES) or name in _EXPORT_NAMES
+
 
 DEFAULT_EXPORT_BUFFER_BYTES = 1 << 30
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}

@@ -187,6 +187,10 @@ class MetricReducer:
         )
         self._calls[key] += 1
 
+    def local(self) -> dict[str, torch.Tensor]:
+        """This rank's accumulated values before the reduction (device scalars, by metric name)."""
+        return dict(self._values)
+
     def reduce(self, group: Any, dp_size: int) -> dict[str, float]:
         """The reduced metrics over ``group`` (``None`` or ``dp_size == 1``: this rank alone), as
         Python floats, identical on every rank of the group. Collective: every rank of ``group`` calls

@@ -241,7 +241,9 @@ class WeightLoader(Protocol):
     ) -> Path | None:
         """Write ``config.json``, ``*.safetensors`` (+ index) and tokenizer files when the source had them,
         from rank 0 with memory bounded by one shard; loadable by ``transformers.from_pretrained``.
-        Collective; returns the directory on rank 0 and ``None`` elsewhere."""
+        Collective; returns the directory on rank 0 and ``None`` elsewhere. An ``out_dir`` that is an
+        existing file, lies under one, or holds files an export does not write is refused on every
+        rank before anything there changes (nothing of the user's is moved aside or deleted)."""
 
     def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
         """Write the LoRA adapters alone in peft's format (``adapter_model.safetensors`` +

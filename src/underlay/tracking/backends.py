@@ -14,6 +14,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 
 from underlay.interfaces import BackendUnavailable, InvalidInput
 from underlay.utils import env as _env
+from underlay.utils.safe_files import as_path, writable_directory
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -91,9 +92,14 @@ class JsonlBackend:
     ``null`` (JSON has no NaN/inf). The parent directory is created."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self.path = as_path(path, "JsonlBackend: path")
+        if self.path.is_dir():
+            raise InvalidInput(f"JsonlBackend: {self.path} is a directory; give the path of a .jsonl file")
+        writable_directory(self.path.parent, "JsonlBackend")
+        try:
+            self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise InvalidInput(f"JsonlBackend: cannot open {self.path} for appending ({exc})") from exc
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Write one JSON line."""
@@ -115,7 +121,10 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The rows a ``JsonlBackend`` wrote, in order. Raises ``InvalidInput`` naming the line when a
     line is not valid JSON (a truncated last line from a crash is skipped)."""
     rows: list[dict[str, Any]] = []
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    file = as_path(path, "read_jsonl: path")
+    if not file.is_file():
+        raise InvalidInput(f"read_jsonl: {file} is not a file (missing or a directory)")
+    lines = file.read_text(encoding="utf-8").splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -137,7 +146,9 @@ class TensorBoardBackend:
     def __init__(self, log_dir: str | Path) -> None:
         _import_optional("tensorboard", "tensorboard")
         tb = _import_optional("torch.utils.tensorboard", "tensorboard")
-        self.log_dir = Path(log_dir)
+        self.log_dir = writable_directory(
+            as_path(log_dir, "TensorBoardBackend: log_dir"), "TensorBoardBackend"
+        )
         self._writer: Any = tb.SummaryWriter(log_dir=str(self.log_dir))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -76,6 +77,16 @@ class Tracking:
             raise ConfigError(
                 f"Tracking(backends={backends!r}): pass a sequence of names, e.g. ({backends!r},)"
             )
+        if not isinstance(backends, Sequence):
+            raise ConfigError(f"Tracking(backends={backends!r}): pass a sequence of names, e.g. ('console',)")
+        if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir).strip():
+            raise ConfigError(f"Tracking(out_dir={out_dir!r}): give a directory path (str or pathlib.Path)")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ConfigError(
+                f"Tracking(rank={rank!r}): give an int >= 0 or None (rank 0 of the process group)"
+            )
+        if not isinstance(run_name, str):
+            raise ConfigError(f"Tracking(run_name={run_name!r}): give a str")
         if not run_name or run_name in (".", "..") or "/" in run_name or "\\" in run_name:
             raise ConfigError(
                 f"Tracking(run_name={run_name!r}): use a non-empty name without path separators"
@@ -158,6 +169,10 @@ class Tracking:
             raise InvalidInput("Tracking.log called after close(); create a new Tracking")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidInput(f"Tracking.log: step={step!r}; pass an int >= 0")
+        if not isinstance(metrics, Mapping):
+            raise InvalidInput(
+                f"Tracking.log: metrics={metrics!r:.60} is a {type(metrics).__name__}; pass a dict"
+            )
         clean: dict[str, float] = {}
         for k, v in metrics.items():
             if not isinstance(k, str) or not k:

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import torch
 
-from underlay.interfaces import CheckpointError
+from underlay.interfaces import CheckpointError, InvalidInput
 
 __all__ = [
     "DCP_METADATA_CLASSES",
@@ -43,6 +43,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "SafetensorsEntry",
     "abort_directory",
+    "as_path",
     "atomic_directory",
     "begin_directory",
     "commit_directory",
@@ -59,6 +60,7 @@ __all__ = [
     "restricted_load",
     "safetensors_files",
     "verify_manifest",
+    "writable_directory",
     "write_manifest",
 ]
 
@@ -254,6 +256,31 @@ def verify_manifest(
 # ------------------------------------------------------------------------------ atomic directories
 
 
+def as_path(value: object, what: str) -> Path:
+    """``value`` (a ``str`` or ``os.PathLike``, not empty) as a ``Path``; ``InvalidInput`` naming
+    ``what`` and the value otherwise."""
+    if isinstance(value, (str, os.PathLike)) and str(value).strip():
+        return Path(value)
+    raise InvalidInput(f"{what}={value!r}: give a non-empty directory or file path (str or pathlib.Path)")
+
+
+def writable_directory(path: Path, what: str) -> Path:
+    """Create directory ``path`` (and its parents) unless it exists; ``InvalidInput`` naming ``what``
+    when ``path`` or one of its parents is an existing file, or the directory cannot be created
+    (permissions, read-only file system). Nothing existing is changed."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            raise InvalidInput(
+                f"{what}: {p} is an existing file, not a directory; choose another path (the file is left as it is)"
+            )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInput(f"{what}: cannot create directory {path} ({exc}); choose a writable path") from exc
+    return path
+
+
 def _sibling(final: Path, tag: str) -> Path:
     return final.with_name(f"{final.name}.{tag}")
 
@@ -273,11 +300,31 @@ def recover_directory(final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def begin_directory(final: Path) -> Path:
+def begin_directory(final: Path, *, replaceable: Callable[[str], bool] | None = None) -> Path:
     """Recover ``final`` (``recover_directory``) and create a fresh empty sibling to build its new
-    contents in; finish with ``commit_directory`` or ``abort_directory``."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    contents in; finish with ``commit_directory`` or ``abort_directory``.
+
+    The swap replaces ``final`` whole, so it is refused (``InvalidInput`` naming the path and the fix,
+    before anything changes) when ``final`` is not a path, is an existing file (it would be moved
+    aside), lies under one, or, given ``replaceable`` (a test of entry names), is a directory holding
+    a subdirectory or a file ``replaceable`` does not accept (what the caller does not own is never
+    deleted)."""
+    final = as_path(final, "target directory")
+    if final.name in ("", ".", ".."):
+        raise InvalidInput(f"target directory {str(final)!r} has no name of its own; name a new directory")
+    if final.exists() and not final.is_dir():
+        raise InvalidInput(
+            f"{final} is an existing file, not a directory: writing there would move it aside; choose a "
+            "directory path (the file is left as it is)"
+        )
+    if replaceable is not None and final.is_dir():
+        foreign = sorted(c.name for c in final.iterdir() if c.is_dir() or not replaceable(c.name))
+        if foreign:
+            raise InvalidInput(
+                f"{final} holds {foreign[:5]}, which this write does not own and would delete when it "
+                "replaces the directory; choose an empty or new directory, or move them away"
+            )
+    writable_directory(final.parent, f"target directory {final}")
     recover_directory(final)
     tmp = _sibling(final, f"tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -303,11 +350,11 @@ def abort_directory(tmp: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
+def atomic_directory(final: Path, *, replaceable: Callable[[str], bool] | None = None) -> Iterator[Path]:
     """``begin_directory`` / ``commit_directory`` around a block: yields a fresh empty sibling of
     ``final`` that replaces ``final`` when the block completes; an exception in the block deletes it
-    and leaves ``final`` as it was."""
-    tmp = begin_directory(final)
+    and leaves ``final`` as it was. ``replaceable``: see ``begin_directory``."""
+    tmp = begin_directory(final, replaceable=replaceable)
     try:
         yield tmp
     except BaseException:

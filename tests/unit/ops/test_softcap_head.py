@@ -93,3 +93,27 @@ def test_gemma2_head_is_fused_and_exact() -> None:
             assert float((uncapped - logits).abs().max()) > 1.0
     tokens, vocab = int(mask.sum()), 4096
     assert abs(saved[30.0] - saved[None]) < tokens * vocab * 8 / 4, saved
+
+
+def test_memory_estimate_counts_the_head_of_every_vocabulary() -> None:
+    """``head_bytes`` (the head term of ``estimate_memory``) covers what the fused head saves for
+    backward, capped or not, at every vocabulary size, grows with the vocabulary, and at a Gemma-2-2B
+    shape stays far below the three fp32 ``[N, V]`` buffers the unfused soft-capped head saved."""
+    from underlay.engines.fsdp2.defaults import HEAD_CHUNK_BYTES, ModelShape, head_bytes
+
+    def shape(hidden: int, vocab: int) -> ModelShape:
+        return ModelShape(hidden, 2, 2, 1, 16, 64, vocab, 10, 10, 4, 2)
+
+    kernel = registry.get_logprob_kernel("torch")
+    n = 64
+    for hdim, v in ((32, 1000), (48, 7001), (16, 33_000)):
+        hidden = torch.randn(n, hdim, requires_grad=True)
+        weight = torch.randn(v, hdim, requires_grad=True)
+        labels = torch.randint(0, v, (n,))
+        per_token = head_bytes(shape(hdim, v), n) - HEAD_CHUNK_BYTES
+        for cap in (None, 30.0):
+            saved = _saved_bytes(lambda h=hidden, w=weight, y=labels, c=cap: kernel(h, w, y, softcap=c))
+            assert saved - v * hdim * 4 <= per_token, (hdim, v, cap, saved)  # the weight is a parameter
+    assert head_bytes(shape(32, 256_000), n) > head_bytes(shape(32, 32_000), n)
+    n, v = 16384, 256_000
+    assert head_bytes(shape(2304, v), n) < 3 * n * v * 4 / 10

@@ -35,6 +35,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
+from underlay.engines._core import (
+    EngineBase,
+    LiveState,
+    check_token_batch,
+    load_transaction,
+    report_nonfinite,
+)
 from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
 from underlay.engines.fsdp2 import _auto, _build
 from underlay.engines.fsdp2.act_offload import ActivationOffloader, install_activation_offload
@@ -78,7 +85,7 @@ _STATE_FILE = "engine_state.pt"
 _SIGNATURE_FILE = "engine_signature.json"
 
 
-class FSDP2Engine:
+class FSDP2Engine(EngineBase):
     """A model sharded with FSDP2 over the default process group, with AdamW and an LR schedule.
 
     Collective: every rank of the default process group constructs it (a single process without a
@@ -202,6 +209,7 @@ class FSDP2Engine:
         self._global_step = 0
         # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
         self._grads_pending = False
+        self._skip_next = False  # a non-finite loss or metric since the last optimizer step
         self._offloaded: dict[str, Any] = {}
         self._adapter_disabled = False
         self._logprob_kernel = self._pick_logprob_kernel()
@@ -293,16 +301,6 @@ class FSDP2Engine:
         return "fsdp2"
 
     @property
-    def config(self) -> EngineConfig:
-        """The configuration it was built from."""
-        return self._config
-
-    @property
-    def device(self) -> Device:
-        """The device it computes on."""
-        return self._device
-
-    @property
     def layout(self) -> ParallelLayout:
         """dp_replicate x dp_shard (Ulysses inside dp_shard); groups ``world``, ``dp`` = ``dp_cp`` (one
         rank per Ulysses group: distinct data), ``ulysses`` = ``mp`` (ranks sharing a data shard),
@@ -366,11 +364,6 @@ class FSDP2Engine:
         )
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        """Compute dtype of the parameters (``config.param_dtype``)."""
-        return self._param_dtype
-
-    @property
     def weight_map(self) -> WeightMap:
         """HF names of the parameters (``underlay.engines.fsdp2.weightmap``)."""
         return self._weight_map
@@ -389,47 +382,12 @@ class FSDP2Engine:
         """The AdamW optimizer over the trainable sharded parameters."""
         return self._optimizer
 
-    @property
-    def hf_config(self) -> Any:
-        """The ``transformers`` config of the model."""
-        return self._hf_config
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken (skipped ones included)."""
-        return self._global_step
-
     # --------------------------------------------------------------------------------- compute
 
     def _check_batch(self, batch: TokenBatch) -> TokenBatch:
-        ids, mask = batch.input_ids, batch.attention_mask
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
-        if batch.batch_size < 1:
-            raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
-        for name, m in (("attention_mask", mask), ("loss_mask", batch.loss_mask)):
-            if bool(((m != 0) & (m != 1)).any()):
-                raise InvalidInput(
-                    f"TokenBatch.{name} holds values other than 0/1 ({sorted(set(m[(m != 0) & (m != 1)].tolist()))[:5]}); "
-                    "masks select tokens, weight the loss in loss_fn instead"
-                )
-        if bool(((batch.loss_mask != 0) & (mask == 0)).any()):
-            rows = torch.nonzero(((batch.loss_mask != 0) & (mask == 0)).any(dim=1)).flatten().tolist()
-            raise InvalidInput(
-                f"TokenBatch.loss_mask marks padding (attention_mask 0) in rows {rows[:5]}; the loss "
-                "token count would include padding: set loss_mask = loss_mask * attention_mask"
-            )
-        lengths = mask.sum(dim=1)
-        if bool((lengths < 1).any()):
-            rows = torch.nonzero(lengths < 1).flatten().tolist()
-            raise InvalidInput(
-                f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
-            )
-        vocab = int(getattr(self._hf_config, "vocab_size", 0) or 0)
-        if (vocab and int(ids.max()) >= vocab) or int(ids.min()) < 0:
-            raise InvalidInput(
-                f"TokenBatch.input_ids out of range [0, {vocab}): min {int(ids.min())}, max {int(ids.max())}"
-            )
+        """``batch`` validated (``_core.check_token_batch``, then the vision inputs) and on the device;
+        ``InvalidInput`` before any state changes."""
+        check_token_batch(batch, int(getattr(self._hf_config, "vocab_size", 0) or 0))
         from underlay.models import check_vision_batch
 
         check_vision_batch(self._hf_config, batch)
@@ -559,6 +517,8 @@ class FSDP2Engine:
         if warm is not None:
             self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         metrics_out = reducer.reduce(dp_group, self._layout.dp)
+        if report_nonfinite("forward_backward", metrics_out, reducer.local(), self._torch_device):
+            self._skip_next = True
         return StepResult(metrics_out, len(plan), counts.global_tokens, counts.global_sequences)
 
     def _dummy_backward(self, batch: TokenBatch) -> None:
@@ -658,10 +618,13 @@ class FSDP2Engine:
         """Drop accumulated gradients (set to ``None``)."""
         self._optimizer.zero_grad(set_to_none=True)
         self._grads_pending = False
+        self._skip_next = False
 
     def optimizer_step(self) -> OptimizerStepResult:
         """Clip to ``optim.grad_clip`` by the global L2 norm over all shards, then step AdamW; a
-        non-finite norm skips the update. Gradients are zeroed in both cases; ``global_step`` grows."""
+        non-finite norm, or a non-finite loss/metric in a ``forward_backward`` since the last step or
+        ``zero_grad``, skips the update on every rank. Gradients are zeroed in both cases;
+        ``global_step`` grows."""
         self._ensure_onloaded("optimizer_step")
         params = [p for p in self._model.parameters() if p.requires_grad and p.grad is not None]
         lr = float(self._optimizer.param_groups[0]["lr"])
@@ -678,7 +641,8 @@ class FSDP2Engine:
             norm = float(norm_t.item())
         else:
             norm = 0.0
-        skipped = not math.isfinite(norm)
+        # a non-finite loss or metric since the last step (reported by forward_backward) skips too
+        skipped = not math.isfinite(norm) or self._skip_next
         if not skipped:
             self._optimizer.step()
         self.zero_grad()
@@ -691,12 +655,6 @@ class FSDP2Engine:
         return float(self._optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------ offloading
-
-    def _ensure_onloaded(self, what: str) -> None:
-        if self._offloaded:
-            raise InvalidInput(
-                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
-            )
 
     def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Move parameters, gradients and/or optimizer state to host memory and release the device
@@ -943,10 +901,14 @@ class FSDP2Engine:
         model_sd = _fresh(get_model_state_dict(self._model))
         optim_sd = _fresh(get_optimizer_state_dict(self._model, self._optimizer))
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        safe_dcp_load(state, directory)
-        set_model_state_dict(self._model, model_sd)
-        set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
-        self._scheduler.load_state_dict(scheduler_state)
+        live = LiveState(
+            [*self._model.parameters(), *_optim_params(self._optimizer)], [self._optimizer], [self._scheduler]
+        )
+        with load_transaction(f"load_checkpoint({directory})", live):
+            safe_dcp_load(state, directory)
+            set_model_state_dict(self._model, model_sd)
+            set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
+            self._scheduler.load_state_dict(scheduler_state)
         self._global_step = step
         self.zero_grad()
 

@@ -113,7 +113,7 @@ class FSDP2Options:
         ``"cpu"``), with the reason: ``{option: (value, reason)}`` (``underlay info`` prints it).
         ``reshard_after_forward``, ``optimizer_offload``, ``grad_sync`` and ``recompute="auto"`` depend
         on the model and the memory, so they are described, not valued."""
-        from underlay.engines.fsdp2.defaults import device_defaults
+        from underlay.engines.fsdp2._device_defaults import device_defaults
 
         d = device_defaults(device_type)
         memory = "memory policy at build (model size, micro_batch_max_tokens, device memory)"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, StreamingShardWriter
+from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, export_owned
 from underlay.engines._hf_load import (
     DEFAULT_LOAD_BUCKET_BYTES,
     LoadPlan,
@@ -25,7 +25,7 @@ from underlay.engines._hf_load import (
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
 from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
-from underlay.utils.safe_files import abort_directory, atomic_directory, begin_directory, commit_directory
+from underlay.utils.safe_files import as_path, atomic_directory
 
 __all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into"]
 
@@ -173,56 +173,17 @@ class FSDP2WeightLoader:
         whole (fsynced): ``out_dir`` holds the complete new export or what it held before. Collective;
         returns ``out_dir`` on rank 0, ``None`` elsewhere; ``CheckpointError`` on every rank when rank 0
         fails."""
-        eng = engine
-        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-            raise InvalidInput(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be an int >= 1")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise InvalidInput(
-                f"export_hf: dtype={dtype!r} is not a floating torch dtype; use torch.bfloat16, "
-                "torch.float16 or torch.float32 (or None for the engine's param_dtype)"
-            )
-        out = Path(out_dir)
-        dtype = dtype or eng.param_dtype
-        # rank 0 builds the export in a fresh sibling directory and swaps it in whole: an earlier
-        # export there (other sharding, other files) is replaced, never mixed with the new one
-        rank0 = current_rank() == 0
-        error: BaseException | None = None
-        tmp: Path | None = None
-        writer: StreamingShardWriter | None = None
-        if rank0:
-            try:
-                tmp = begin_directory(out)
-                entries = [
-                    (hf, shape) for rule in eng.weight_map.rules for hf, shape in rule.hf_shapes().items()
-                ]
-                writer = StreamingShardWriter(tmp, entries, dtype, max_shard_bytes, self._export_buffer_bytes)
-            except Exception as exc:
-                error = exc
-        for name, full in self.iter_hf_tensors(eng):  # collective: every rank iterates to the end
-            if writer is not None and error is None:
-                try:
-                    writer.add(name, full.to(dtype).cpu())
-                except Exception as exc:
-                    error = exc
-            del full
-        if writer is not None and tmp is not None:
-            try:
-                if error is None:
-                    writer.finish()
-                    self._write_config(eng, tmp)
-                    commit_directory(tmp, out)
-            except Exception as exc:
-                error = exc
-            finally:
-                writer.close()
-            if error is not None:
-                abort_directory(tmp)
-        elif tmp is not None:
-            abort_directory(tmp)
-        agree(
-            error is None, describe(error), what=f"export_hf({out})", error_type=CheckpointError, cause=error
+        from underlay.engines._core import export_hf_atomic
+
+        return export_hf_atomic(
+            engine,
+            out_dir,
+            self.iter_hf_tensors(engine),
+            lambda tmp: self._write_config(engine, tmp),
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            buffer_bytes=self._export_buffer_bytes,
         )
-        return out if rank0 else None
 
     def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
         """Rank 0 writes the LoRA adapters alone in peft's format (``adapter_model.safetensors`` +
@@ -234,12 +195,12 @@ class FSDP2WeightLoader:
         peft_config = getattr(eng.model, "peft_config", None)
         if not peft_config:
             raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
+        out = as_path(out_dir, "export_adapters: out_dir")
         tensors = {n: t.cpu().contiguous() for n, t in eng.named_adapter_tensors()}
-        out = Path(out_dir)
         error: BaseException | None = None
         if current_rank() == 0:
             try:
-                with atomic_directory(out) as tmp:
+                with atomic_directory(out, replaceable=export_owned) as tmp:
                     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
                     peft_config["default"].save_pretrained(str(tmp))
             except Exception as exc:

@@ -649,6 +649,9 @@ def transformer_config_kwargs(
             )
     if arch.is_mla:
         kw.update(
+            # DeepSeek's q_a / kv_a layernorms are MLA's q/kv norms: megatron-core >= 0.17 builds the
+            # spec's norms only with qk_layernorm on (and refuses them otherwise); 0.16 ignores the flag
+            qk_layernorm=True,
             q_lora_rank=arch.q_lora_rank or None,
             kv_lora_rank=arch.kv_lora_rank,
             qk_head_dim=arch.head_dim,

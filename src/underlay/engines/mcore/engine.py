@@ -43,8 +43,17 @@ import torch
 import torch.distributed as dist
 
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
+from underlay.engines._core import (
+    EngineBase,
+    LiveState,
+    check_token_batch,
+    load_transaction,
+    report_nonfinite,
+)
 from underlay.engines._inductor import inductor_ok
 from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
+from underlay.engines.mcore._chunks import torch_optimizers as _torch_optimizers
+from underlay.engines.mcore._chunks import unwrap as _unwrap
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
@@ -104,7 +113,7 @@ class _MicroBatch:
     cp: CPSplit | None = None  # context parallelism: how this rank's tokens map to the micro-batch
 
 
-class MCoreEngine:
+class MCoreEngine(EngineBase):
     """A Hugging Face causal LM (or, with ``ModelConfig.kind="value"``, its token-classification value
     model: ``layers.ValueHead`` in place of the output layer) as megatron-core ``GPTModel`` chunks with
     DDP and megatron's optimizer.
@@ -261,6 +270,9 @@ class MCoreEngine:
         self._build_weight_map()
         self._build_optimizer()
         self._global_step = 0
+        self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
+        self._skip_next = False  # a non-finite loss or metric since the last optimizer step
+        self._masters_stale = False  # parameters written outside the optimizer (see _sync_master_params)
         self._offloaded: dict[str, Any] = {}
         from underlay.registry import get_logprob_kernel
 
@@ -422,6 +434,7 @@ class MCoreEngine:
                     )
                 with torch.no_grad():
                     param.copy_(piece.to(param.dtype))
+                self._masters_stale = True
                 loaded += 1
         return loaded, missing
 
@@ -470,7 +483,12 @@ class MCoreEngine:
             )
             for i, c in enumerate(chunks)
         ]
-        self._tf_config.finalize_model_grads_func = finalize_model_grads
+        # megatron's schedule would call finalize_model_grads at the end of every forward_backward: it
+        # reduces (DP, TP-duplicated norms, tied embeddings) the WHOLE grad buffer, so a second call
+        # before the optimizer step would reduce the first call's already reduced gradients again.
+        # The engine reduces once per optimizer step instead (``finalize_grads``).
+        self._tf_config.finalize_model_grads_func = None
+        self._finalize_model_grads = finalize_model_grads
         self._tf_config.no_sync_func = (
             [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
         )
@@ -517,16 +535,6 @@ class MCoreEngine:
         return "mcore"
 
     @property
-    def config(self) -> EngineConfig:
-        """The configuration it was built from."""
-        return self._config
-
-    @property
-    def device(self) -> Device:
-        """The device it computes on."""
-        return self._device
-
-    @property
     def layout(self) -> ParallelLayout:
         """dp x tp x pp (x cp); groups ``world``, ``dp``, ``dp_cp``, ``tp``, ``pp``, ``ep``."""
         return self._layout
@@ -535,16 +543,6 @@ class MCoreEngine:
     def model(self) -> torch.nn.Module:
         """A ``ModuleList`` of this rank's DDP-wrapped pipeline chunks."""
         return torch.nn.ModuleList(self._chunks)
-
-    @property
-    def hf_config(self) -> Any:
-        """The ``transformers`` config of the model."""
-        return self._hf_config
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        """The parameters' compute dtype (``config.param_dtype``)."""
-        return self._param_dtype
 
     @property
     def arch(self) -> MCoreArch:
@@ -556,11 +554,6 @@ class MCoreEngine:
         """This rank's DDP-wrapped pipeline chunks (one per virtual stage)."""
         return self._chunks
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken (skipped ones included)."""
-        return self._global_step
-
     # --------------------------------------------------------------------------------- compute
 
     def _check_batch(self, batch: TokenBatch) -> TokenBatch:
@@ -570,11 +563,6 @@ class MCoreEngine:
         validated, planned and packed without any device->host synchronisation; a batch given on the
         device is copied to the host once here (one synchronisation instead of one per check and per
         micro-batch). ``InvalidInput`` before any state changes."""
-        ids = batch.input_ids
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")
-        if batch.batch_size < 1:
-            raise InvalidInput("TokenBatch is empty (B=0); give this rank at least one sequence")
         if batch.has_vision:
             raise InvalidInput(
                 "TokenBatch carries images/videos but the mcore engine runs text decoders only; train "
@@ -582,17 +570,7 @@ class MCoreEngine:
             )
         tensors = [batch.input_ids, batch.attention_mask, batch.loss_mask, *batch.extras.values()]
         host = batch if all(t.device.type == "cpu" for t in tensors) else batch.to(torch.device("cpu"))
-        ids, mask = host.input_ids, host.attention_mask
-        lengths = mask.sum(dim=1)
-        if bool((lengths < 1).any()):
-            rows = torch.nonzero(lengths < 1).flatten().tolist()
-            raise InvalidInput(
-                f"TokenBatch rows {rows} have no tokens in attention_mask; drop empty sequences"
-            )
-        vocab = self._arch.vocab
-        low, high = int(ids.min()), int(ids.max())
-        if high >= vocab or low < 0:
-            raise InvalidInput(f"TokenBatch.input_ids out of range [0, {vocab}): min {low}, max {high}")
+        check_token_batch(host, self._arch.vocab)
         return host
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -856,8 +834,8 @@ class MCoreEngine:
         per-token outputs (``TokenOutputs``: log-probs and entropy, or ``values`` for a value model)
         go to ``loss_fn`` with its ``LossContext`` (``engines._loss``; every CP rank gets the whole
         micro-batch and the same context). Gradients sum over micro-batches and dp x cp: megatron's
-        per-token-loss mode sums in its DDP, and every micro-batch reports 0 tokens so that
-        ``finalize_model_grads`` does not rescale. Metrics reduce as declared over dp on the last
+        per-token-loss mode sums in its DDP; the reduction (``finalize_grads``) runs once per optimizer
+        step, so several calls accumulate like one call over their concatenated micro-batches. Metrics reduce as declared over dp on the last
         stage and are broadcast over the pipeline so every rank returns the same ``StepResult``.
         ``InvalidInput`` on a malformed batch or ``loss_fn`` before any compute.
 
@@ -869,6 +847,11 @@ class MCoreEngine:
         check_loss_fn(loss_fn)
         host = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
+        if self._grads == "reduced":
+            raise InvalidInput(
+                "forward_backward: the accumulated gradients were already reduced over the ranks "
+                "(finalize_grads); call optimizer_step or zero_grad before the next forward_backward"
+            )
         dp_group = self._pg["dp"] if self._layout.dp > 1 else None
         counts = count_loss(host.loss_mask, dp_group, self._layout.dp, self._torch_device)
         plan = self._plan(host)
@@ -892,8 +875,11 @@ class MCoreEngine:
 
         for c in self._chunks:
             c.train()
+        self._grads = "local"
         self._run_schedule(mbs, loss_func, forward_only=False)
         metrics = self._share_metrics(reducer, dp_group, ps.is_pipeline_last_stage(ignore_virtual=True))
+        if report_nonfinite("forward_backward", metrics, reducer.local(), self._torch_device):
+            self._skip_next = True
         return StepResult(metrics, len(plan), counts.global_tokens, counts.global_sequences)
 
     def _share_metrics(self, reducer: MetricReducer, dp_group: Any, last: bool) -> dict[str, float]:
@@ -950,11 +936,35 @@ class MCoreEngine:
             return TokenOutputs(None, None, main)
         return TokenOutputs(main, ent, None)
 
+    def finalize_grads(self) -> None:
+        """Reduce the gradients accumulated since the last ``zero_grad`` once: megatron's
+        ``finalize_model_grads`` (data-parallel all-reduce or reduce-scatter, TP all-reduce of the
+        replicated norm weights, tied-embedding sync over the pipeline). ``optimizer_step`` calls it;
+        call it yourself only to read ``main_grad``; a ``forward_backward`` after it and before
+        ``optimizer_step``/``zero_grad`` raises ``InvalidInput`` (its gradients would be reduced
+        twice). Idempotent. Collective."""
+        if self._grads == "local":
+            self._finalize_model_grads(self._chunks, num_tokens=None)
+        if self._grads != "clean":
+            self._grads = "reduced"
+
     def zero_grad(self) -> None:
         """Drop accumulated gradients (megatron's grad buffers are zeroed)."""
         for c in self._chunks:
             c.zero_grad_buffer()  # type: ignore[operator]
         self._optimizer.zero_grad()
+        self._grads = "clean"
+        self._skip_next = False
+
+    def _sync_master_params(self) -> None:
+        """Copy the model parameters into the optimizer's fp32 master copies when something wrote the
+        parameters outside the optimizer (``load_tensors``, ``copy_full_parameter``): with bf16/fp16
+        parameters megatron's optimizer steps its masters and copies them back, so a load it missed
+        would be undone by the next step. No-op for fp32 parameters (no masters) and when clean."""
+        if self._masters_stale:
+            with torch.no_grad():
+                self._optimizer.reload_model_params()
+            self._masters_stale = False
 
     def optimizer_step(self) -> OptimizerStepResult:
         """Global grad norm over all shards (TP, PP, DP, EP); a non-finite norm skips the update
@@ -967,9 +977,12 @@ class MCoreEngine:
         self._ensure_onloaded("optimizer_step")
         opt = self._optimizer
         lr = float(_torch_optimizers(opt)[0].param_groups[0]["lr"])
+        self._sync_master_params()
+        self.finalize_grads()
         opt.prepare_grads()
         norm = _grad_norm(opt, self._torch_device)
-        skipped = not math.isfinite(norm)
+        skipped = not math.isfinite(norm) or self._skip_next
+        self._skip_next = False
         if not skipped:
             clip = self._config.optim.grad_clip
             if clip is not None and clip > 0:
@@ -986,12 +999,6 @@ class MCoreEngine:
         return float(_torch_optimizers(self._optimizer)[0].param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------ offloading
-
-    def _ensure_onloaded(self, what: str) -> None:
-        if self._offloaded:
-            raise InvalidInput(
-                f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
-            )
 
     def _param_tensors(self) -> list[torch.Tensor]:
         return [p for c in self._chunks for p in c.parameters()]
@@ -1173,6 +1180,7 @@ class MCoreEngine:
             param = _named_tensors(self._chunks[chunk])[local_name]
             with torch.no_grad():
                 param.copy_(piece.to(param.device, param.dtype))
+            self._masters_stale = True
             written += param.numel() * param.element_size()
         return written
 
@@ -1262,6 +1270,7 @@ class MCoreEngine:
         # CPU (gloo) runs, so the host-device case writes from the rank's own process
         threads = 2 if self._device.is_accelerator else 1
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+        self._sync_master_params()
         self._init_optimizer_state()
         state = self._model_state_for_ckpt()
         state["optimizer"] = self._optimizer_sharded_state(state, is_loading=False)
@@ -1270,6 +1279,7 @@ class MCoreEngine:
             "global_step": self._global_step,
             "schedulers": [s.state_dict() for s in self._schedulers],
             "layout": self._layout_key(),
+            "distributed_optimizer": bool(self._opts.distributed_optimizer),
         }
         torch.save(extra, directory / f"rank{current_rank()}_{_STATE_FILE}")
         if current_rank() == 0:
@@ -1306,6 +1316,31 @@ class MCoreEngine:
     def _model_state_for_ckpt(self) -> dict[str, Any]:
         return self._sharded_state()
 
+    def _refuse_layout(self, directory: Path, extra: Mapping[str, Any]) -> None:
+        """``CheckpointError`` for a saved layout that this engine cannot resume exactly, before any
+        state changes. Every TP/PP/VPP/DP/CP change resumes exactly (megatron's ``fully_reshardable``
+        optimizer format and sharded model tensors). Another ``distributed_optimizer`` setting is
+        refused (megatron's formats differ). A MoE model saved at another expert-parallel
+        size is refused: megatron keeps the experts in an optimizer of their own only when ep > 1 (its
+        ``chained_0``/``chained_1`` state), so the optimizer state does not map across."""
+        saved = list(extra.get("layout", []))
+        mine = bool(self._opts.distributed_optimizer)
+        if extra.get("distributed_optimizer", mine) != mine:
+            raise CheckpointError(
+                f"load_checkpoint({directory}): saved with distributed_optimizer="
+                f"{not mine}, this engine has {mine}: megatron's two optimizers store their state in "
+                "formats that do not load into each other; resume with the saving run's setting, or start "
+                "from the weights (export_hf, then load_hf) with a fresh optimizer"
+            )
+        if self._arch.is_moe and len(saved) == 7 and (saved[5] > 1) != (self._layout.ep > 1):
+            raise CheckpointError(
+                f"load_checkpoint({directory}): saved with expert parallelism ep={saved[5]}, this engine "
+                f"has ep={self._layout.ep}: megatron's optimizer keeps experts apart only when ep > 1, "
+                "so their optimizer state cannot be resumed across; resume with "
+                f"{'ep > 1' if saved[5] > 1 else 'ep=1'}, or start from the weights (export_hf, then "
+                "load_hf) with a fresh optimizer"
+            )
+
     def _layout_key(self) -> list[int]:
         lay = self._layout
         return [lay.world_size, lay.tp, lay.pp, self._layout.vpp, lay.cp, lay.ep, self._layout.etp]
@@ -1336,32 +1371,59 @@ class MCoreEngine:
         directory = Path(directory)
         self.check_signature(directory)
         self._ensure_onloaded("load_checkpoint")
-        extra_path = directory / f"rank{current_rank()}_{_STATE_FILE}"
-        extra = torch.load(extra_path, weights_only=False) if extra_path.is_file() else None
-        if extra is None:
-            extra = torch.load(directory / f"rank0_{_STATE_FILE}", weights_only=False)
-        self._init_optimizer_state()
-        state = self._model_state_for_ckpt()
-        state["optimizer"] = self._optimizer_sharded_state(state, is_loading=True)
-        loaded = dist_checkpointing.load(state, str(directory / "model"))
-        for i, c in enumerate(self._chunks):
-            key = f"model{i}" if len(self._chunks) > 1 else "model"
-            _unwrap(c).load_state_dict(loaded[key], strict=False)
-        # with fp32 parameters megatron's "main" params are the model params themselves (leaves that
-        # require grad): its in-place copies of the loaded state must not be recorded by autograd
-        with torch.no_grad(), _step_kept_aside(self._optimizer):
-            self._optimizer.load_state_dict(loaded["optimizer"])
-        # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE tensor
-        # shared by every parameter's state; torch's foreach Adam increments each in place, so a shared
-        # tensor would advance once per parameter per step: give each state its own copy
-        for o in _torch_optimizers(self._optimizer):
-            for st in o.state.values():
-                if "step" in st:
-                    st["step"] = st["step"].clone()
-        for s, st in zip(self._schedulers, extra["schedulers"]):
-            s.load_state_dict(st)
+        extra = self._read_engine_state(directory)
+        live = LiveState(
+            [*self._param_tensors(), *self._optim_tensors()],
+            _torch_optimizers(self._optimizer),
+            self._schedulers,
+        )
+        # every phase writes live tensors in place (megatron loads into the parameters' own storage):
+        # a failure anywhere puts everything back and raises CheckpointError
+        with load_transaction(f"load_checkpoint({directory})", live):
+            self._init_optimizer_state()
+            state = self._model_state_for_ckpt()
+            state["optimizer"] = self._optimizer_sharded_state(state, is_loading=True)
+            loaded = dist_checkpointing.load(state, str(directory / "model"))
+            for i, c in enumerate(self._chunks):
+                key = f"model{i}" if len(self._chunks) > 1 else "model"
+                _unwrap(c).load_state_dict(loaded[key], strict=False)
+            # with fp32 parameters megatron's "main" params are the model params themselves (leaves
+            # that require grad): its in-place copies of the loaded state must not be recorded by autograd
+            with torch.no_grad(), _step_kept_aside(self._optimizer):
+                self._optimizer.load_state_dict(loaded["optimizer"])
+            # megatron's distributed optimizer (without apex/TE) restores torch Adam's "step" as ONE
+            # tensor shared by every parameter's state; torch's foreach Adam increments each in place,
+            # so a shared tensor would advance once per parameter per step: give each its own copy
+            for o in _torch_optimizers(self._optimizer):
+                for st in o.state.values():
+                    if "step" in st:
+                        st["step"] = st["step"].clone()
+            for s, st in zip(self._schedulers, extra["schedulers"]):
+                s.load_state_dict(st)
         self._global_step = int(extra["global_step"])
+        self._masters_stale = False
         self.zero_grad()
+
+    def _read_engine_state(self, directory: Path) -> dict[str, Any]:
+        """This rank's ``engine_state.pt`` (rank 0's when the saving world was smaller), checked:
+        ``CheckpointError`` for an unreadable file, a malformed content, or a layout this engine
+        cannot resume exactly (``_refuse_layout``). Changes nothing."""
+        path = directory / f"rank{current_rank()}_{_STATE_FILE}"
+        if not path.is_file():
+            path = directory / f"rank0_{_STATE_FILE}"
+        try:
+            extra = torch.load(path, weights_only=False)
+            step = extra["global_step"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"global_step={step!r} is not an int >= 0")
+            if len(extra["schedulers"]) != len(self._schedulers):
+                raise ValueError(
+                    f"{len(extra['schedulers'])} LR schedules saved, this engine has {len(self._schedulers)}"
+                )
+        except Exception as exc:
+            raise CheckpointError(f"{path}: unreadable engine state ({type(exc).__name__}: {exc})") from exc
+        self._refuse_layout(directory, extra)
+        return dict(extra)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -1458,18 +1520,6 @@ def _named_tensors(chunk: Any) -> dict[str, torch.Tensor]:
     that checkpoints hold (glm4_moe's routing bias is the router's ``expert_bias`` buffer)."""
     inner = _unwrap(chunk)
     return {**dict(inner.named_buffers()), **dict(inner.named_parameters())}
-
-
-def _unwrap(module: Any) -> Any:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
-def _torch_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
-    if hasattr(opt, "chained_optimizers"):
-        return [o.optimizer for o in opt.chained_optimizers]
-    return [opt.optimizer]
 
 
 def _grad_norm(opt: Any, device: torch.device) -> float:

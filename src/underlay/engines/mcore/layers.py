@@ -480,8 +480,9 @@ def block_spec(
                 "windows": arch.windows,
             },
         )
-        if arch.is_mla:  # q_a_layernorm (with a q LoRA rank) and kv_a_layernorm
-            att.q_layernorm = norm
+        if arch.is_mla:  # q_a_layernorm (only with a q LoRA rank) and kv_a_layernorm
+            if arch.q_lora_rank:
+                att.q_layernorm = norm
             att.kv_layernorm = norm
             sub.self_attention.module = _mla_class()
         elif arch.qk_norm:

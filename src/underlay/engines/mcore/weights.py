@@ -8,8 +8,8 @@ rank 0 writes shards of at most ``max_shard_bytes``.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
-from underlay.parallel.rank import current_rank
 
 __all__ = ["MCoreWeightLoader", "SafetensorsReader"]
 
@@ -138,7 +137,7 @@ class MCoreWeightLoader:
                         f"{n}: shape mismatch: {stored} in the files != {shapes[n]} of the model config; load a "
                         "checkpoint of this architecture"
                     )
-            from underlay.engines.mcore.engine import _unwrap
+            from underlay.engines.mcore._chunks import unwrap as _unwrap
 
             eng.load_tensors([_unwrap(c) for c in eng.chunks], reader.get)
             # HF tensors of the files the model consumed (over all ranks: every rank reads its shards)
@@ -159,39 +158,19 @@ class MCoreWeightLoader:
         dtype: torch.dtype | None = None,
         max_shard_bytes: int = 5 << 30,
     ) -> Path | None:
-        """Write ``config.json``, ``model*.safetensors`` (+ index) and the source's tokenizer files from
-        rank 0; loadable by ``transformers.from_pretrained``. Collective; the directory on rank 0."""
-        from safetensors.torch import save_file
+        """Write ``config.json``, ``model-XXXXX-of-YYYYY.safetensors`` shards (+ index) in ``dtype``
+        (default ``param_dtype``) and the source's tokenizer files from rank 0, loadable by
+        ``transformers.from_pretrained``, through the shared writer (``engines._core.export_hf_atomic``):
+        built in a fresh sibling directory and swapped in whole, so ``out_dir`` holds the complete new
+        export or what it held before. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere;
+        ``CheckpointError`` on every rank when rank 0 fails."""
+        from underlay.engines._core import export_hf_atomic
+        from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES
 
         eng = _engine(engine)
-        rank0 = current_rank() == 0
-        out = Path(out_dir)
-        if rank0:
-            out.mkdir(parents=True, exist_ok=True)
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in eng.named_full_tensors():
-            if not rank0:
-                continue
-            t = t.detach().to("cpu", dtype or torch.float32).contiguous()
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t.clone()
-            size += nbytes
-        if rank0:
-            n = len(shards)
-            index: dict[str, str] = {}
-            for i, shard in enumerate(shards):
-                fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                save_file(shard, str(out / fname), metadata={"format": "pt"})
-                index.update({k: fname for k in shard})
-            if n > 1:
-                (out / "model.safetensors.index.json").write_text(
-                    json.dumps({"metadata": {}, "weight_map": index}, indent=1)
-                )
-            cfg = eng.hf_config
+
+        def write_config(out: Path) -> None:
+            cfg = copy.deepcopy(eng.hf_config)  # the engine's config stays as built
             if dtype is not None:
                 cfg.torch_dtype = dtype
             cfg.save_pretrained(str(out))
@@ -199,9 +178,17 @@ class MCoreWeightLoader:
             if src is not None:
                 for f in _TOKENIZER_FILES:
                     if (Path(src) / f).is_file():
-                        shutil.copy(Path(src) / f, out / f)
-        dist.barrier()
-        return out if rank0 else None
+                        shutil.copyfile(Path(src) / f, out / f)
+
+        return export_hf_atomic(
+            eng,
+            out_dir,
+            eng.named_full_tensors(),
+            write_config,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            buffer_bytes=DEFAULT_EXPORT_BUFFER_BYTES,
+        )
 
     def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
         """The mcore engine has no LoRA adapters: always ``InvalidInput``."""

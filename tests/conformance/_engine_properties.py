@@ -1,0 +1,433 @@
+"""Training properties that every engine must have, as functions any engine's test package runs with its
+own launcher (see ``_engine_contract``), each against a float64 single-process reference.
+
+One process group runs a whole list of layouts (``Layout``) in turn, so an engine pays one start-up for
+all of them. The layouts form a chain: the first engine starts from the seed, every later one resumes
+the previous layout's checkpoint, and each takes one optimizer step over TWO ``forward_backward``
+calls, so one pass checks at every layout:
+
+- ``accum_*``: gradient accumulation over two calls equals the reference's gradient of the sum of the
+  two calls' losses (grad norm, and weights after the clipped AdamW step);
+- ``resume``: resuming the previous layout's checkpoint continues exactly like the uninterrupted
+  reference run, or is refused with ``CheckpointError`` (``refused``) and the live parameters and
+  optimizer state are bit-identical to before the call (``refused_changed``; the chain then restarts
+  from the reference state through ``load_hf`` and a fresh optimizer, see ``job_properties``);
+- ``nonfinite_*``: a loss that is NaN on the last rank only makes ``optimizer_step`` skip on every
+  rank, logs a warning on every rank naming that rank and the metric, and changes no parameter;
+- ``low_*`` (layouts with ``low_precision``): an engine built in ``param_dtype="bfloat16"``, after
+  ``load_hf`` of another model and one step, holds the loaded weights moved by at most one step (its
+  fp32 master copies follow the load), never the seed's.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.conformance._engine_contract import _ctx, _dp_coords, _hf_state
+from tests.distributed import _fsdp_helpers as H
+from underlay.interfaces import CheckpointError, LossContext, ParallelConfig, TokenBatch
+
+__all__ = ["Layout", "chains", "check_properties", "job_properties", "tiny_config"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One engine layout of a chain: ``parallel`` sizes (``ParallelConfig`` keywords), engine
+    ``options``, and whether it also runs the bfloat16 ``load_hf`` property."""
+
+    name: str
+    parallel: Mapping[str, int] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
+    low_precision: bool = False
+    refuses: bool = False  # resuming the previous layout's checkpoint must be refused (CheckpointError)
+
+
+def chains(engine: str, world: int) -> dict[str, list[Layout]]:
+    """The layout chains each engine runs at ``world`` ranks, by model (``"dense"``/``"moe"``): every
+    layout of the engine the ranks can hold, each resuming the previous one's checkpoint."""
+    if engine == "mcore" and world == 2:
+        return {
+            # dp2 -> tp2 (sequence parallel) -> pp2 -> the plain optimizer (refused: other format)
+            "dense": [
+                Layout("dp2", low_precision=True),
+                Layout("tp2-sp", {"tp": 2}, {"sequence_parallel": True}),
+                Layout("pp2", {"pp": 2}),
+                Layout("dp2-plain-optimizer", options={"distributed_optimizer": False}, refuses=True),
+            ],
+            # ep2 -> ep1 (refused: the experts' optimizer state does not map across)
+            "moe": [Layout("ep2", {"ep": 2}), Layout("ep1-dp2", refuses=True)],
+        }
+    if engine == "mcore":
+        return {"dense": [Layout("single", low_precision=True)]}
+    if world == 1:  # resuming is proved at 2 ranks; one layout keeps the single-rank run short
+        return {"dense": [Layout("dp1", low_precision=True)]}
+    return {"dense": [Layout(f"dp{world}", low_precision=True), Layout(f"dp{world}-resumed")]}
+
+
+def tiny_config(model: str) -> Any:
+    """A 4-layer tiny Qwen3 (``"dense"``: q/k norms, GQA) or Qwen3-MoE (``"moe"``: 4 experts, top-2);
+    4 layers so that pp=2 x vpp=2 has a layer per virtual stage."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common: dict[str, Any] = dict(
+        vocab_size=H.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    if model == "moe":
+        return Qwen3MoeConfig(
+            **common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
+        )
+    return Qwen3Config(**common)
+
+
+def _hf_named(model: Any, moe: bool) -> dict[str, torch.Tensor]:
+    weights = H.merged_weights(model)
+    if moe:
+        from underlay.engines.mcore._hf import per_expert_names
+
+        weights = per_expert_names(weights)
+    return weights
+
+
+class _Reference:
+    """The uninterrupted float64 run: the seed model and a torch AdamW with the engine's settings;
+    ``step`` takes one clipped step over the sum of the given batches' token-mean losses (each call's
+    contribution under loss contract v3: k calls sum their contributions)."""
+
+    def __init__(self, hf: Any, cfg: Any, seed: int, moe: bool) -> None:
+        self.model = H.reference_model(copy.deepcopy(hf), seed)
+        self.cfg = cfg
+        self.moe = moe
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+
+    def step(self, batches: list[TokenBatch]) -> tuple[float, dict[str, torch.Tensor]]:
+        self.opt.zero_grad()
+        total = torch.zeros((), dtype=torch.float64)
+        for b in batches:
+            loss, _ = H.pg_loss(H.reference_outputs(self.model, b), b, LossContext.single(b.loss_mask))
+            total = total + loss
+        total.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or math.inf))
+        self.opt.step()
+        return norm, self.weights()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _hf_named(self.model, self.moe)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _nan_on_last_dp_rank(dp_rank: int, dp_size: int) -> Callable[..., Any]:
+    """``H.pg_loss``, NaN on the last data-parallel rank (model-parallel peers compute one loss)."""
+
+    def loss_fn(outputs: Any, batch: TokenBatch, ctx: LossContext) -> Any:
+        loss_sum, metrics = H.pg_loss(outputs, batch, ctx)
+        if dp_rank == dp_size - 1:
+            loss_sum = loss_sum * float("nan")
+        return loss_sum, metrics
+
+    return loss_fn
+
+
+def _optim_state(engine: Any) -> list[torch.Tensor]:
+    """Every tensor of the engine's optimizer state that a load may change (for the unchanged check)."""
+    opt = getattr(engine, "optimizer", None) or engine._optimizer
+    inner = [o.optimizer for o in opt.chained_optimizers] if hasattr(opt, "chained_optimizers") else None
+    if inner is None:
+        inner = [opt.optimizer] if hasattr(opt, "optimizer") else [opt]
+    out = []
+    for o in inner:
+        for group in o.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().clone())
+                for v in o.state.get(p, {}).values():
+                    if torch.is_tensor(v):
+                        out.append(v.detach().clone())
+    return out
+
+
+def _teardown(name: str) -> None:
+    if name == "mcore":
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+def job_properties(
+    rank: int, world: int, name: str, root: str, dev_name: str, model: str, layouts: list[Layout]
+) -> list[dict[str, Any]]:
+    """Every rank: the chain of ``layouts`` (see the module docstring); one result dict per layout.
+    ``root`` holds the checkpoints (``root/ckpt<i>``) and the other model's HF files."""
+    import dataclasses
+
+    moe = model == "moe"
+    hf = tiny_config(model)
+    _dev, build, loader = _ctx(name, dev_name)
+    base = H.engine_config(copy.deepcopy(hf))
+    ref = _Reference(hf, base, 0, moe)
+    other_dir = Path(root) / "other_hf"
+    if rank == 0 and not other_dir.exists():
+        H.reference_model(copy.deepcopy(hf), 7).float().save_pretrained(str(other_dir))
+    dist.barrier()
+    handler = _Records()
+    logging.getLogger("underlay").addHandler(handler)
+    results: list[dict[str, Any]] = []
+    previous: Path | None = None
+    for i, lay in enumerate(layouts):
+        out: dict[str, Any] = {"rank": rank, "layout": lay.name, "refuses": lay.refuses}
+        cfg = dataclasses.replace(
+            base,
+            model=dataclasses.replace(base.model, seed=100 + i),  # never the reference's seed
+            parallel=ParallelConfig(**lay.parallel),
+            options=dict(lay.options),
+        )
+        engine = build(cfg)
+        dpi, dps = _dp_coords(engine)
+        if previous is None:
+            loader.load_hf(engine, _export_reference(ref, Path(root) / "ref0", rank))
+            fresh_optimizer = True
+        else:
+            before_w = _hf_state(loader, engine)
+            before_o = _optim_state(engine)
+            try:
+                engine.load_checkpoint(previous)
+                out["resume"] = "loaded"
+                fresh_optimizer = False
+            except CheckpointError as exc:
+                out["resume"] = f"refused: {exc}"
+                after_o = _optim_state(engine)
+                out["refused_changed"] = max(
+                    H.max_diff(_hf_state(loader, engine), before_w),
+                    max(
+                        (float((a - b).abs().max()) for a, b in zip(after_o, before_o) if a.numel()),
+                        default=0.0,
+                    )
+                    if len(after_o) == len(before_o)
+                    else math.inf,
+                )
+                # the chain goes on from the reference state with a fresh optimizer on both sides
+                ref.opt = torch.optim.AdamW(
+                    ref.params,
+                    lr=ref.cfg.optim.lr,
+                    betas=ref.cfg.optim.betas,
+                    eps=ref.cfg.optim.eps,
+                    weight_decay=ref.cfg.optim.weight_decay,
+                )
+                loader.load_hf(engine, _export_reference(ref, Path(root) / f"ref{i}", rank))
+                fresh_optimizer = True
+        out["fresh_optimizer"] = fresh_optimizer
+        # gradient accumulation: two calls, one step, against the reference's step over both losses
+        b1, b2 = H.global_batch(30 + 2 * i), H.global_batch(31 + 2 * i, n=4)
+        engine.forward_backward(H.shard(b1, dpi, dps), H.pg_loss)
+        engine.forward_backward(H.shard(b2, dpi, dps), H.pg_loss)
+        st = engine.optimizer_step()
+        engine.lr_scheduler_step()
+        ref_norm, ref_w = ref.step([b1, b2])
+        out["accum_norm"] = abs(st.grad_norm - ref_norm) / ref_norm
+        out["accum_weights"] = H.max_diff(_hf_state(loader, engine), ref_w)
+        # non-finite loss on the last rank: skipped everywhere, a warning naming the rank and metric
+        handler.messages.clear()
+        kept = _hf_state(loader, engine)
+        engine.forward_backward(H.shard(b1, dpi, dps), _nan_on_last_dp_rank(dpi, dps))
+        skip = engine.optimizer_step()
+        out["nonfinite_skipped"] = skip.skipped
+        out["nonfinite_changed"] = H.max_diff(_hf_state(loader, engine), kept)
+        out["nonfinite_warning"] = " | ".join(m for m in handler.messages if "non-finite" in m)
+        ckpt = Path(root) / f"ckpt{i}"
+        if rank == 0:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        engine.save_checkpoint(ckpt)
+        previous = ckpt
+        del engine
+        if lay.low_precision:
+            out.update(_low_precision(name, build, loader, cfg, other_dir, rank, dpi, dps, moe))
+        _teardown(name)
+        results.append(out)
+    logging.getLogger("underlay").removeHandler(handler)
+    return results
+
+
+def _export_reference(ref: _Reference, out: Path, rank: int) -> Path:
+    """The reference's current weights as HF files (fp32), written by rank 0."""
+    if rank == 0:
+        state = {k: v.detach().float().contiguous() for k, v in ref.model.state_dict().items()}
+        ref.model.save_pretrained(str(out), state_dict=state)
+    dist.barrier()
+    return out
+
+
+def _low_precision(
+    name: str, build: Any, loader: Any, cfg: Any, other_dir: Path, rank: int, dpi: int, dps: int, moe: bool
+) -> dict[str, Any]:
+    """A bf16 engine from seed 0: ``load_hf`` of the other model, one step. Each weight must be the
+    loaded one moved by one step: within ``1.5 * lr`` (AdamW moves a weight by at most about lr) plus
+    bf16 rounding of the loaded value; a load that the master copies missed leaves the seed's."""
+    import dataclasses
+
+    _teardown(name)
+    low = build(dataclasses.replace(cfg, param_dtype="bfloat16"))
+    loader.load_hf(low, other_dir)
+    from safetensors.torch import load_file
+
+    loaded: dict[str, torch.Tensor] = {}
+    for f in sorted(other_dir.glob("*.safetensors")):
+        loaded.update(load_file(str(f)))
+    b = H.global_batch(50)
+    low.forward_backward(H.shard(b, dpi, dps), H.pg_loss)
+    low.optimizer_step()
+    after = _hf_state(loader, low)
+    lr = cfg.optim.lr
+    worst = 0.0
+    for n, w in after.items():
+        ref = loaded[n].double()
+        bound = 1.5 * lr + 2.0**-8 * float(ref.abs().max())
+        worst = max(worst, float((w.double().cpu() - ref).abs().max()) / bound)
+    del low
+    return {"low_ratio": worst}
+
+
+def check_properties(results: list[list[dict[str, Any]]], world: int, tol: float) -> None:
+    """What ``job_properties`` must show, per layout, on every rank."""
+    assert len(results) == world
+    for per_rank in results:
+        for r in per_rank:
+            assert r["accum_norm"] < tol and r["accum_weights"] < tol, r
+            assert r["nonfinite_skipped"] and r["nonfinite_changed"] == 0.0, r
+            assert f"rank {world - 1}" in r["nonfinite_warning"] and "loss" in r["nonfinite_warning"], r
+            if "resume" in r:  # exactly the expected refusals, each before any live state changed
+                assert (r["resume"] != "loaded") == r["refuses"], r
+                assert r["resume"] == "loaded" or r["refused_changed"] == 0.0, r
+            if "low_ratio" in r:
+                assert r["low_ratio"] <= 1.0, r
+
+
+def _load_phases(name: str, engine: Any) -> list[tuple[str, Any, str]]:
+    """``(phase, owner, attribute)`` of each step of ``engine.load_checkpoint`` that writes live state
+    (or reads the files), in order: the test makes each raise right after it ran."""
+    import torch.distributed.checkpoint.state_dict as dcp_sd
+
+    if name == "mcore":
+        from megatron.core import dist_checkpointing
+
+        from underlay.engines.mcore.engine import _unwrap
+
+        return [
+            ("read", dist_checkpointing, "load"),
+            ("model", _unwrap(engine.chunks[-1]), "load_state_dict"),
+            ("optimizer", engine._optimizer, "load_state_dict"),
+            ("schedule", engine._schedulers[-1], "load_state_dict"),
+        ]
+    import underlay.utils.safe_dcp as safe_dcp
+
+    return [
+        ("read", safe_dcp, "safe_dcp_load"),
+        ("model", dcp_sd, "set_model_state_dict"),
+        ("optimizer", dcp_sd, "set_optimizer_state_dict"),
+        ("schedule", engine._scheduler, "load_state_dict"),
+    ]
+
+
+def job_load_faults(rank: int, world: int, name: str, root: str, dev_name: str) -> dict[str, Any]:
+    """Every rank: a checkpoint load that fails right after each of its phases (an ``Exception``, and
+    torch's ``CheckpointException``, a ``BaseException``, after the read) must raise
+    ``CheckpointError`` and leave the parameters, the optimizer state and the LR schedule exactly as
+    they were; the load then succeeds unpatched. Returns per injected failure the error text and the
+    largest change of any live value."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    hf = tiny_config("dense")
+    _dev, build, loader = _ctx(name, dev_name)
+    engine = build(H.engine_config(copy.deepcopy(hf)))
+    dpi, dps = _dp_coords(engine)
+    ckpt = Path(root) / "ckpt"
+    if rank == 0:
+        ckpt.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    b = H.global_batch(60)
+    engine.forward_backward(H.shard(b, dpi, dps), H.pg_loss)
+    engine.optimizer_step()
+    engine.save_checkpoint(ckpt)
+    engine.forward_backward(H.shard(b, dpi, dps), H.pg_loss)
+    engine.optimizer_step()
+    engine.lr_scheduler_step()
+    sched = getattr(engine, "_scheduler", None) or engine._schedulers[-1]
+    before = (_hf_state(loader, engine), _optim_state(engine), copy.deepcopy(sched.state_dict()))
+
+    def changed() -> float:
+        w, o, s = _hf_state(loader, engine), _optim_state(engine), sched.state_dict()
+        if len(o) != len(before[1]) or s != before[2]:
+            return math.inf
+        return max(
+            H.max_diff(w, before[0]), *(float((a - b).abs().max()) for a, b in zip(o, before[1]) if a.numel())
+        )
+
+    out: dict[str, Any] = {}
+    cases = [(p, owner, attr, RuntimeError) for p, owner, attr in _load_phases(name, engine)]
+    cases.insert(1, ("read-base", *_load_phases(name, engine)[0][1:], CheckpointException))
+    for phase, owner, attr, exc_type in cases:
+        original = getattr(owner, attr)
+
+        def failing(
+            *args: Any, _orig: Any = original, _exc: Any = exc_type, _phase: str = phase, **kwargs: Any
+        ) -> Any:
+            _orig(*args, **kwargs)
+            if _exc is CheckpointException:
+                raise CheckpointException("injected failure", {})
+            raise _exc(f"injected failure after {_phase}")
+
+        setattr(owner, attr, failing)
+        try:
+            engine.load_checkpoint(ckpt)
+            out[phase] = "no error"
+        except CheckpointError as exc:
+            out[phase] = f"CheckpointError: {exc}"
+        except BaseException as exc:
+            out[phase] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if owner.__dict__.get(attr) is failing:
+                if isinstance(owner, type) or hasattr(owner, "__file__"):
+                    setattr(owner, attr, original)
+                else:
+                    delattr(owner, attr)
+        out[f"{phase}_changed"] = changed()
+    engine.load_checkpoint(ckpt)
+    out["loaded_step"] = engine.global_step
+    return out
+
+
+def check_load_faults(results: list[dict[str, Any]]) -> None:
+    """What ``job_load_faults`` must show on every rank."""
+    for r in results:
+        for phase in ("read", "read-base", "model", "optimizer", "schedule"):
+            assert r[phase].startswith("CheckpointError"), (phase, r)
+            assert ("injected" if phase != "read-base" else "CheckpointException") in r[phase], (phase, r)
+            assert r[f"{phase}_changed"] == 0.0, (phase, r)
+        assert r["loaded_step"] == 1, r
