@@ -75,3 +75,16 @@ def test_fsdp2_exact_rows_equal_transformers() -> None:
         if diffs["packings"] != 0.0 or max(diffs.values()) >= TOL:
             bad[mt] = diffs
     assert not bad, f"rows marked exact that differ from transformers (tolerance {TOL}): {bad}"
+
+
+def test_info_models_prints_counts_and_reasons(
+    rows: list[coverage.CoverageRow], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from underlay.cli import _print_models
+
+    _print_models(rows, coverage.counts(rows))
+    out = capsys.readouterr().out
+    for engine, per in coverage.counts(rows).items():
+        assert f"{engine}: " + ", ".join(f"{n} {s}" for s, n in per.items()) in out
+    refused = next(r for r in rows if r.engine == "mcore" and r.status == "refused")
+    assert f"{refused.model_type:<28} refused: {refused.reason}" in out
