@@ -1,10 +1,10 @@
 """Which decoder-only causal-LM model types of the installed transformers each engine runs.
 
-The classification is generated from transformers" own registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``):
+The classification is generated from transformers' own registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``):
 every model type there is built as a tiny model on the ``meta`` device (no memory, no weights) and
-handed to each engine"s own capability check -- :func:`underlay.models.inspect_model` for ``fsdp2``
+handed to each engine's own capability check -- :func:`underlay.models.inspect_model` for ``fsdp2``
 (what ``prepare_model`` calls) and ``arch_of`` of the mcore engine (what its build calls) -- so a
-refusal"s reason is the ``ConfigError`` the engine itself raises.
+refusal's reason is the ``ConfigError`` the engine itself raises.
 
 :data:`KNOWN` is the reviewed expectation per model type; a model type the installed transformers
 registers and :data:`KNOWN` lacks is reported by :func:`unknown_model_types` (the coverage test fails
@@ -37,12 +37,12 @@ __all__ = [
 ]
 
 Status = Literal["exact", "accepted", "refused", "encoder-decoder", "no-tiny-config"]
-"""``exact``: the engine runs the type and a test proves it equal to transformers" eager forward;
-``accepted``: the engine"s capability check passes but no test proves exactness yet; ``refused``: the
+"""``exact``: the engine runs the type and a test proves it equal to transformers' eager forward;
+``accepted``: the engine's capability check passes but no test proves exactness yet; ``refused``: the
 engine raises ``ConfigError`` (the reason is its message); ``encoder-decoder``: transformers"
 default config of the type is an encoder-decoder (its causal-LM class is a decoder half; not a
 decoder-only causal LM); ``no-tiny-config``: transformers cannot build
-the type at the generic tiny sizes (the type"s config needs other sizes), so it is not classified."""
+the type at the generic tiny sizes (the type's config needs other sizes), so it is not classified."""
 
 ENGINES: tuple[str, ...] = ("fsdp2", "mcore")
 
@@ -119,7 +119,7 @@ EXACT: dict[str, frozenset[str]] = {
         {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"}
     ),
 }  # fmt: skip
-"""Per engine, the model types whose equality with transformers" float64 eager forward is proven by
+"""Per engine, the model types whose equality with transformers' float64 eager forward is proven by
 tests (tests/unit/models/test_model_coverage_matrix.py for every fsdp2 row, test_model_fixes.py,
 tests/distributed/test_model_coverage.py,
 tests/mcore/test_mcore_models.py)."""
@@ -151,11 +151,11 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(_MOE, num_experts=4, shared_expert_intermediate_size=16),
     "qwen3_moe": dict(_MOE, num_experts=4),
 }
-"""Per model type, tiny-size overrides on top of the generic ones (what the type"s config needs)."""
+"""Per model type, tiny-size overrides on top of the generic ones (what the type's config needs)."""
 
 
 def causal_lm_model_types() -> tuple[str, ...]:
-    """Sorted model types of transformers" ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (what
+    """Sorted model types of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (what
     ``AutoModelForCausalLM`` builds: decoder-only LMs, decoder halves, and vision-language models whose
     causal-LM class is the text part or the whole model). Needs transformers."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -175,7 +175,7 @@ def tiny_config(model_type: str) -> Any:
 @dataclass(frozen=True)
 class CoverageRow:
     """One model type on one engine: ``status`` (see :data:`Status`) and ``reason`` (the engine"s
-    ``ConfigError`` message for ``refused``, transformers" error for ``no-tiny-config``, else empty)."""
+    ``ConfigError`` message for ``refused``, transformers' error for ``no-tiny-config``, else empty)."""
 
     model_type: str
     engine: str
