@@ -61,3 +61,30 @@ def test_docs_table_equals_coverage(rows: list[coverage.CoverageRow]) -> None:
         "docs/model-matrix.md differs from underlay.models.coverage; regenerate its counts and table "
         "from coverage.markdown_table(coverage.coverage_matrix())"
     )
+
+
+def test_fsdp2_exact_rows_equal_transformers() -> None:
+    """Every fsdp2 row marked exact: packed_forward of the prepared float64 model equals transformers'
+    eager forward of each sequence alone (log-probs and entropies at T=1 and T=0.7, the gradient of
+    their weighted sum) and two packings of the same sequences give bit-equal log-probs."""
+    from tests.unit.models._matrix import TOL, check_row
+
+    bad = {}
+    for mt in sorted(coverage.EXACT["fsdp2"]):
+        diffs = check_row(mt)
+        if diffs["packings"] != 0.0 or max(diffs.values()) >= TOL:
+            bad[mt] = diffs
+    assert not bad, f"rows marked exact that differ from transformers (tolerance {TOL}): {bad}"
+
+
+def test_info_models_prints_counts_and_reasons(
+    rows: list[coverage.CoverageRow], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from underlay.cli import _print_models
+
+    _print_models(rows, coverage.counts(rows))
+    out = capsys.readouterr().out
+    for engine, per in coverage.counts(rows).items():
+        assert f"{engine}: " + ", ".join(f"{n} {s}" for s, n in per.items()) in out
+    refused = next(r for r in rows if r.engine == "mcore" and r.status == "refused")
+    assert f"{refused.model_type:<28} refused: {refused.reason}" in out
