@@ -311,7 +311,9 @@ def _checkpointed_class_forward(layer: torch.nn.Module, routes: list[Any], *args
     traceable kernel call yet (its first, eager call resolves one; Ulysses never has one) the layer
     runs eagerly on purpose, and once one is activated the guard fails and the layer recompiles whole.
     """
-    if not (layer.training and torch.is_grad_enabled()):
+    # gradients enabled is what makes this a training forward: the layer's own ``training`` flag is
+    # no guide, since training_randomness="off" runs training forwards in eval mode (no dropout)
+    if not torch.is_grad_enabled():
         return _class_forward(layer, *args, **kwargs)
     if not all(route.traceable_count() for route in routes):
         return _eager_checkpoint(layer, *args, **kwargs)
