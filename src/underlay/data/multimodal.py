@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from underlay.data.datasets import _encode_conversation, _require
 from underlay.data.media import load_image, load_video
 from underlay.data.tokenizer import ROLES, check_template_kwargs, load_tokenizer, require_chat_template
 from underlay.interfaces import ConfigError, InvalidInput, TokenBatch, VisionInputs
@@ -349,7 +350,7 @@ class _VisionBase(abc.ABC):
         self._index = list(range(len(self.rows)))
         self._items: list[VisionSample] | None = None
         for i, row in enumerate(self.rows):
-            self._check(i, row)
+            self._messages(i, row)  # validation: bad rows are refused before any media is read
         if not lazy:
             items: list[VisionSample] = []
             keep: list[int] = []
@@ -361,8 +362,9 @@ class _VisionBase(abc.ABC):
             self._items, self._index = items, keep
 
     @abc.abstractmethod
-    def _check(self, index: int, row: Mapping[str, Any]) -> None:
-        """Validate row ``index`` without loading its media (``InvalidInput`` naming it)."""
+    def _messages(self, index: int, row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, int]:
+        """Row ``index``'s messages as content parts and its image and video placeholder counts,
+        without loading its media (``InvalidInput`` naming the row)."""
 
     @abc.abstractmethod
     def _encode(self, index: int, row: Mapping[str, Any]) -> VisionSample:
@@ -440,18 +442,13 @@ class VisionPromptDataset(_VisionBase):
 
     def _messages(self, index: int, row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, int]:
         where = f"VisionPromptDataset row {index}"
-        if self.prompt_key not in row:
-            raise InvalidInput(f"{where}: missing column {self.prompt_key!r} (columns: {sorted(row)})")
-        prompt = row[self.prompt_key]
+        prompt = _require(index, row, self.prompt_key, "VisionPromptDataset")
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if self.system_prompt is not None and not (
             isinstance(msgs, list) and msgs and msgs[0].get("role") == "system"
         ):
             msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
         return _parts(msgs, where)
-
-    def _check(self, index: int, row: Mapping[str, Any]) -> None:
-        self._messages(index, row)
 
     def _encode(self, index: int, row: Mapping[str, Any]) -> VisionSample:
         msgs, n_img, n_vid = self._messages(index, row)
@@ -504,19 +501,12 @@ class VisionSFTDataset(_VisionBase):
 
     def _messages(self, index: int, row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, int]:
         where = f"VisionSFTDataset row {index}"
-        if self.messages_key not in row:
-            raise InvalidInput(f"{where}: missing column {self.messages_key!r} (columns: {sorted(row)})")
-        msgs, n_img, n_vid = _parts(row[self.messages_key], where)
+        msgs, n_img, n_vid = _parts(_require(index, row, self.messages_key, "VisionSFTDataset"), where)
         if not any(m["role"] == "assistant" for m in msgs):
             raise InvalidInput(f"{where}: no assistant message, nothing to train on")
         return msgs, n_img, n_vid
 
-    def _check(self, index: int, row: Mapping[str, Any]) -> None:
-        self._messages(index, row)
-
     def _encode(self, index: int, row: Mapping[str, Any]) -> VisionSample:
-        from underlay.data.datasets import _encode_conversation
-
         msgs, n_img, n_vid = self._messages(index, row)
         images, videos = self._media(index, row, n_img, n_vid)
         where = f"VisionSFTDataset row {index}"
