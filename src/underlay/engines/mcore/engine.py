@@ -52,6 +52,7 @@ from underlay.engines._core import (
 )
 from underlay.engines._inductor import inductor_ok
 from underlay.engines._loss import MetricReducer, check_loss_fn, checked_loss, count_loss
+from underlay.engines.mcore import passthrough
 from underlay.engines.mcore._chunks import torch_optimizers as _torch_optimizers
 from underlay.engines.mcore._chunks import unwrap as _unwrap
 from underlay.engines.mcore.config import (
@@ -66,6 +67,7 @@ from underlay.engines.mcore.config import (
 )
 from underlay.engines.mcore.context_parallel import CPSplit
 from underlay.engines.mcore.options import MCoreOptions
+from underlay.engines.mcore.stages import check_recompute_fields, chunk_layer_spans, stage_layer_counts
 from underlay.engines.mcore.weightmap import VALUE_HEAD_NAMES, Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
     IGNORE_INDEX,
@@ -182,6 +184,7 @@ class MCoreEngine(EngineBase):
                 "test fixture tests/mcore/_cpu_fixture.py",
             )
         recompute = "none" if config.recompute == "auto" else config.recompute  # no memory policy here
+        check_recompute_fields(recompute, opts.transformer)
         # megatron-core's default (TransformerConfig and initialize_model_parallel): expert TP = TP
         etp = par.etp if par.etp is not None else par.tp
         if not dist.is_initialized():
@@ -199,6 +202,7 @@ class MCoreEngine(EngineBase):
             ep=par.ep,
             etp=etp,
             sequence_parallel=opts.sequence_parallel,
+            stage_layers=stage_layer_counts(opts.transformer),
         )
         self._arch = with_padded_vocab(self._arch, par.tp)  # vocab rows a multiple of tp (vocab.py)
         self._config = config
@@ -226,21 +230,33 @@ class MCoreEngine(EngineBase):
         _compat_shims()
         from megatron.core import parallel_state as ps
 
-        self._tf_config = config_class(self._arch)(
-            **transformer_config_kwargs(
-                self._arch,
-                tp=par.tp,
-                pp=par.pp,
-                vpp=par.vpp,
-                cp=par.cp,
-                ep=par.ep,
-                etp=etp,
-                sequence_parallel=opts.sequence_parallel,
-                params_dtype=self._param_dtype,
-                recompute=recompute,
-                batch_p2p_comm=batch_p2p,
-                fused_elementwise=self._fused_elementwise,
-            )
+        tf_cls = config_class(self._arch)
+        tf_kwargs = transformer_config_kwargs(
+            self._arch,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            cp=par.cp,
+            ep=par.ep,
+            etp=etp,
+            sequence_parallel=opts.sequence_parallel,
+            params_dtype=self._param_dtype,
+            recompute=recompute,
+            batch_p2p_comm=batch_p2p,
+            fused_elementwise=self._fused_elementwise,
+        )
+        self._tf_config = passthrough.build(
+            "transformer",
+            tf_cls,
+            # partial recompute: megatron's method and unit replace the engine's uniform 1-layer default
+            passthrough.merge(
+                "transformer",
+                tf_cls,
+                tf_kwargs,
+                opts.transformer,
+                ("recompute_method", "recompute_num_layers"),
+            ),
+            opts.transformer,
         )
         self._layout = ParallelLayout(
             world,
@@ -472,10 +488,17 @@ class MCoreEngine(EngineBase):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        ddp_config = DistributedDataParallelConfig(
+        ddp_kwargs = dict(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=self._opts.overlap_grad_reduce,
+            overlap_param_gather=self._opts.overlap_param_gather,
             use_distributed_optimizer=self._opts.distributed_optimizer,
+        )
+        ddp_config = passthrough.build(
+            "ddp",
+            DistributedDataParallelConfig,
+            passthrough.merge("ddp", DistributedDataParallelConfig, ddp_kwargs, self._opts.ddp),
+            self._opts.ddp,
         )
         wrapped = [
             DistributedDataParallel(
@@ -503,7 +526,7 @@ class MCoreEngine(EngineBase):
         o = self._config.optim
         clip = o.grad_clip if o.grad_clip is not None and o.grad_clip > 0 else 0.0
         kind, extra = _megatron_optimizer(o)
-        oc = OptimizerConfig(
+        oc_kwargs = dict(
             optimizer=kind,
             **extra,
             lr=o.lr,
@@ -517,6 +540,15 @@ class MCoreEngine(EngineBase):
             fp16=self._param_dtype == torch.float16,
             params_dtype=self._param_dtype,
             use_distributed_optimizer=self._opts.distributed_optimizer,
+            # the optimizer then leaves the parameter all-gather to the next forward's pre-hooks
+            overlap_param_gather=self._opts.overlap_param_gather,
+        )
+        passed = self._opts.optimizer
+        oc = passthrough.build(
+            "optimizer",
+            OptimizerConfig,
+            passthrough.merge("optimizer", OptimizerConfig, oc_kwargs, passed),
+            passed,
         )
         kwargs: dict[str, Any] = {}
         if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
@@ -1049,14 +1081,14 @@ class MCoreEngine(EngineBase):
         a = self._arch
         pp, vpp = self._layout.pp, self._layout.vpp
         ep = self._layout.ep
-        per_chunk = a.num_layers // (pp * vpp)
+        spans = chunk_layer_spans(self._tf_config, pp, vpp)
         local_e = a.num_experts // ep if a.is_moe else 0
         out: list[tuple[int, int, int, Rule]] = []
         for v in range(vpp):
             for stage in range(pp):
                 first_stage = stage == 0 and v == 0
                 last_stage = stage == pp - 1 and v == vpp - 1
-                first_layer = (v * pp + stage) * per_chunk
+                first_layer, per_chunk = spans[v][stage]
                 for e in range(ep):
                     rules = stage_rules(
                         a,
