@@ -25,7 +25,8 @@ def _against_hf(eng: Any, cfg: Any, seed: int) -> dict[str, float]:
     res = eng.forward_backward(mine, H.pg_loss)
     grads = grad_by_hf_name(eng)
     gerr = max(
-        float((g.double() - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-6)) for n, g in grads.items()
+        float((g.double() - ref_grads[n]).abs().max() / (ref_grads[n].abs().max() + 1e-6))
+        for n, g in grads.items()
     )
     return {
         "lp": float((out.log_probs.double() - ref_lp[rows]).abs().max()),

@@ -174,6 +174,20 @@ class MCoreEngine(EngineBase):
         if self._value:
             self._hf_config = value_hf_config(self._hf_config)
             self._arch = value_arch(self._arch, self._hf_config)
+        # unknown or owned pass-through fields, before any state (the key set does not depend on sizes)
+        keys = transformer_config_kwargs(
+            self._arch,
+            tp=1,
+            pp=1,
+            vpp=1,
+            cp=1,
+            ep=1,
+            etp=1,
+            sequence_parallel=False,
+            params_dtype=torch.float32,
+        )
+        passthrough.check_names(config_class(self._arch), opts, keys)
+        check_recompute_fields("none" if config.recompute == "auto" else config.recompute, opts.transformer)
         if not device.is_accelerator and not _env.get_bool(CPU_FIXTURE_ENV):
             raise BackendUnavailable(
                 "engine",
@@ -184,7 +198,6 @@ class MCoreEngine(EngineBase):
                 "test fixture tests/mcore/_cpu_fixture.py",
             )
         recompute = "none" if config.recompute == "auto" else config.recompute  # no memory policy here
-        check_recompute_fields(recompute, opts.transformer)
         # megatron-core's default (TransformerConfig and initialize_model_parallel): expert TP = TP
         etp = par.etp if par.etp is not None else par.tp
         if not dist.is_initialized():

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from underlay.interfaces import ConfigError
 
-__all__ = ["OWNED", "build", "check_owned", "merge"]
+__all__ = ["OWNED", "build", "check_names", "check_owned", "merge"]
 
 T = TypeVar("T")
 
@@ -171,3 +171,22 @@ def build(kind: str, cls: Callable[..., T], kwargs: Mapping[str, Any], extra: Ma
             f"mcore: megatron-core refuses the {kind} config{f' with options {kind}={given!r}' if given else ''}: "
             f"{exc}"
         ) from exc
+
+
+def check_names(transformer_cls: type[Any], options: Any, transformer_base: Mapping[str, Any]) -> None:
+    """Check every pass-through mapping of ``options`` (``MCoreOptions``) against megatron's dataclass
+    (``transformer_cls`` for the model's TransformerConfig class, ``OptimizerConfig``,
+    ``DistributedDataParallelConfig``) before anything is built: ``ConfigError`` as ``merge`` raises
+    for an unknown or owned name (``transformer_base``: the engine's TransformerConfig keyword
+    arguments for this model). Imports megatron's config modules only (no process state)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    classes = {
+        "transformer": transformer_cls,
+        "optimizer": OptimizerConfig,
+        "ddp": DistributedDataParallelConfig,
+    }
+    for kind, cls in classes.items():
+        base = transformer_base if kind == "transformer" else {}
+        merge(kind, cls, base, getattr(options, kind), ("recompute_method", "recompute_num_layers"))
