@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from tests.mcore import _helpers as H
 from tests.mcore._workers import eng_dp_rank, grad_by_hf_name
 
