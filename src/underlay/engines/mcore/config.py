@@ -32,6 +32,7 @@ __all__ = [
     "check_layout",
     "config_class",
     "padded_vocab_size",
+    "transformer_config_keys",
     "transformer_config_kwargs",
     "value_arch",
     "with_padded_vocab",
@@ -701,3 +702,12 @@ def transformer_config_kwargs(
     elif recompute != "none":
         raise ConfigError(f"mcore: recompute={recompute!r}; use 'none', 'full' or 'selective'")
     return kw
+
+
+def transformer_config_keys(arch: MCoreArch) -> dict[str, Any]:
+    """``transformer_config_kwargs`` of ``arch`` at the smallest layout: its key set (which fields
+    the engine sets for this model) does not depend on the sizes, so the pass-through can be checked
+    against it before any layout is validated."""
+    return transformer_config_kwargs(
+        arch, tp=1, pp=1, vpp=1, cp=1, ep=1, etp=1, sequence_parallel=False, params_dtype=torch.float32
+    )

@@ -49,6 +49,7 @@ from underlay.engines.mcore.config import (
     arch_of,
     check_layout,
     config_class,
+    transformer_config_keys,
     transformer_config_kwargs,
     value_arch,
     with_padded_vocab,
@@ -133,10 +134,7 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
             self._hf_config = value_hf_config(self._hf_config)
             self._arch = value_arch(self._arch, self._hf_config)
         # unknown or owned pass-through fields, before any state (the key set does not depend on sizes)
-        keys = transformer_config_kwargs(
-            self._arch, tp=1, pp=1, vpp=1, cp=1, ep=1, etp=1, sequence_parallel=False, params_dtype=torch.float32
-        )
-        passthrough.check_names(config_class(self._arch), opts, keys)
+        passthrough.check_names(config_class(self._arch), opts, transformer_config_keys(self._arch))
         check_recompute_fields("none" if config.recompute == "auto" else config.recompute, opts.transformer)
         if not device.is_accelerator and not _env.get_bool(CPU_FIXTURE_ENV):
             raise BackendUnavailable(
