@@ -49,6 +49,7 @@ class MCoreBuild(EngineBase):
     _grads: str  # "clean" | "local" (unreduced, accumulating) | "reduced"
     _skip_next: bool  # a non-finite loss or metric since the last optimizer step
     _masters_stale: bool  # parameters written outside the optimizer (see _sync_master_params)
+    _gather_pending: bool  # overlap_param_gather: the step's parameter all-gather not yet finished
     _logprob_kernel: Any
 
     @staticmethod

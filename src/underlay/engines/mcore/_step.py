@@ -346,6 +346,13 @@ class MCoreStep(MCoreOptim):
                 "forward_backward: the accumulated gradients were already reduced over the ranks "
                 "(finalize_grads); call optimizer_step or zero_grad before the next forward_backward"
             )
+        if self._grads == "local" and self._opts.overlap_grad_reduce:
+            raise InvalidInput(
+                "forward_backward: with MCoreOptions.overlap_grad_reduce=True each forward_backward starts "
+                "the gradient reduction during its last micro-batch, so it must be the only one before "
+                "optimizer_step or zero_grad; pass all micro-batches in one call or set "
+                "overlap_grad_reduce=False to accumulate over several calls"
+            )
         dp_group = self._pg["dp"] if self._layout.dp > 1 else None
         counts = count_loss(host.loss_mask, dp_group, self._layout.dp, self._torch_device)
         plan = self._plan(host)

@@ -239,6 +239,7 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         self._build_optimizer()
         self._global_step = 0
         self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
+        self._gather_pending = False
         self._skip_next = False  # a non-finite loss or metric since the last optimizer step
         self._masters_stale = False  # parameters written outside the optimizer (see _sync_master_params)
         self._offloaded: dict[str, Any] = {}
