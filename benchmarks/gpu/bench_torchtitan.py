@@ -192,7 +192,7 @@ def run_torchtitan(
         else torch.autocast("cpu", enabled=False)
     )
     losses, times = [], []
-    prof = _StepProfile(args.profile, args.warmup, args.out_dir, f"torchtitan_{args.case}")
+    prof = _StepProfile(args.profile, args.warmup - 1, args.out_dir, f"torchtitan_{args.case}")
     for step, seqs in enumerate(batches):
         _sync(device)
         prof.start(step)
@@ -280,7 +280,7 @@ def run_underlay(args: Any, batches: Any, device: torch.device, hf_dir: Path) ->
         if hasattr(engine, key):
             print(f"[underlay] {key}: {getattr(engine, key)}", flush=True)
     losses, times = [], []
-    prof = _StepProfile(args.profile, args.warmup, args.out_dir, f"underlay_{args.case}")
+    prof = _StepProfile(args.profile, args.warmup - 1, args.out_dir, f"underlay_{args.case}")
     for step, seqs in enumerate(batches):
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -320,7 +320,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--profile", action="store_true", help="profile the first timed step of each run")
+    ap.add_argument("--profile", action="store_true", help="profile the last warm-up step of each run")
     ap.add_argument("--recompute", default="auto", help="underlay's EngineConfig.recompute")
     ap.add_argument("--underlay-options", default="{}", help="underlay's EngineConfig.options, as JSON")
     ap.add_argument("--trainers", default="torchtitan,underlay")
