@@ -167,13 +167,15 @@ def run_torchtitan(
     torch.manual_seed(args.seed)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    # the initial weights, in Hugging Face names, for underlay
-    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if "freqs_cis" not in k}
-    state = {
-        k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): v for k, v in state.items()
-    }
-    hf_state = tt.Llama3StateDictAdapter(margs, None).to_hf(state)
-    _save_hf(hf_state, margs, model, hf_dir, args)
+    # the initial weights, in Hugging Face names, for underlay (once per shape: the seed fixes them)
+    if not (hf_dir / "model.safetensors").exists():
+        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if "freqs_cis" not in k}
+        state = {
+            k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): v
+            for k, v in state.items()
+        }
+        _save_hf(tt.Llama3StateDictAdapter(margs, None).to_hf(state), margs, model, hf_dir, args)
+        del state
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(
         params,
@@ -355,7 +357,7 @@ def main() -> None:
         rows = args.rows if case == "full" else args.rows * 4
         batches = _batches(args.steps, rows, args.seq_len, args.vocab, case, args.seed)
         real = [sum(len(s) - 1 for s in b) for b in batches]
-        hf_dir = out_dir / f"hf_{args.shape}_{case}"
+        hf_dir = out_dir / f"hf_{args.shape}"  # the same seed gives the same init for every case
         entry: dict[str, Any] = {
             "rows": rows,
             "real_tokens_per_step": real[0] if case == "full" else sum(real) / len(real),
@@ -367,7 +369,8 @@ def main() -> None:
             ),
             ("underlay", lambda b=batches, d=hf_dir: run_underlay(args, b, device, d)),
         ):
-            if name not in args.trainers.split(",") and not (name == "torchtitan" and not hf_dir.exists()):
+            needs_init = name == "torchtitan" and not (hf_dir / "model.safetensors").exists()
+            if name not in args.trainers.split(",") and not needs_init:
                 continue
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -387,7 +390,7 @@ def main() -> None:
                 f"[{case}] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("times",)}),
                 flush=True,
             )
-            if name == "torchtitan" and "error" in r and not hf_dir.exists():
+            if name == "torchtitan" and "error" in r and not (hf_dir / "model.safetensors").exists():
                 entry["underlay"] = {"error": "skipped: torchtitan did not produce the initial weights"}
                 break
         a, b = entry.get("underlay", {}), entry.get("torchtitan", {})
