@@ -415,25 +415,56 @@ class FSDP2Engine(EngineBase):
     def _check_batch(self, batch: TokenBatch) -> TokenBatch:
         """``batch`` validated (``_core.check_token_batch``, then the vision inputs) and on the device;
         ``InvalidInput`` before any state changes."""
-        check_token_batch(batch, int(getattr(self._hf_config, "vocab_size", 0) or 0))
+        check_token_batch(batch, int(getattr(self._hf_config, "vocab_size", 0) or 0), shared_prompts=True)
         from underlay.models import check_vision_batch
 
         check_vision_batch(self._hf_config, batch)
+        if batch.prompt_groups is not None:
+            from underlay.models.shared_prompts import check_shared_prompts
+
+            if self._ulysses_group is not None:
+                raise InvalidInput(
+                    f"TokenBatch.prompt_groups with Ulysses (ulysses={self._layout.ulysses}): shared prompts "
+                    "need each group's whole stream on one rank; give the batch without prompt_groups"
+                )
+            check_shared_prompts(self._model)
         return batch.to(self._torch_device)
 
     def _plan(self, batch: TokenBatch) -> list[list[int]]:
         from underlay.models import sequence_costs
         from underlay.ops import plan_micro_batches
 
+        if batch.prompt_groups is not None:  # whole groups, each costing the tokens it computes shared
+            from underlay.ops.prompt_sharing import shared_prompt_costs
+
+            rows_of, costs = shared_prompt_costs(batch.input_ids, batch.attention_mask, batch.prompt_groups)
+            plan = plan_micro_batches(costs, self._config.micro_batch_max_tokens, group=self._dp_group)
+            return [[r for g in mb for r in rows_of[g]] for mb in plan]
         # tokens, plus the vision patches of a row's images weighted by models.patch_cost
         seqlens = sequence_costs(self._hf_config, batch)
         return plan_micro_batches(seqlens, self._config.micro_batch_max_tokens, group=self._dp_group)
 
     def _forward(self, batch: TokenBatch, temperature: float, with_entropy: bool) -> TokenOutputs:
-        """Packed forward of one micro-batch; outputs padded back to ``[b, S]``."""
+        """Packed forward of one micro-batch (shared prompts with ``prompt_groups``); outputs padded
+        back to ``[b, S]``."""
         from underlay.models import packed_forward
         from underlay.ops import pad, unpad
 
+        if batch.prompt_groups is not None:
+            from underlay.models.shared_prompts import shared_prompt_forward
+            from underlay.ops.prompt_sharing import share_prompts
+
+            shared = share_prompts(batch.input_ids, batch.attention_mask, batch.prompt_groups)
+            packed = shared.packed
+            with self._compile_scope():
+                out = shared_prompt_forward(
+                    self._model,
+                    shared,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    logprob_kernel=self._logprob_kernel,
+                )
+            return TokenOutputs(*(None if t is None else pad(t, packed) for t in (out.log_probs, out.entropy, out.values)))
         packed = unpad(batch.input_ids, batch.attention_mask)
         multimodal, zero_passes = self._vision_inputs(batch)
         with self._compile_scope():  # AOTAutograd partitions forward/backward when forward compiles
