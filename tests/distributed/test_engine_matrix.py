@@ -50,7 +50,11 @@ def _compare(res: dict[str, dict[str, str]]) -> dict[str, Any]:
     for mt, got in res.items():
         for check, want in expected(mt).items():
             outcome = got[check]
-            ok = outcome == "" if not want else (want in outcome and outcome.split(":")[0].endswith(("Error", "run")))
+            ok = (
+                outcome == ""
+                if not want
+                else (want in outcome and outcome.split(":")[0].endswith(("Error", "run")))
+            )
             if not ok:
                 bad[f"{mt}/{check}"] = {"want": want or "pass", "got": outcome[:300]}
     return bad
@@ -61,7 +65,9 @@ def test_gaps_are_exact_rows_and_documented() -> None:
     for mt, gaps in coverage.ENGINE_GAPS.items():
         assert mt in coverage.EXACT["fsdp2"], mt
         assert set(gaps) <= set(CHECKS), (mt, gaps)
-        assert f"| {mt} | {', '.join(sorted(gaps))} |" in doc, f"docs/model-matrix.md lacks the gap row of {mt}"
+        assert f"| {mt} | {', '.join(sorted(gaps))} |" in doc, (
+            f"docs/model-matrix.md lacks the gap row of {mt}"
+        )
 
 
 def test_engine_matrix_sample(tmp_path: Path) -> None:
