@@ -92,6 +92,12 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         support = MCoreOptions.supports_recompute(config.recompute)
         if not support.available:
             raise ConfigError(f"mcore: recompute={config.recompute!r}: {support.reason}; {support.hint}")
+        if config.role != "trainable":
+            raise ConfigError(
+                f"mcore: EngineConfig.role={config.role!r} is not supported by the mcore engine (it "
+                "always builds megatron's DDP gradient buffers and optimizer with its fp32 main copies); "
+                "use the fsdp2 engine for an inference-only reference model"
+            )
         mc = config.model
         if mc.lora is not None:
             raise ConfigError(
