@@ -80,8 +80,8 @@ def test_model_type_refused() -> None:
         ("qwen3_moe", {"world": 2, "tp": 2}, "requires sequence parallelism"),
         ("llama", {"world": 2, "ep": 2}, "dense model"),
         ("llama", {"world": 2, "sequence_parallel": True}, "needs tp > 1"),
-        ("qwen3_moe", {"world": 2, "tp": 2, "etp": 1, "sequence_parallel": True}, "etp=1 with tp=2"),
-        ("llama", {"world": 2, "etp": 2}, "etp=2 with tp=1"),
+        ("qwen3_moe", {"world": 2, "tp": 1, "etp": 2}, r"etp=2 > tp=1"),
+        ("llama", {"world": 2, "tp": 2, "etp": 1}, "etp=1 with tp=2 on a dense model"),
     ],
 )
 def test_bad_layouts_refused(family: str, sizes: dict[str, object], needle: str) -> None:
@@ -175,7 +175,7 @@ def test_registry_refuses_mcore_on_cpu() -> None:
         # batched p2p at pp=2 pairs the two directions' transfers by posting order: swapped tensors
         ({"parallel": {"pp": 2, "vpp": 2}}, {"batch_p2p_comm": True}, "batch_p2p_comm=True with pp=2"),
         ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),
-        ({"parallel": {"tp": 2, "etp": 1}}, {}, "etp=1 with tp=2"),
+        ({"parallel": {"tp": 2, "etp": 1}}, {}, "etp=1 with tp=2 on a dense model"),
         ({}, {"sequence_parallel": "yes"}, "sequence_parallel='yes'"),
         ({}, {"vpp": 2}, "unknown mcore option"),
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),
