@@ -4,7 +4,7 @@
 #                                 and .venv-verl too, both built at once)
 #   scripts/setup.sh verl         .venv-verl: underlay with verl 0.9.1 (its pins conflict with the main lock),
 #                                 locked by constraints/verl.txt; scripts/test.sh runs tests/integrations/verl in it
-# Installs go through uv (pinned in the lock, bootstrapped into each environment by pip), pointed at the
+# Installs go through uv (pinned in the lock, bootstrapped once by this Python's pip), pointed at the
 # indexes pip is configured with (index-url, extra-index-url, find-links, constraint; best version over
 # all of them, as pip picks). torch is installed first and pinned (the CPU build on local disk); an
 # unpinned torch would pull a CUDA build. Versions come from the committed lock, constraints/cpu.txt (the
@@ -42,27 +42,40 @@ EOF
 eval "$uv_env"
 export UV_INDEX_STRATEGY="${UV_INDEX_STRATEGY:-unsafe-best-match}" UV_NO_PROGRESS=1
 
+# lock_args LOCKFILE PYTHON: "-c LOCKFILE" when the lock applies (UNDERLAY_LOCK=1 and Python 3.11)
+lock_args() {
+  local pyver
+  pyver=$("$2" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+  if [ "${UNDERLAY_LOCK:-1}" = "1" ]; then
+    if [ "$pyver" = "3.11" ]; then
+      echo "-c $1"
+    else
+      echo "setup.sh: $1 is the lock for Python 3.11; Python $pyver installs unlocked versions" >&2
+    fi
+  fi
+}
+
+# uv itself, once for both environments (each also gets it as a locked package)
+uv_home=$(mktemp -d "${TMPDIR:-/tmp}/underlay-uv.XXXXXX")
+trap 'rm -rf "$uv_home"' EXIT
+# shellcheck disable=SC2046  # lock_args is a list of words
+"$py" -m pip install -q --root-user-action=ignore --target "$uv_home" $(lock_args constraints/cpu.txt "$py") uv
+uv_bin="$uv_home/bin/uv"
+echo "setup.sh: $("$uv_bin" --version) (${SECONDS} s)"
+
 # build_env VENV LOCKFILE EXTRAS [PACKAGE...]: the environment VENV with torch, then underlay[EXTRAS]
 # (editable) and PACKAGEs, from LOCKFILE; prints the versions it ended with
 build_env() {
   local venv=$1 lockfile=$2 extras=$3 t0=$SECONDS
   shift 3
-  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-  local lock=() pyver
-  pyver=$("$venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-  if [ "${UNDERLAY_LOCK:-1}" = "1" ]; then
-    if [ "$pyver" = "3.11" ]; then
-      lock=(-c "$lockfile")
-    else
-      echo "setup.sh: $lockfile is the lock for Python 3.11; Python $pyver installs unlocked versions" >&2
-    fi
-  fi
-  "$venv/bin/python" -m pip install -q "${lock[@]}" uv
-  local uv=("$venv/bin/uv" pip install -q --python "$venv/bin/python" "${lock[@]}")
-  echo "setup.sh: $venv: uv $("$venv/bin/uv" --version | cut -d' ' -f2) ($((SECONDS - t0)) s)"
+  [ -x "$venv/bin/python" ] || "$py" -m venv --without-pip "$venv"
+  local lock
+  # shellcheck disable=SC2207  # lock_args is a list of words
+  lock=($(lock_args "$lockfile" "$venv/bin/python"))
+  local uv=("$uv_bin" pip install -q --python "$venv/bin/python" "${lock[@]}")
   "${uv[@]}" "torch==${UNDERLAY_TORCH_VERSION:-2.13.0}"
   echo "setup.sh: $venv: torch installed ($((SECONDS - t0)) s)"
-  "${uv[@]}" --upgrade-package pip pip -e ".[${extras}]" "$@"
+  "${uv[@]}" --upgrade-package pip pip uv -e ".[${extras}]" "$@"
   echo "setup.sh: $venv: underlay[$extras] installed ($((SECONDS - t0)) s)"
   "$venv/bin/python" -c "import torch, underlay; print('underlay', underlay.__version__, 'torch', torch.__version__)"
 }
