@@ -459,7 +459,7 @@ def check_layout(
     ``tp * pp * cp``, heads or k/v heads are not divisible by ``tp`` (a vocabulary that is not is
     padded: ``with_padded_vocab``), sliding windows or multi-latent attention meet ``cp > 1``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
-    without sequence parallelism, VPP is used without PP or with CP, ``etp`` (expert tensor parallelism, megatron's default
+    without sequence parallelism, VPP is used without PP, ``etp`` (expert tensor parallelism, megatron's default
     ``etp = tp``) differs from ``tp`` on a dense model or exceeds ``tp``.
     ``stage_layers``: the layer counts of the first and last pipeline stage (megatron's
     ``num_layers_in_first/last_pipeline_stage``, ``None`` = even split); each must be a multiple of
@@ -491,13 +491,6 @@ def check_layout(
         )
     if vpp > 1 and pp == 1:
         raise ConfigError(f"mcore: vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages)")
-    if vpp > 1 and cp > 1:
-        # the interleaved schedule runs with one padded token count per step; the CP split gives each
-        # rank a share whose length the engine does not fix
-        raise ConfigError(
-            f"mcore: vpp={vpp} with cp={cp}: virtual pipelines and context parallelism are not combined "
-            "in the mcore engine; use vpp=1 or cp=1"
-        )
     if stage_layers != (None, None):
         _check_uneven(arch.num_layers, pp, vpp, stage_layers)
     elif arch.num_layers % (pp * vpp):
