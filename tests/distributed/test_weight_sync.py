@@ -5,7 +5,7 @@ process outside the trainer's default group.
   transformers model equals ``export_hf`` bit for bit; LoRA adapters alone equal ``export_adapters``
   (and load with peft); FP8 equals the registered ``Fp8Quantizer`` applied to the exported weights; an
   out-of-order version is refused and the receiver keeps its weights.
-- colocated cpu: one reusable shared-memory bucket into an ``HFRolloutWorker`` process; a trainer killed
+- colocated cpu: two reusable shared-memory buckets into an ``HFRolloutWorker`` process; a trainer killed
   in the middle of a sync leaves the worker on its previous version.
 """
 
@@ -317,7 +317,7 @@ def test_colocated_shared_memory_worker(tmp_path: Path) -> None:
     assert res["equal_v1"] and res["equal_v2"]
     for _version, buckets, buffer_bytes, nbytes in res["reports"]:
         assert buckets > 1
-        # one reusable bucket buffer: the largest bucket, far less than the model
+        # two reusable bucket buffers: far less than the model
         assert 0 < buffer_bytes < nbytes
     assert not any(p.name.startswith("underlay_weight_sync_") for p in Path("/dev/shm").glob("*"))
 

@@ -108,11 +108,22 @@ def pack_into(
     buffer: torch.Tensor, entries: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]
 ) -> None:
     """Copy the bytes of each tensor of ``entries`` into ``buffer`` (1-D ``uint8``, large enough for
-    ``plan``'s size, on any device: copies cross devices when needed) at its planned offset."""
+    ``plan``'s size, on any device: copies cross devices when needed) at its planned offset. Tensors on
+    the buffer's device go in one multi-tensor copy (``torch._foreach_copy_``: a few kernel launches per
+    bucket on an accelerator instead of one per tensor); the bytes are the same as tensor by tensor."""
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
     for (_, t), m in zip(entries, metas):
         if m.nbytes:
             src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            buffer[m.offset : m.offset + m.nbytes].copy_(src, non_blocking=True)
+            dst = buffer[m.offset : m.offset + m.nbytes]
+            if src.device == buffer.device:
+                dsts.append(dst)
+                srcs.append(src)
+            else:
+                dst.copy_(src, non_blocking=True)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
 
 def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
@@ -122,7 +133,7 @@ def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str,
     size = buffer.numel()
     for m in metas:
         dtype = dtype_from_name(m.dtype)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = 1
         for s in m.shape:
             numel *= s

@@ -40,9 +40,10 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
             device.set_device(int(spec["device_index"]))
         tdev = device.torch_device() if device.is_accelerator else torch.device("cpu")
         auto: Any = transformers.AutoModelForCausalLM
-        model = auto.from_config(
-            spec["hf_config"], dtype=spec["dtype"], attn_implementation=spec["attn_implementation"]
-        )
+        with tdev:  # initialised where it lives: a 4B model's random init on one cpu thread takes minutes
+            model = auto.from_config(
+                spec["hf_config"], dtype=spec["dtype"], attn_implementation=spec["attn_implementation"]
+            )
         model = model.to(tdev).eval()
         address = (spec["host"], int(spec["port"]))
         if spec["mode"] == "colocated":
