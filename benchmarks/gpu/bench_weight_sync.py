@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import underlay
     from underlay.parallel.distributed import init_distributed
     from underlay.rollout import HFRolloutWorker, WeightSender
+    from underlay.rollout.codec import tensor_digest
 
     device = underlay.get_device(args.device)
     accel = device.is_accelerator
@@ -165,9 +166,15 @@ def main(argv: list[str] | None = None) -> int:
             iter_s.append(t_iter)
             seconds.append(report.seconds)
     assert report is not None
-    engine_state = {n: t.cpu() for b in engine.iter_weights(bucket) for n, t in b}
-    got = worker.state_dict()
-    exact = set(got) >= set(engine_state) and all(torch.equal(got[n], t) for n, t in engine_state.items())
+    # bit-exactness by SHA-256 of every tensor (an 8 GB state dict is not shipped out of the worker)
+    engine_digest: dict[str, str] = {}
+    parameters = 0
+    for b in engine.iter_weights(bucket):
+        for n, t in b:
+            engine_digest[n] = tensor_digest(t)
+            parameters += t.numel()
+    got = worker.state_digest()
+    exact = set(got) >= set(engine_digest) and all(got[n] == d for n, d in engine_digest.items())
     copy_gbs = copy_bandwidth(device, report.nbytes)
     sync_s = statistics.median(seconds)
     t_iter = statistics.median(iter_s)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device.name,
         "device_model": device.model_name(),
         "size": args.size,
-        "parameters": sum(t.numel() for t in engine_state.values()),
+        "parameters": parameters,
         "bytes": report.nbytes,
         "tensors": report.tensors,
         "buckets": report.buckets,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from underlay.interfaces import CheckpointError, ConfigError, InvalidInput
-from underlay.rollout.codec import ALIGN, pack_into, plan, unpack
+from underlay.rollout.codec import ALIGN, pack_into, plan, tensor_digest, unpack
 from underlay.rollout.payload import WeightPayload, default_fp8_filter, scale_name
 from underlay.rollout.sinks import ModuleSink, StagingSink, peft_param_name
 from underlay.rollout.trace import RolloutRecord, RolloutReplay, RolloutTracer, config_key, read_trace
@@ -63,6 +63,19 @@ def test_codec_pack_equals_tensor_by_tensor_copies() -> None:
         back = got.view(t.dtype).view(t.shape)
         assert back.dtype == t.dtype and torch.equal(back.reshape(-1).view(torch.uint8), raw_bytes(t)), name
     assert torch.equal(packed, reference)
+
+
+def test_tensor_digest_is_equal_exactly_for_bit_equal_tensors() -> None:
+    for name, t in _entries(3):
+        assert tensor_digest(t) == tensor_digest(t.clone()), name
+        assert tensor_digest(t) == tensor_digest(t.contiguous()), name  # layout does not matter
+        if t.numel():
+            raw = raw_bytes(t).clone()
+            raw[-1] ^= 1  # one bit
+            assert tensor_digest(raw.view(t.dtype).view(t.shape)) != tensor_digest(t), name
+    w = torch.randn(4, 6)
+    assert tensor_digest(w) != tensor_digest(w.view(6, 4))  # same bytes, other shape
+    assert tensor_digest(w) != tensor_digest(w.view(torch.int32))  # same bytes, other dtype
 
 
 def test_codec_refuses_duplicates_and_corrupt_entries() -> None:
