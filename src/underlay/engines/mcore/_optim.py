@@ -32,11 +32,15 @@ class MCoreOptim(MCoreParams):
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (megatron's grad buffers are zeroed). With
-        ``overlap_grad_reduce`` after a ``forward_backward`` it first waits for the reduction that
-        call started (collective then, as that call was)."""
+        ``overlap_grad_reduce`` after a ``forward_backward`` it first waits for the reductions that
+        call started (megatron allows one outstanding per bucket; none is started here)."""
         if self._opts.overlap_grad_reduce and self._grads == "local":
             for c in self._chunks:
-                c.finish_grad_sync()  # type: ignore[operator]
+                for group in [*c.bucket_groups, *c.expert_parallel_bucket_groups]:  # type: ignore[misc,union-attr]
+                    handle = getattr(group, "grad_reduce_handle", None)
+                    if handle is not None:
+                        handle.wait()
+                        group.grad_reduce_handle = None
         for c in self._chunks:
             c.zero_grad_buffer()  # type: ignore[operator]
         self._optimizer.zero_grad()
