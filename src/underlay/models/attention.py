@@ -254,7 +254,9 @@ def underlay_attention_forward(
     sinks = kwargs.pop("s_aux", None)
     shared = kwargs.pop(SHARED_PROMPTS_KWARG, None)
     if shared is not None:
-        return _shared_attention(module, route, shared, query, key, value, attention_mask, causal, window, scale, softcap, sinks), None
+        return _shared_attention(
+            module, route, shared, query, key, value, attention_mask, causal, window, scale, softcap, sinks
+        ), None
     # (no int() of the sequence dimension: under torch.compile it would specialise on the length)
     bsz, hq, dim = int(query.shape[0]), int(query.shape[1]), int(query.shape[3])
     hk, dim_v = int(key.shape[1]), int(value.shape[-1])
@@ -430,11 +432,17 @@ def _shared_attention(
     problems = [
         what
         for what, bad in (
-            ("a padded batch (shared prompts need the packed stream)", attention_mask is not None or query.shape[0] != 1),
+            (
+                "a padded batch (shared prompts need the packed stream)",
+                attention_mask is not None or query.shape[0] != 1,
+            ),
             ("non-causal attention", not causal),
             (f"attention logit softcapping ({softcap})", softcap is not None),
             ("attention sinks (s_aux)", sinks is not None),
-            (f"Ulysses sequence parallelism (sp={sp_world_size(route.sp_group)})", sp_world_size(route.sp_group) > 1),
+            (
+                f"Ulysses sequence parallelism (sp={sp_world_size(route.sp_group)})",
+                sp_world_size(route.sp_group) > 1,
+            ),
         )
         if bad
     ]
@@ -444,7 +452,7 @@ def _shared_attention(
             "without TokenBatch.prompt_groups"
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = shared_prefix_attention(q, k, v, shared, scale=scale, window=window)
+    out: torch.Tensor = shared_prefix_attention(q, k, v, shared, scale=scale, window=window)
     shared.calls.value += 1
     return out.unsqueeze(0)
 

@@ -136,7 +136,9 @@ def shared_prompt_costs(
     return rows_of, costs
 
 
-def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: torch.Tensor) -> SharedPrompts:
+def share_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: torch.Tensor
+) -> SharedPrompts:
     """The shared-prompt packing of ``input_ids [B, S]`` under ``attention_mask [B, S]`` (left or right
     padding) whose rows with equal ``groups [B]`` (int) values share their longest common prefix of real
     tokens (see the module docstring). A group of one row, or whose rows have no common first token, is
@@ -222,9 +224,7 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, groups:
     )
 
 
-def _visible(
-    layout: SharedPrompts, lo: int, hi: int, window: tuple[int, int] | None
-) -> torch.Tensor:
+def _visible(layout: SharedPrompts, lo: int, hi: int, window: tuple[int, int] | None) -> torch.Tensor:
     """``[hi - lo, hi - lo]`` bool: key ``j`` visible from query ``i`` inside stream range
     ``[lo, hi)`` (same segment and ``j <= i``, or ``j`` in the query's parent segment; within the left
     window of positions when ``window`` is given)."""
@@ -319,6 +319,8 @@ def shared_prefix_attention(
             f"shared_prefix_attention: q {tuple(q.shape)}, k {tuple(k.shape)} must be [T'={layout.total_tokens}, H, D]"
         )
     if int(q.shape[1]) % int(k.shape[1]):
-        raise InvalidInput(f"shared_prefix_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]}")
+        raise InvalidInput(
+            f"shared_prefix_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]}"
+        )
     use_flex = impl == "flex" or (impl == "auto" and q.device.type == "cuda")
     return (_flex if use_flex else _sdpa)(q, k, v, layout, scale, window)

@@ -464,7 +464,9 @@ class FSDP2Engine(EngineBase):
                     with_entropy=with_entropy,
                     logprob_kernel=self._logprob_kernel,
                 )
-            return TokenOutputs(*(None if t is None else pad(t, packed) for t in (out.log_probs, out.entropy, out.values)))
+            return TokenOutputs(
+                *(None if t is None else pad(t, packed) for t in (out.log_probs, out.entropy, out.values))
+            )
         packed = unpad(batch.input_ids, batch.attention_mask)
         multimodal, zero_passes = self._vision_inputs(batch)
         with self._compile_scope():  # AOTAutograd partitions forward/backward when forward compiles
