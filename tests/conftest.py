@@ -27,6 +27,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason="needs an Ascend NPU with torch_npu (UNDERLAY_DEVICE=npu pytest on that host)"
     )
     gpu, npu = _has_cuda(), _has_npu()
+    full_matrix = "full_matrix" in (config.getoption("markexpr", "") or "")
+    skip_full = pytest.mark.skip(
+        reason="the whole matrix: select it with -m full_matrix (docs/model-matrix.md)"
+    )
     conformance = pytest.mark.conformance
     for item in items:
         if item.nodeid.startswith("tests/conformance/"):  # scripts/test_gpu.sh selects them by marker
@@ -35,6 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "npu" in item.keywords and not npu:
             item.add_marker(skip_npu)
+        if "full_matrix" in item.keywords and not full_matrix:
+            item.add_marker(skip_full)
 
 
 @pytest.fixture(autouse=True)

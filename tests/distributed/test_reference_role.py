@@ -125,8 +125,9 @@ def test_reference_role_holds_only_weights_and_infers_like_the_trainable(tmp_pat
         # fp32 masters -> bf16 weights: half the parameter bytes; nothing else held
         assert ref["params"] * 2 == train["params"], (ref, train)
         assert ref["grads"] == 0 and ref["optimizer"] == 0
-        # AdamW moments
-        assert train["grads"] == train["params"] and train["optimizer"] >= 2 * train["params"]
+        assert (
+            train["grads"] == train["params"] and train["optimizer"] >= 2 * train["params"]
+        )  # AdamW moments
         for name, msg in r["refused"].items():
             assert f"{name}: this fsdp2 engine has EngineConfig.role='reference'" in msg, (name, msg)
 
