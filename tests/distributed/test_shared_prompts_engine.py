@@ -1,12 +1,12 @@
 """Shared prompts through the fsdp2 engine (``TokenBatch.prompt_groups``), at 1 and 2 gloo ranks: on
 the same weights, ``infer`` gives the log-probs and entropy of the batch without ``prompt_groups``;
 ``forward_backward`` gives its loss, metrics and per-rank gradient shards, and the optimizer step the
-same weights; the micro-batch plan keeps every group whole, in several micro-batches; and the shared
-micro-batches compute fewer tokens than the unshared ones. The engine runs fp32 (it has no float64
-compute): both sides are the same model in the same precision, so they differ by summation order only;
-the weights are far from their init (``std`` 0.15) so that a wrong position or mask moves the results
-by far more than the tolerance. The float64 equality of the computation itself, per model family, is
-``tests/unit/ops/test_prompt_sharing.py``."""
+same weights; the micro-batch plan keeps every group whole, in several micro-batches; the shared
+micro-batches compute fewer tokens than the unshared ones; a group over the micro-batch budget is
+refused. The engine runs fp32 (it has no float64 compute): both sides are the same model in the same
+precision, so they differ by summation order only; the weights are far from their init (``std`` 0.15)
+so that a wrong position or mask moves the results by far more than the tolerance. The float64
+equality of the computation itself, per model family, is ``tests/unit/ops/test_prompt_sharing.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from tests._dist import run_distributed
 from tests.distributed import _fsdp_helpers as H
-from underlay.interfaces import TokenBatch
+from underlay.interfaces import InvalidInput, TokenBatch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -123,6 +123,18 @@ def _job(rank: int, world: int, weights: str) -> dict[str, Any]:
     out["group_sizes"] = {
         shared.prompt_groups[r[0]].item(): len(r) for r in group_rows(shared.prompt_groups, shared.batch_size)
     }  # type: ignore[arg-type,index]
+    big = TokenBatch(  # one group: 8 prompt tokens + 4 responses of 5 = 28 tokens shared > 24
+        torch.randint(0, H.VOCAB, (1, 13)).repeat(4, 1),
+        torch.ones(4, 13, dtype=torch.long),
+        torch.ones(4, 13, dtype=torch.long),
+        prompt_groups=torch.zeros(4, dtype=torch.long),
+    )
+    big.input_ids[:, 8:] = torch.randint(0, H.VOCAB, (4, 5))
+    try:
+        eng_s.infer(big)
+        out["too_big"] = "no error"
+    except InvalidInput as exc:
+        out["too_big"] = str(exc)
     return out
 
 
@@ -146,3 +158,6 @@ def test_shared_prompts_through_the_engine_equal_the_unshared_batch(tmp_path: Pa
         assert sorted(seen) == r["rank_groups"], mbs  # ...each group in exactly one of them, whole
         assert all(mb.count(g) == r["group_sizes"][g] for mb in mbs for g in set(mb)), mbs
         assert r["tokens"][0] < r["tokens"][1]  # prompts were computed once
+        assert (
+            "group of rows [0, 1, 2, 3] computes 28 tokens shared > micro_batch_max_tokens=24" in r["too_big"]
+        )
