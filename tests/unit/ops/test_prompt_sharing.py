@@ -135,6 +135,9 @@ def test_flex_layout_equals_sdpa_layout() -> None:
         a = shared_prefix_attention(q, k, v, layout, window=window, impl="sdpa")
         b = shared_prefix_attention(q, k, v, layout, window=window, impl="flex")  # (no cpu backward)
         assert float((a - b).abs().max()) < 1e-12
+        again = shared_prefix_attention(q, k, v, layout, window=window, impl="flex")  # cached block mask
+        assert torch.equal(again, b)
+    assert sorted(layout.calls.block_masks) == [("cpu", -1), ("cpu", 2)]  # one per window, reused
 
 
 def test_refusals_name_the_cause() -> None:
