@@ -28,7 +28,8 @@ TOL = 2e-5  # relative, fp32 vs fp32 in another summation order
 
 def _grpo_batch(seed: int, groups: int) -> TokenBatch:
     """``groups`` prompts of 3-8 tokens, each with 2-4 responses of 1-6 tokens (loss mask on the
-    responses), right-padded; advantages for ``H.pg_loss``; ``prompt_groups`` gives each its group."""
+    responses), each at a random place of a row 2 tokens wider than the longest (left, right or both
+    padded); advantages for ``H.pg_loss``; ``prompt_groups`` gives each its group."""
     g = torch.Generator().manual_seed(seed)
     rows: list[tuple[torch.Tensor, torch.Tensor]] = []
     ids_of: list[int] = []
@@ -42,13 +43,15 @@ def _grpo_batch(seed: int, groups: int) -> TokenBatch:
                 )
             )
             ids_of.append(10 * gi + 3)  # any integer labels a group
-    width = max(len(p) + len(r) for p, r in rows)
+    width = max(len(p) + len(r) for p, r in rows) + 2
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     attn, loss = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, r) in enumerate(rows):
-        ids[i, : len(p) + len(r)] = torch.cat([p, r])
-        attn[i, : len(p) + len(r)] = 1
-        loss[i, len(p) : len(p) + len(r)] = 1
+        n = len(p) + len(r)
+        at = int(torch.randint(0, width - n + 1, (1,), generator=g))  # left, right or both padded
+        ids[i, at : at + n] = torch.cat([p, r])
+        attn[i, at : at + n] = 1
+        loss[i, at + len(p) : at + n] = 1
     adv = torch.randn(len(rows), generator=g)
     return TokenBatch(ids, attn, loss, {"advantages": adv}, prompt_groups=torch.tensor(ids_of))
 
