@@ -107,7 +107,8 @@ def _engine_step(rank: int, world: int, policy: str) -> dict[str, Any]:
     rows = _with_log_probs(rows, old)
     with engine.train_mode():
         out = engine.train_batch(
-            T._verl_batch(rows, global_batch_size=T.B, **_common(rows)), functools.partial(ppo_loss, _grpo_config())
+            T._verl_batch(rows, global_batch_size=T.B, **_common(rows)),
+            functools.partial(ppo_loss, _grpo_config()),
         )
         engine.lr_scheduler_step()
     with engine.eval_mode():
@@ -192,6 +193,8 @@ def test_training_worker_grpo_step_equals_engine_flow(tmp_path: Path) -> None:
     # and verl's GRPO loss in float64 over the whole batch
     rows = _with_log_probs(_grpo_rows(), want["old"])
     full = T._verl_batch(rows, global_batch_size=T.B, **_common(rows))
-    ref_loss, ref_grads, _ = T._ref_loss(policy, full, functools.partial(ppo_loss, _grpo_config()), value=False)
+    ref_loss, ref_grads, _ = T._ref_loss(
+        policy, full, functools.partial(ppo_loss, _grpo_config()), value=False
+    )
     assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     assert norm == pytest.approx(math.sqrt(sum(float((g * g).sum()) for g in ref_grads.values())), rel=1e-5)

@@ -21,4 +21,10 @@ from underlay.integrations.verl.platform import CPUPlatform
 from underlay.integrations.verl.config import UnderlayEngineConfig, to_underlay_config
 from underlay.integrations.verl.engine import UnderlayLMEngine, UnderlayValueEngine
 
-__all__ = ["CPUPlatform", "UnderlayEngineConfig", "UnderlayLMEngine", "UnderlayValueEngine", "to_underlay_config"]
+__all__ = [
+    "CPUPlatform",
+    "UnderlayEngineConfig",
+    "UnderlayLMEngine",
+    "UnderlayValueEngine",
+    "to_underlay_config",
+]

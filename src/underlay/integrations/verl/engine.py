@@ -253,7 +253,11 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         """After ``initialize()``: the engine's ranks equal the answers :meth:`_planned` gave."""
         if not self._planned_asked:
             return
-        built = (self.get_data_parallel_rank(), self.get_data_parallel_size(), self.is_mp_src_rank_with_outputs())
+        built = (
+            self.get_data_parallel_rank(),
+            self.get_data_parallel_size(),
+            self.is_mp_src_rank_with_outputs(),
+        )
         if built != self._planned():
             raise InvalidInput(
                 f"the engine's (dp_rank, dp_size, is_mp_src) {built} differ from those reported before "
