@@ -58,9 +58,7 @@ class _Probe:
 
 def _grads(engine: Any) -> dict[str, torch.Tensor]:
     return {
-        n: H.local(p.grad).detach().clone()
-        for n, p in engine.model.named_parameters()
-        if p.grad is not None
+        n: H.local(p.grad).detach().clone() for n, p in engine.model.named_parameters() if p.grad is not None
     }
 
 
