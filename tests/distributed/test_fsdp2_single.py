@@ -108,12 +108,20 @@ def job_one(rank: int, world: int, root: str) -> dict[str, Any]:
     from underlay.registry import get_device
 
     dev = get_device("cpu")
-    out, single_runs = _compare_cases(["llama", "tied"])
+    out, single_runs = _compare_cases(["tied"])
 
     # auto: the path is chosen at one rank
-    auto = FSDP2Engine(_bf16(H.llama_config(), None), dev)
+    auto = FSDP2Engine(_bf16(H.qwen2_tied_config(), None), dev)
     out["auto_single"] = auto.options.single_device
     out["auto_reason"] = auto.option_reasons["single_device"]
+    # a failed forward_backward and an infer leave the masters registered, no gradient behind
+    try:
+        auto.forward_backward(H.global_batch(9), lambda o, b, c: (1.0, {}))  # type: ignore[arg-type,return-value]
+        out["failed_error"] = "no error"
+    except Exception as exc:
+        out["failed_error"] = type(exc).__name__
+    auto.infer(H.global_batch(9))
+    out["masters_back"] = all(p.dtype == torch.float32 and p.grad is None for p in auto.model.parameters())
     # step 1, a checkpoint (resumed at 2 ranks), everything offloaded and back, step 2: the same run
     # as the uninterrupted one
     _train(auto, STEPS[:1])
@@ -122,7 +130,7 @@ def job_one(rank: int, world: int, root: str) -> dict[str, Any]:
     auto.offload()
     auto.onload()
     cont = _train(auto, STEPS[1:])
-    out["offload"] = H.max_diff(cont["weights"], single_runs["llama"]["weights"])
+    out["offload"] = H.max_diff(cont["weights"], single_runs["tied"]["weights"])
     torch.save({"weights": cont["weights"], "losses": cont["losses"]}, Path(root) / "expected.pt")
 
     # refused configurations, before any work
@@ -145,7 +153,7 @@ def job_two(rank: int, world: int, root: str) -> dict[str, Any]:
 
     dev = get_device("cpu")
     out: dict[str, Any] = {}
-    engine = FSDP2Engine(_bf16(H.llama_config(), None), dev)
+    engine = FSDP2Engine(_bf16(H.qwen2_tied_config(), None), dev)
     out["auto_single"] = engine.options.single_device
     engine.load_checkpoint(Path(root) / "ckpt")
     r1 = engine.forward_backward(H.shard(H.global_batch(3), rank, world), H.pg_loss)
@@ -184,12 +192,12 @@ def _check_equal(r: dict[str, Any], names: list[str]) -> None:
 
 
 def test_single_device_equals_fsdp2_at_one_rank(runs: dict[str, Any]) -> None:
-    _check_equal(runs["one"], ["llama", "tied"])
+    _check_equal(runs["one"], ["tied"])
 
 
 @pytest.mark.slow
-def test_single_device_equals_fsdp2_lora_and_recompute() -> None:
-    names = ["lora", "full_recompute"]
+def test_single_device_equals_fsdp2_untied_lora_and_recompute() -> None:
+    names = ["llama", "lora", "full_recompute"]
     _check_equal(run_distributed(job_compare, 1, names, timeout_s=240)[0], names)
 
 
@@ -198,14 +206,20 @@ def test_auto_choice_by_world_size(runs: dict[str, Any]) -> None:
     assert all(r["auto_single"] is False for r in runs["two"])
 
 
+def test_failed_step_and_infer_leave_the_masters(runs: dict[str, Any]) -> None:
+    assert runs["one"]["failed_error"] == "InvalidInput" and runs["one"]["masters_back"]
+
+
 def test_offload_onload_keeps_the_run(runs: dict[str, Any]) -> None:
     assert runs["one"]["offload"] == 0.0
 
 
 def test_one_rank_checkpoint_resumes_at_two_ranks(runs: dict[str, Any]) -> None:
     for r in runs["two"]:
-        # bf16 compute on other micro-batch splits: equal up to bf16 rounding of the forward
-        assert r["resume_weights"] < 1e-4 and r["resume_loss"] < 2e-2, r
+        # bf16 compute on other micro-batch splits: the losses agree to bf16 rounding; AdamW's
+        # normalised update turns that noise into up to ~lr (1e-3) where a gradient is near zero, so
+        # the weights agree within 0.3 lr (a resume that loaded nothing is off by a whole step)
+        assert r["resume_weights"] < 3e-4 and r["resume_loss"] < 1e-4, r
 
 
 def test_refused_configurations(runs: dict[str, Any]) -> None:
