@@ -12,7 +12,7 @@ floating buffer moved off its init) saved in fp32 with transformers' own ``save_
   export gives logits equal, bit-for-bit, to ``from_pretrained`` of the source checkpoint;
 - ``checkpoint``: after one optimizer step, ``CheckpointManager.save`` then ``load`` into a fresh engine
   (built from the config with another seed: its log-probs differ before the load) gives identical
-  ``infer`` log-probs;
+  ``infer`` log-probs, and one more step on both gives identical log-probs again (optimizer state);
 - ``value``: ``ModelConfig(path, kind="value")`` of a ``save_pretrained`` token-classification model of
   the type (perturbed too, so no tensor equals the seed's init) builds, every tensor (head and backbone)
   equals the file's bit-for-bit, ``infer`` returns finite values; ``load_hf`` of the causal-LM checkpoint
@@ -189,6 +189,12 @@ def check_row(model_type: str, root: Path, perturb: str = "") -> dict[str, str]:
         got = fresh.infer(b).log_probs + (1e-6 if perturb == "checkpoint" else 0.0)
         if not torch.equal(got, lp):
             return f"log-probs after save/load into a fresh engine differ: {float((got - lp).abs().max())}"
+        for e in (engine, fresh):  # the resumed run continues as the uninterrupted one
+            e.forward_backward(b, _Recorder())
+            e.optimizer_step()
+        a, r = fresh.infer(b).log_probs, engine.infer(b).log_probs
+        if not torch.equal(a, r):
+            return f"one step after the load: log-probs differ from the uninterrupted run's: {float((a - r).abs().max())}"
         return ""
 
     def value() -> str:
