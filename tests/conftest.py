@@ -28,7 +28,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
     gpu, npu = _has_cuda(), _has_npu()
     full_matrix = "full_matrix" in (config.getoption("markexpr", "") or "")
-    skip_full = pytest.mark.skip(reason="the whole matrix: select it with -m full_matrix (docs/model-matrix.md)")
+    skip_full = pytest.mark.skip(
+        reason="the whole matrix: select it with -m full_matrix (docs/model-matrix.md)"
+    )
     conformance = pytest.mark.conformance
     for item in items:
         if item.nodeid.startswith("tests/conformance/"):  # scripts/test_gpu.sh selects them by marker

@@ -245,6 +245,7 @@ class FSDP2Engine(EngineBase):
     def _materialise(self) -> None:
         """Fill the shards: from the safetensors of ``model.path`` (a value head or LoRA adapters the
         files lack are initialised from the seed), or entirely from the seed."""
+        from underlay.engines._value_head import refuse_unread_tensors
         from underlay.engines.fsdp2.weights import load_hf_into
 
         mc = self._config.model
@@ -258,6 +259,9 @@ class FSDP2Engine(EngineBase):
                 rule = self._weight_map.rule_for_hf(hf)
                 if rule is not None:
                     fill.add(rule.engine_name)
+            if fill and mc.kind == "value":  # no head in the files: none under another name either
+                rows = int(self._hf_config.get_text_config().vocab_size)
+                refuse_unread_tensors(mc.path, self._weight_map, rows, "fsdp2")
             if not fill and mc.lora is None:
                 return
         full = _build.seeded_state(mc, self._hf_config)
@@ -915,7 +919,9 @@ class FSDP2Engine(EngineBase):
             set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
             params = dict(self._model.named_parameters())
             for fqn in stateless:  # as at save: no state until the parameter's first gradient
-                self._optimizer.state.pop(params.get(fqn), None)
+                param = params.get(fqn)
+                if param is not None:
+                    self._optimizer.state.pop(param, None)
             self._scheduler.load_state_dict(scheduler_state)
         self._global_step = step
         self.zero_grad()
