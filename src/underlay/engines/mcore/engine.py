@@ -264,10 +264,10 @@ class MCoreEngine(EngineBase):
         from underlay.engines.mcore.layers import have_te
 
         self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
+        self._build_weight_map()  # from the arch and layout alone; _fill checks files against it
         chunks = self._build_chunks()
         self._fill(chunks)
         self._chunks = self._wrap_ddp(chunks)
-        self._build_weight_map()
         self._build_optimizer()
         self._global_step = 0
         self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
@@ -456,6 +456,10 @@ class MCoreEngine(EngineBase):
                 )
             if not missing:
                 return
+            from underlay.engines._value_head import refuse_unread_tensors
+
+            # the head is missing: it is in no file under another name either
+            refuse_unread_tensors(mc.path, self._weight_map, int(self._hf_config.vocab_size), "mcore")
             only = set(missing)
         from underlay.engines.mcore._hf import seeded_hf_state
 
@@ -528,6 +532,14 @@ class MCoreEngine(EngineBase):
         self._schedulers = [build_lr_scheduler(inner, o) for inner in _torch_optimizers(self._optimizer)]
 
     # ------------------------------------------------------------------------------- properties
+
+    def __repr__(self) -> str:
+        lay = self._layout
+        return (
+            f"MCoreEngine(world={lay.world_size}, tp={lay.tp}, pp={lay.pp}, vpp={lay.vpp}, cp={lay.cp}, "
+            f"ep={lay.ep}, device={self._device.device_type}, kind={self._config.model.kind!r}, "
+            f"training_randomness={self._config.model.training_randomness!r})"
+        )
 
     @property
     def name(self) -> str:
