@@ -80,8 +80,9 @@ def test_engine_matrix_sample(tmp_path: Path) -> None:
 
 @pytest.mark.full_matrix
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_engine_matrix_full(tmp_path: Path) -> None:
-    """Every fsdp2 exact row (~2 minutes on 2 cores)."""
-    (res,) = run_distributed(check_rows, 1, ROWS, str(tmp_path), timeout_s=600, deadline_s=900)
+    """Every fsdp2 exact row (~2 minutes on an idle 2-core machine, 10+ on a busy one)."""
+    (res,) = run_distributed(check_rows, 1, ROWS, str(tmp_path), timeout_s=600, deadline_s=2300)
     bad = _compare(res)
     assert not bad, bad
