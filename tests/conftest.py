@@ -1,4 +1,6 @@
-"""Shared pytest configuration: marker-based skips and a clean backend registry per test."""
+"""Shared pytest configuration: marker-based skips, a clean backend registry per test, and
+deterministic property tests (hypothesis draws the same examples every run, derived from each test's
+name, and keeps no example database; explore new examples with ``--hypothesis-profile=default``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,14 @@ import pytest
 import torch
 
 from underlay import registry
+
+try:
+    from hypothesis import settings
+except ImportError:  # the verl environment has no hypothesis (and no property tests)
+    pass
+else:
+    settings.register_profile("underlay-deterministic", derandomize=True, database=None)
+    settings.load_profile("underlay-deterministic")
 
 
 def _has_cuda() -> bool:
