@@ -1,5 +1,6 @@
-"""The architecture matrix through the fsdp2 engine: the per-rank body that checks rows of
-``coverage.EXACT["fsdp2"]`` through the public API (module level so ``run_distributed`` can pickle it).
+"""The architecture matrix through the engines: the per-rank body that checks rows of
+``coverage.EXACT[engine]`` through the public API of the fsdp2 engine, or of the mcore engine under
+the CPU fixture of ``tests/mcore`` (module level so ``run_distributed`` can pickle it).
 
 Per row, from the tiny float64 model of ``tests.unit.models._matrix.tiny_model`` (every parameter and
 floating buffer moved off its init) saved in fp32 with transformers' own ``save_pretrained``:
