@@ -110,6 +110,10 @@ class MCoreParams(MCoreBuild):
                 )
             if not missing:
                 return
+            from underlay.engines._value_head import refuse_unread_tensors
+
+            # the head is missing: it is in no file under another name either
+            refuse_unread_tensors(mc.path, self._weight_map, int(self._hf_config.vocab_size), "mcore")
             only = set(missing)
         from underlay.engines.mcore._hf import seeded_hf_state
 
