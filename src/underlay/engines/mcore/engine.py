@@ -222,10 +222,11 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         from underlay.engines.mcore.layers import have_te
 
         self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
-        chunks = self._build_chunks()
-        self._fill(chunks)
-        self._chunks = self._wrap_ddp(chunks)
+        self._chunks = self._wrap_ddp(self._build_chunks())
         self._build_weight_map()
+        # into megatron's DDP buffers (the parameters are views of them), before the optimizer takes
+        # its master copies
+        self._fill()
         self._build_optimizer()
         self._global_step = 0
         self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
