@@ -1,6 +1,7 @@
 """The training properties (``tests/conformance/_engine_properties.py``) for mcore under the CPU
-fixture: one 2-rank process group per model runs a chain of layouts (each resumes the previous one's
-checkpoint), all against the float64 reference."""
+fixture: one 2-rank process group per chain runs its layouts (each resumes the previous one's
+checkpoint), all against the float64 reference. The chains in ``P.SLOW_CHAINS`` (pp2 x vpp2 -> cp2)
+are marked ``slow``: CI covers cp2 in the dense chain, and ``-m "not slow"`` leaves them out."""
 
 from __future__ import annotations
 
