@@ -32,6 +32,7 @@ declare -A GPU=(
   [attention]="benchmarks.gpu.bench_attention"
   [fp8]="benchmarks.gpu.bench_fp8"
   [fsdp2]="benchmarks.gpu.bench_fsdp2 --act-ckpt defaults,tuned"
+  [arch_sweep]="benchmarks.gpu.bench_arch_sweep"
   [mcore]="benchmarks.gpu.bench_fsdp2 --mcore"
   [long_seq]="benchmarks.gpu.bench_long_seq"
   [vlm]="benchmarks.gpu.bench_vlm"
@@ -39,7 +40,7 @@ declare -A GPU=(
   [weight_sync]="benchmarks.gpu.bench_weight_sync"
   [weights_io]="benchmarks.cpu.bench_weights_io --device cuda --world 1 --repeats 1"
 )
-GPU_ORDER=(logprob attention fp8 fsdp2 mcore long_seq vlm models_memory weight_sync weights_io)
+GPU_ORDER=(logprob attention fp8 fsdp2 arch_sweep mcore long_seq vlm models_memory weight_sync weights_io)
 
 usage() { echo "usage: bash benchmarks/run.sh {cpu|gpu} [NAME ...] [--out DIR]" >&2; exit 2; }
 [ $# -ge 1 ] || usage

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from underlay.engines._core import (
     EngineBase,
 )
+from underlay.engines.mcore import passthrough
 from underlay.engines.mcore._chunks import torch_optimizers as _torch_optimizers
 from underlay.engines.mcore.config import (
     MCoreArch,
@@ -147,11 +148,14 @@ class MCoreBuild(EngineBase):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        ddp_config = DistributedDataParallelConfig(
+        ddp_kwargs = dict(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=self._opts.overlap_grad_reduce,
+            overlap_param_gather=self._opts.overlap_param_gather,
             use_distributed_optimizer=self._opts.distributed_optimizer,
         )
+        merged = passthrough.merge("ddp", DistributedDataParallelConfig, ddp_kwargs, self._opts.ddp)
+        ddp_config = passthrough.build("ddp", DistributedDataParallelConfig, merged, self._opts.ddp)
         wrapped = [
             DistributedDataParallel(
                 config=self._tf_config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0
@@ -178,7 +182,7 @@ class MCoreBuild(EngineBase):
         o = self._config.optim
         clip = o.grad_clip if o.grad_clip is not None and o.grad_clip > 0 else 0.0
         kind, extra = _megatron_optimizer(o)
-        oc = OptimizerConfig(
+        oc_kwargs = dict(
             optimizer=kind,
             **extra,
             lr=o.lr,
@@ -192,7 +196,12 @@ class MCoreBuild(EngineBase):
             fp16=self._param_dtype == torch.float16,
             params_dtype=self._param_dtype,
             use_distributed_optimizer=self._opts.distributed_optimizer,
+            # the optimizer then leaves the parameter all-gather to the next forward's pre-hooks
+            overlap_param_gather=self._opts.overlap_param_gather,
         )
+        passed = self._opts.optimizer
+        merged = passthrough.merge("optimizer", OptimizerConfig, oc_kwargs, passed)
+        oc = passthrough.build("optimizer", OptimizerConfig, merged, passed)
         kwargs: dict[str, Any] = {}
         if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
             # decay every parameter, as the fsdp2 engine's AdamW does (megatron skips 1-D params by default)

@@ -1,4 +1,4 @@
-"""Parameters of the mcore engine through its weight map: filling the chunks from HF tensors, the
+"""Parameters of the mcore engine through its weight map: filling the chunks (the shared HF reader), the
 ``WeightMap`` over global names, full-tensor gathers and writes, and weight streaming."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.mcore._build import MCoreBuild
 from underlay.engines.mcore._chunks import unwrap as _unwrap
+from underlay.engines.mcore.stages import chunk_layer_spans
 from underlay.engines.mcore.weightmap import Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
     CheckpointError,
@@ -57,14 +58,14 @@ class MCoreParams(MCoreBuild):
         a = self._arch
         pp, vpp = self._layout.pp, self._layout.vpp
         ep = self._layout.ep
-        per_chunk = a.num_layers // (pp * vpp)
+        spans = chunk_layer_spans(self._tf_config, pp, vpp)
         local_e = a.num_experts // ep if a.is_moe else 0
         out: list[tuple[int, int, int, Rule]] = []
         for v in range(vpp):
             for stage in range(pp):
                 first_stage = stage == 0 and v == 0
                 last_stage = stage == pp - 1 and v == vpp - 1
-                first_layer = (v * pp + stage) * per_chunk
+                first_layer, per_chunk = spans[v][stage]
                 for e in range(ep):
                     rules = stage_rules(
                         a,

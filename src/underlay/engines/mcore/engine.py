@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from underlay.engines._inductor import inductor_ok
+from underlay.engines.mcore import passthrough
 from underlay.engines.mcore._build import _compat_shims, _megatron_optimizer, _process_groups
 from underlay.engines.mcore._checkpoint import MCoreCheckpoint
 from underlay.engines.mcore._step import MCoreStep
@@ -48,11 +49,13 @@ from underlay.engines.mcore.config import (
     arch_of,
     check_layout,
     config_class,
+    transformer_config_keys,
     transformer_config_kwargs,
     value_arch,
     with_padded_vocab,
 )
 from underlay.engines.mcore.options import MCoreOptions
+from underlay.engines.mcore.stages import check_recompute_fields, stage_layer_counts
 from underlay.interfaces import (
     BackendUnavailable,
     ConfigError,
@@ -89,6 +92,12 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         support = MCoreOptions.supports_recompute(config.recompute)
         if not support.available:
             raise ConfigError(f"mcore: recompute={config.recompute!r}: {support.reason}; {support.hint}")
+        if config.role != "trainable":
+            raise ConfigError(
+                f"mcore: EngineConfig.role={config.role!r} is not supported by the mcore engine (it "
+                "always builds megatron's DDP gradient buffers and optimizer with its fp32 main copies); "
+                "use the fsdp2 engine for an inference-only reference model"
+            )
         mc = config.model
         if mc.lora is not None:
             raise ConfigError(
@@ -130,6 +139,9 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         if self._value:
             self._hf_config = value_hf_config(self._hf_config)
             self._arch = value_arch(self._arch, self._hf_config)
+        # unknown or owned pass-through fields, before any state (the key set does not depend on sizes)
+        passthrough.check_names(config_class(self._arch), opts, transformer_config_keys(self._arch))
+        check_recompute_fields("none" if config.recompute == "auto" else config.recompute, opts.transformer)
         if not device.is_accelerator and not _env.get_bool(CPU_FIXTURE_ENV):
             raise BackendUnavailable(
                 "engine",
@@ -157,6 +169,7 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
             ep=par.ep,
             etp=etp,
             sequence_parallel=opts.sequence_parallel,
+            stage_layers=stage_layer_counts(opts.transformer),
         )
         self._arch = with_padded_vocab(self._arch, par.tp)  # vocab rows a multiple of tp (vocab.py)
         self._config = config
@@ -184,22 +197,25 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         _compat_shims()
         from megatron.core import parallel_state as ps
 
-        self._tf_config = config_class(self._arch)(
-            **transformer_config_kwargs(
-                self._arch,
-                tp=par.tp,
-                pp=par.pp,
-                vpp=par.vpp,
-                cp=par.cp,
-                ep=par.ep,
-                etp=etp,
-                sequence_parallel=opts.sequence_parallel,
-                params_dtype=self._param_dtype,
-                recompute=recompute,
-                batch_p2p_comm=batch_p2p,
-                fused_elementwise=self._fused_elementwise,
-            )
+        tf_cls = config_class(self._arch)
+        tf_kwargs = transformer_config_kwargs(
+            self._arch,
+            tp=par.tp,
+            pp=par.pp,
+            vpp=par.vpp,
+            cp=par.cp,
+            ep=par.ep,
+            etp=etp,
+            sequence_parallel=opts.sequence_parallel,
+            params_dtype=self._param_dtype,
+            recompute=recompute,
+            batch_p2p_comm=batch_p2p,
+            fused_elementwise=self._fused_elementwise,
         )
+        # partial recompute: megatron's method and unit replace the engine's uniform 1-layer default
+        unit = ("recompute_method", "recompute_num_layers")
+        merged = passthrough.merge("transformer", tf_cls, tf_kwargs, opts.transformer, unit)
+        self._tf_config = passthrough.build("transformer", tf_cls, merged, opts.transformer)
         self._layout = ParallelLayout(
             world,
             1,
