@@ -49,12 +49,16 @@ def check_forward_grads(
     for name, g in grads.items():
         r = ref_grads[name]
         gerr = max(gerr, float((g.double() - r).abs().max() / (r.abs().max() + 1e-6)))
+    # the optimizer's global grad norm (every shard and replica counted once) against HF's
+    ref_norm = float(sum((g**2).sum() for g in ref_grads.values()) ** 0.5)
+    norm = eng.optimizer_step().grad_norm
     return {
         "lp": float((out.log_probs.double() - ref_mine).abs().max()),
         "loss": abs(res.metrics["loss"] - float(ref_loss)),
         "grad_rel": gerr,
         "n": len(grads),
         "etp": eng.layout.etp,
+        "norm_rel": abs(norm - ref_norm) / ref_norm,
     }
 
 

@@ -46,7 +46,7 @@ def check_token_batch(batch: TokenBatch, vocab: int, *, shared_prompts: bool = F
     if batch.prompt_groups is not None and not shared_prompts:
         raise InvalidInput(
             "TokenBatch.prompt_groups: this engine does not compute shared prompts (the fsdp2 engine "
-            "does: docs/shared-prompts.md); give the batch without prompt_groups"
+            "does: docs/roles.md); give the batch without prompt_groups"
         )
     ids, mask, loss = batch.input_ids, batch.attention_mask, batch.loss_mask
     if ids.dtype not in (torch.int64, torch.int32):

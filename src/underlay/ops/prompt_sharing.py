@@ -37,10 +37,13 @@ __all__ = [
 
 
 class CallCounter:
-    """A mutable count (``value``), shared by every copy of the layout that holds it."""
+    """A mutable count (``value``), shared by every copy of the layout that holds it; also the flex
+    block masks built for the layout (``block_masks``, by window), so that every layer and the
+    recomputation in backward reuse one instead of building it per attention call."""
 
     def __init__(self) -> None:
         self.value = 0
+        self.block_masks: dict[tuple[str, int], Any] = {}
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,11 @@ def _flex(
         return ok
 
     n = int(q.shape[0])
-    block = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    key = (str(q.device), left)
+    block = layout.calls.block_masks.get(key)
+    if block is None:
+        block = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+        layout.calls.block_masks[key] = block
     fn = flex_attention
     if q.device.type != "cpu":  # compiled: the fused kernel (eager flex materialises the scores)
         fn = _FLEX.get("compiled") or _FLEX.setdefault("compiled", torch.compile(flex_attention))

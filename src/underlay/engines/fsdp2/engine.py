@@ -438,6 +438,13 @@ class FSDP2Engine(EngineBase):
             from underlay.ops.prompt_sharing import shared_prompt_costs
 
             rows_of, costs = shared_prompt_costs(batch.input_ids, batch.attention_mask, batch.prompt_groups)
+            big = max(range(len(costs)), key=costs.__getitem__)
+            if costs[big] > self._config.micro_batch_max_tokens:
+                raise InvalidInput(
+                    f"TokenBatch.prompt_groups: the group of rows {rows_of[big]} computes {costs[big]} tokens "
+                    f"shared > micro_batch_max_tokens={self._config.micro_batch_max_tokens} (a group stays in "
+                    "one micro-batch); raise micro_batch_max_tokens or give the batch without prompt_groups"
+                )
             plan = plan_micro_batches(costs, self._config.micro_batch_max_tokens, group=self._dp_group)
             return [[r for g in mb for r in rows_of[g]] for mb in plan]
         # tokens, plus the vision patches of a row's images weighted by models.patch_cost

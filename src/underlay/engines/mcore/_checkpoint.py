@@ -72,6 +72,7 @@ class MCoreCheckpoint(MCoreOptim):
         # CPU (gloo) runs, so the host-device case writes from the rank's own process
         threads = 2 if self._device.is_accelerator else 1
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+        self._finish_param_gather()
         self._sync_master_params()
         self._init_optimizer_state()
         state = self._model_state_for_ckpt()
@@ -172,6 +173,7 @@ class MCoreCheckpoint(MCoreOptim):
         directory = Path(directory)
         self.check_signature(directory)
         self._ensure_onloaded("load_checkpoint")
+        self._finish_param_gather()  # a pending gather would overwrite the loaded parameters
         extra = self._read_engine_state(directory)
         live = LiveState(
             [*self._param_tensors(), *self._optim_tensors()],

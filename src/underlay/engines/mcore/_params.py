@@ -124,6 +124,7 @@ class MCoreParams(MCoreBuild):
         broadcast from the lowest owning rank (pipeline stage, expert rank): full (``tp == 1`` layout)
         fp32 tensors on the device, on every rank. Collective."""
         self._ensure_onloaded("weights")
+        self._finish_param_gather()
         params = [_named_tensors(c) for c in self._chunks]
         for wr in self._weight_map.rules:
             stage, v, e, rule = self._where[wr.engine_name]
@@ -163,6 +164,7 @@ class MCoreParams(MCoreBuild):
                 f"copy_full_parameter {engine_name}: shape {tuple(full.shape)} != {wr.engine_shape}"
             )
         stage, v, e, rule = self._where[engine_name]
+        self._finish_param_gather()  # a pending gather would overwrite what is written here
         targets: list[tuple[int, str]] = []
         if self._is_mine(stage, e, rule):
             targets.append((v, rule.name))
@@ -188,6 +190,16 @@ class MCoreParams(MCoreBuild):
             self._masters_stale = True
             written += param.numel() * param.element_size()
         return written
+
+    def _finish_param_gather(self) -> None:
+        """Complete the parameter all-gather that ``overlap_param_gather`` defers from the optimizer
+        step to the next forward's pre-hooks, for paths that read or write parameters outside a
+        forward (weights, checkpoints, offload). No-op when none is pending. Collective over dp when
+        one is."""
+        if self._gather_pending:
+            for c in self._chunks:
+                c.start_param_sync(force_sync=True)  # type: ignore[operator]
+            self._gather_pending = False
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The mcore engine has no LoRA adapters: always empty."""
