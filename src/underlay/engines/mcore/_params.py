@@ -42,6 +42,10 @@ class MCoreParams(MCoreBuild):
             report = load_hf_files(self, mc.path, strict=True)  # type: ignore[arg-type]
             if not report.missing:
                 return
+            from underlay.engines._value_head import refuse_unread_tensors
+
+            # the head is missing: it is in no file under another name either
+            refuse_unread_tensors(mc.path, self._weight_map, int(self._hf_config.vocab_size), "mcore")
             only = set(report.missing)
         state = seeded_hf_state(mc, self._hf_config)
         for wr in self._weight_map.rules:
