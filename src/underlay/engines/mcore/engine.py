@@ -235,13 +235,14 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
 
         self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
         self._build_weight_map()  # from the arch and layout alone; _fill checks files against it
-        chunks = self._build_chunks()
-        self._fill(chunks)
-        self._chunks = self._wrap_ddp(chunks)
+        self._chunks = self._wrap_ddp(self._build_chunks())
+        self._gather_pending = False  # read by copy_full_parameter, so set before the fill
+        # into megatron's DDP buffers (the parameters are views of them), before the optimizer takes
+        # its master copies
+        self._fill()
         self._build_optimizer()
         self._global_step = 0
         self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
-        self._gather_pending = False
         self._skip_next = False  # a non-finite loss or metric since the last optimizer step
         self._masters_stale = False  # parameters written outside the optimizer (see _sync_master_params)
         self._offloaded: dict[str, Any] = {}
