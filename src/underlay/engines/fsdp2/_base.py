@@ -16,6 +16,7 @@ from underlay.engines.fsdp2.act_offload import ActivationOffloader
 from underlay.engines.fsdp2.defaults import Resolved
 from underlay.engines.fsdp2.options import FSDP2Options
 from underlay.engines.fsdp2.parallelize import Meshes
+from underlay.engines.fsdp2.single import ComputeCopy
 from underlay.interfaces import (
     ParallelLayout,
     ProbeResult,
@@ -31,6 +32,7 @@ class FSDP2Base(EngineBase):
 
     # what ``FSDP2Engine.__init__`` sets (every part of the engine reads them)
     _options: FSDP2Options
+    _options_given: FSDP2Options  # the user's, before the auto fields were decided
     _torch_device: torch.device
     _meshes: Meshes
     _dp_group: Any
@@ -51,6 +53,7 @@ class FSDP2Base(EngineBase):
     _logprob_kernel: Any
     _optimizer: torch.optim.Optimizer | None
     _scheduler: Any
+    _single: ComputeCopy | None  # world size 1 (options.single_device): the compute-dtype copies
 
     def _trainable(self, what: str) -> torch.optim.Optimizer:
         """The optimizer; ``UnsupportedOperation`` naming ``what`` and the role on a reference engine."""
@@ -190,7 +193,9 @@ class FSDP2Base(EngineBase):
 
     @property
     def model(self) -> torch.nn.Module:
-        """The FSDP2-sharded module (a peft ``PeftModel`` when LoRA is configured)."""
+        """The FSDP2-sharded module (a peft ``PeftModel`` when LoRA is configured); with
+        ``options.single_device`` (world size 1) the plain module, its parameters the fp32 masters as
+        plain tensors (``single.ComputeCopy`` swaps the compute copies in for forward and backward)."""
         return self._model
 
     @property

@@ -133,6 +133,10 @@ class FSDP2Checkpoint(FSDP2Optim):
         # checkpoint was read (a corrupt shard fails here with the run's state untouched)
         model_sd = _fresh(get_model_state_dict(self._model))
         optim_sd = _fresh(get_optimizer_state_dict(self._model, self._optimizer))
+        # a parameter that never had a gradient when the checkpoint was saved (a vision tower in
+        # text-only training, an unused expert) has no optimizer state there; torch's template for
+        # this engine has one for every parameter: those entries are not read, and dropped after
+        stateless = {fqn: optim_sd["state"].pop(fqn) for fqn in _stateless_params(optim_sd, directory)}
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         live = LiveState(
             [*self._model.parameters(), *_optim_params(self._optimizer)], [self._optimizer], [self._scheduler]
@@ -140,7 +144,13 @@ class FSDP2Checkpoint(FSDP2Optim):
         with load_transaction(f"load_checkpoint({directory})", live):
             safe_dcp_load(state, directory)
             set_model_state_dict(self._model, model_sd)
+            optim_sd["state"].update(stateless)  # torch's setter wants every parameter's entry
             set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
+            params = dict(self._model.named_parameters())
+            for fqn in stateless:  # as at save: no state until the parameter's first gradient
+                param = params.get(fqn)
+                if param is not None:
+                    self._optimizer.state.pop(param, None)
             self._scheduler.load_state_dict(scheduler_state)
         self._global_step = step
         self.zero_grad()
@@ -193,3 +203,13 @@ def _fresh(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(_fresh(v) for v in tree)
     return tree
+
+
+def _stateless_params(optim_sd: Mapping[str, Any], directory: Path) -> list[str]:
+    """The parameter names of ``optim_sd["state"]`` (torch's ``get_optimizer_state_dict`` layout) for
+    which the DCP checkpoint in ``directory`` holds no optimizer state."""
+    from underlay.utils.safe_dcp import SafeFileSystemReader
+
+    saved = SafeFileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    prefixes = {k.rsplit(".", 1)[0] for k in saved if k.startswith("optim.state.")}
+    return [fqn for fqn in optim_sd.get("state", {}) if f"optim.state.{fqn}" not in prefixes]

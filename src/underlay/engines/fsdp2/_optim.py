@@ -121,6 +121,8 @@ class FSDP2Optim(FSDP2Params):
         skipped = not math.isfinite(norm) or self._skip_next
         if not skipped:
             optimizer.step()
+            if self._single is not None:
+                self._single.invalidate()
         self.zero_grad()
         self._global_step += 1
         return OptimizerStepResult(grad_norm=norm, skipped=skipped, lr=lr)
@@ -161,6 +163,8 @@ class FSDP2Optim(FSDP2Params):
                     self._optimizer.state[group_param] = {}
             self._offloaded["optimizer"] = state
         if params and "params" not in self._offloaded:
+            if self._single is not None:
+                self._single.release()  # rebuilt from the masters at the next forward
             if not self._config.cpu_offload and self._device.is_accelerator:
                 self._model.to(host)
             self._offloaded["params"] = True

@@ -3,7 +3,9 @@ shared-prompt) forward, ``forward_backward`` with its gradient sync and failure 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,6 +170,8 @@ class FSDP2Step(FSDP2Optim):
         completed = False
         filled: list[_ZeroFilled] = []
         warm = self._compile_warmup.start() if self._options.compile else None
+        if self._single is not None:  # the compute copies stay in for backward and recomputation
+            self._single.swap_in()
         try:
             for i, idx in enumerate(plan):
                 last = i == len(plan) - 1
@@ -189,6 +193,8 @@ class FSDP2Step(FSDP2Optim):
                 reducer.add(loss, metrics)
             completed = True
         finally:
+            if self._single is not None:
+                self._single.swap_out()
             _unfill(filled, completed)
             if sync_once:
                 self._set_requires_gradient_sync(True)  # after a failure too: the next call syncs
@@ -246,7 +252,8 @@ class FSDP2Step(FSDP2Optim):
             if not idx:
                 self._forward(batch.select([0]), temp, False)
                 continue
-            out = self._forward(batch.select(idx), temp, with_entropy)
+            with self._compute_view():
+                out = self._forward(batch.select(idx), temp, with_entropy)
             rows = torch.as_tensor(idx, device=self._torch_device)
             for key in ("log_probs", "entropy", "values"):
                 t = getattr(out, key)
@@ -259,3 +266,8 @@ class FSDP2Step(FSDP2Optim):
         if warm is not None:  # inference compiles its own (no-grad) graphs once too
             self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         return TokenOutputs(result.get("log_probs"), result.get("entropy"), result.get("values"))
+
+    def _compute_view(self) -> contextlib.AbstractContextManager[Any]:
+        """World size 1 (``options.single_device``): the modules hold the compute-dtype copies inside
+        (``single.ComputeCopy``); under FSDP2 nothing to do."""
+        return self._single.compute_view() if self._single is not None else contextlib.nullcontext()

@@ -12,6 +12,8 @@ mapping of its fields or an instance). Its speed and memory fields default to ``
 ``EngineConfig.recompute`` to ``"auto"``: right after the meta model is built they are decided once
 (``_auto.resolve_for`` -> the pure ``defaults.resolve``: per-device speed settings, then the memory
 policy), logged with their reasons and kept in ``resolved_options``/``option_reasons``/``recompute``.
+``single_device`` (auto: at world size 1 when the parameters stay unsharded) skips ``fully_shard``:
+fp32 masters in the module, a persistent compute-dtype copy for forwards (``single.ComputeCopy``).
 ``grad_sync="per_step"`` reduces a ``forward_backward``'s gradients once, at its last micro-batch
 (FSDP2's ``set_requires_gradient_sync``; see ``forward_backward``).
 Recompute policies: ``"auto"``, ``"none"`` and ``"full"`` (``"selective"`` is refused with the reason,
@@ -46,11 +48,13 @@ from underlay.engines.fsdp2.parallelize import (
     build_layout,
     build_meshes,
     compile_layer_parts,
+    decoder_layers,
     mp_policy_for,
     offload_policy_for,
     torch_dtype,
     validate_ulysses,
 )
+from underlay.engines.fsdp2.single import ComputeCopy, check_single_device, to_empty_keeping_ties
 from underlay.engines.fsdp2.weightmap import fsdp2_weight_map, persistent_buffers
 from underlay.interfaces import (
     CheckpointError,
@@ -127,12 +131,20 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
         if self._reference:  # the weights themselves in the compute dtype: no fp32 master copy
             _build.frozen_in_dtype(model, self._param_dtype)
         # the auto options (None) and recompute="auto" are decided once, here, and logged
+        self._options_given = options
         self._resolved = _auto.resolve_for(model, self._hf_config, config, options, device, layout)
         options = self._resolved.options
         self._options = options
         self._recompute = self._resolved.recompute
+        check_single_device(
+            bool(options.single_device),
+            self._options_given.single_device,
+            world,
+            config.cpu_offload,
+            bool(options.reshard_after_forward),
+        )
         # parameters stay unsharded from forward to backward: then also from one micro-batch to the next
-        self._keep_unsharded = not options.reshard_after_forward
+        self._keep_unsharded = not options.reshard_after_forward and not options.single_device
         buffers = {n: b for n, b in model.named_buffers()}
         apply_activation_checkpointing(model, self._recompute)
         self._prepare(model)
@@ -148,22 +160,32 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
             )
         # outermost around each layer's (compiled, checkpointed) forward: see act_offload
         self._act_offload = install_activation_offload(model, device, options)
-        apply_fsdp(
-            model,
-            self._meshes.fsdp,
-            mp_policy_for(config.param_dtype, config.reduce_dtype),
-            offload_policy_for(config.cpu_offload, pin_memory=device.is_accelerator),
-            reshard_after_forward=not self._keep_unsharded,
-        )
+        if not options.single_device:
+            apply_fsdp(
+                model,
+                self._meshes.fsdp,
+                mp_policy_for(config.param_dtype, config.reduce_dtype),
+                offload_policy_for(config.cpu_offload, pin_memory=device.is_accelerator),
+                reshard_after_forward=not self._keep_unsharded,
+            )
         self._weight_map = fsdp2_weight_map(
             [*model.named_parameters(remove_duplicate=False), *persistent_buffers(model)],
             self._hf_config,
             config.model.kind,
         )
-        model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
+        if options.single_device:
+            to_empty_keeping_ties(model, self._torch_device)
+        else:
+            model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
         self._restore_buffers(model, buffers)
         self._model = model
         self._materialise()
+        # world size 1 (options.single_device): fp32 masters registered, a compute copy for forwards
+        self._single = (
+            ComputeCopy(model, self._param_dtype, [model, *decoder_layers(model)])
+            if options.single_device
+            else None
+        )
         self._global_step = 0
         # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
         self._grads_pending = False
@@ -179,6 +201,7 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
     def _materialise(self) -> None:
         """Fill the shards: from the safetensors of ``model.path`` (a value head or LoRA adapters the
         files lack are initialised from the seed), or entirely from the seed."""
+        from underlay.engines._value_head import refuse_unread_tensors
         from underlay.engines.fsdp2.weights import load_hf_into
 
         mc = self._config.model
@@ -192,6 +215,9 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
                 rule = self._weight_map.rule_for_hf(hf)
                 if rule is not None:
                     fill.add(rule.engine_name)
+            if fill and mc.kind == "value":  # no head in the files: none under another name either
+                rows = int(self._hf_config.get_text_config().vocab_size)
+                refuse_unread_tensors(mc.path, self._weight_map, rows, "fsdp2")
             if not fill and mc.lora is None:
                 return
         full = _build.seeded_state(mc, self._hf_config)

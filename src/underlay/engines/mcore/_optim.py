@@ -47,9 +47,17 @@ class MCoreOptim(MCoreParams):
         self._grads = "clean"
         self._skip_next = False
 
+    def _drop_grads(self) -> None:
+        """``zero_grad`` after a failed ``forward_backward``: also drops any ``param.grad`` that
+        megatron's DDP hook had not yet moved into its buffer (``main_grad``)."""
+        self.zero_grad()
+        for c in self._chunks:
+            for p in c.parameters():
+                p.grad = None
+
     def _sync_master_params(self) -> None:
         """Copy the model parameters into the optimizer's fp32 master copies when something wrote the
-        parameters outside the optimizer (``load_tensors``, ``copy_full_parameter``): with bf16/fp16
+        parameters outside the optimizer (``copy_full_parameter``: ``load_hf``, weight sync): with bf16/fp16
         parameters megatron's optimizer steps its masters and copies them back, so a load it missed
         would be undone by the next step. No-op for fp32 parameters (no masters) and when clean."""
         if self._masters_stale:

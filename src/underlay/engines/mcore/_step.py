@@ -346,7 +346,13 @@ class MCoreStep(MCoreOptim):
         per-token-loss mode sums in its DDP; the reduction (``finalize_grads``) runs once per optimizer
         step, so several calls accumulate like one call over their concatenated micro-batches. Metrics reduce as declared over dp on the last
         stage and are broadcast over the pipeline so every rank returns the same ``StepResult``.
-        ``InvalidInput`` on a malformed batch or ``loss_fn`` before any compute.
+        ``InvalidInput`` on a malformed batch or ``loss_fn`` before any compute. When the ``loss_fn``
+        raises (or returns what ``checked_loss`` refuses: ``InvalidInput``) on a micro-batch, every
+        accumulated gradient (this call's and the earlier calls' since the last step) is dropped before
+        the exception leaves, as in fsdp2 (``docs/reliability.md`` §6): the next step equals a fresh
+        engine's. The loss_fn must fail on every rank of the micro-batch's model-parallel group alike;
+        with pp > 1 only the last stage runs it, and the other stages wait in megatron's pipeline
+        transfers (a failure inside a collective, not recovered).
 
         Host synchronisation: validation, planning and packing read host tensors (none for a host
         batch; one copy for a device batch); the global counts are one all-reduce before the first
@@ -392,7 +398,13 @@ class MCoreStep(MCoreOptim):
         for c in self._chunks:
             c.train()
         self._grads = "local"
-        self._run_schedule(mbs, loss_func, forward_only=False)
+        try:
+            self._run_schedule(mbs, loss_func, forward_only=False)
+        except BaseException:
+            # a failed micro-batch (the loss_fn raised or returned a bad value) must not leak its
+            # partial gradients, nor the earlier calls', into the next step: dropped as fsdp2 does
+            self._drop_grads()
+            raise
         metrics = self._share_metrics(reducer, dp_group, ps.is_pipeline_last_stage(ignore_virtual=True))
         if report_nonfinite("forward_backward", metrics, reducer.local(), self._torch_device):
             self._skip_next = True

@@ -234,14 +234,15 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         from underlay.engines.mcore.layers import have_te
 
         self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
-        chunks = self._build_chunks()
-        self._fill(chunks)
-        self._chunks = self._wrap_ddp(chunks)
-        self._build_weight_map()
+        self._build_weight_map()  # from the arch and layout alone; _fill checks files against it
+        self._chunks = self._wrap_ddp(self._build_chunks())
+        self._gather_pending = False  # read by copy_full_parameter, so set before the fill
+        # into megatron's DDP buffers (the parameters are views of them), before the optimizer takes
+        # its master copies
+        self._fill()
         self._build_optimizer()
         self._global_step = 0
         self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
-        self._gather_pending = False
         self._skip_next = False  # a non-finite loss or metric since the last optimizer step
         self._masters_stale = False  # parameters written outside the optimizer (see _sync_master_params)
         self._offloaded: dict[str, Any] = {}
@@ -250,6 +251,14 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         self._logprob_kernel = get_logprob_kernel()
 
     # ------------------------------------------------------------------------------- properties
+
+    def __repr__(self) -> str:
+        lay = self._layout
+        return (
+            f"MCoreEngine(world={lay.world_size}, tp={lay.tp}, pp={lay.pp}, vpp={lay.vpp}, cp={lay.cp}, "
+            f"ep={lay.ep}, device={self._device.device_type}, kind={self._config.model.kind!r}, "
+            f"training_randomness={self._config.model.training_randomness!r})"
+        )
 
     @property
     def name(self) -> str:
