@@ -171,3 +171,53 @@ def profile_step(step: Callable[[], Any], label: str, out: Path) -> str:
     (Path(out) / f"profile_{label}.txt").write_text(text)
     print(text, flush=True)
     return text
+
+
+QWEN3_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    # hidden, layers, q heads, kv heads, ffn (head dim 128, vocab 151936, tied embeddings: public shapes)
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144),
+    "qwen3-4b": (2560, 36, 32, 8, 9728),
+}
+
+
+def qwen3_config(shape: str = "qwen3-1.7b", *, quick: bool = False) -> Any:
+    """A random-init ``transformers.Qwen3Config`` of ``shape`` (``QWEN3_SHAPES``); ``quick``: a 2-layer
+    toy (hidden 64, vocab 512) for cpu smoke runs."""
+    from transformers import Qwen3Config
+
+    if quick:
+        return Qwen3Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+    hidden, layers, heads, kv, ffn = QWEN3_SHAPES[shape]
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+    )
+
+
+def pg_loss(outputs: Any, batch: Any, ctx: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A policy-gradient token-mean loss, ``-advantage * log_prob`` over ``batch.loss_mask``
+    (``batch.extras["advantages"]``: ``[B]``), no metrics: an engine ``LossFn``."""
+    from underlay.ops import aggregate_loss
+
+    assert outputs.log_probs is not None
+    adv = batch.extras["advantages"].to(outputs.log_probs.dtype)[:, None]
+    return aggregate_loss(-(adv * outputs.log_probs), batch.loss_mask, "token-mean", ctx), {}

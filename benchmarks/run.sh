@@ -3,7 +3,11 @@
 #
 #     bash benchmarks/run.sh cpu [NAME ...] [--out DIR]                # the CPU set at smoke sizes (2-3 min)
 #     bash benchmarks/run.sh gpu [NAME ...] [--out DIR] [--wheels DIR] # one H200: benchmarks/results/
+#     bash benchmarks/run.sh gpu --fast [NAME ...] [--out DIR]          # fewer repeats: see GPU_FAST
 #
+# --fast (gpu): the issue-35 set (default names: weight_sync logprob arch_sweep) with fewer repeats and
+# rounds, and arch_sweep (run last) given what is left of FAST_BUDGET_S (default 420 s) as its
+# --budget-s, so the three fit one device call of 8 minutes.
 # NAME: one of the names below (default: all of that kind). Each benchmark writes OUT/<name>.json and
 # prints one summary line; OUT defaults to a new temporary directory (never the repository). The GPU set
 # needs the wheels of scripts/gpu_wheels.sh for mcore (megatron-core) and the Liger row of logprob:
@@ -32,6 +36,7 @@ declare -A GPU=(
   [attention]="benchmarks.gpu.bench_attention"
   [fp8]="benchmarks.gpu.bench_fp8"
   [fsdp2]="benchmarks.gpu.bench_fsdp2 --act-ckpt defaults,tuned"
+  [arch_sweep]="benchmarks.gpu.bench_arch_sweep"
   [mcore]="benchmarks.gpu.bench_fsdp2 --mcore"
   [long_seq]="benchmarks.gpu.bench_long_seq"
   [vlm]="benchmarks.gpu.bench_vlm"
@@ -39,20 +44,30 @@ declare -A GPU=(
   [weight_sync]="benchmarks.gpu.bench_weight_sync"
   [weights_io]="benchmarks.cpu.bench_weights_io --device cuda --world 1 --repeats 1"
 )
-GPU_ORDER=(logprob attention fp8 fsdp2 mcore long_seq vlm models_memory weight_sync weights_io)
+GPU_ORDER=(logprob attention fp8 fsdp2 arch_sweep mcore long_seq vlm models_memory weight_sync weights_io)
+# --fast: arguments appended to the GPU entry (arch_sweep also gets --budget-s, see above)
+declare -A GPU_FAST=(
+  [weight_sync]="--repeats 3"
+  [logprob]="--rounds 3 --repeats 3"
+  [arch_sweep]="--steps 1 --baseline none --timeout-s 150 --min-left-s 50"
+)
+FAST_ORDER=(weight_sync logprob arch_sweep)
+FAST_BUDGET_S="${FAST_BUDGET_S:-420}"
 
-usage() { echo "usage: bash benchmarks/run.sh {cpu|gpu} [NAME ...] [--out DIR]" >&2; exit 2; }
+usage() { echo "usage: bash benchmarks/run.sh {cpu|gpu} [--fast] [NAME ...] [--out DIR] [--wheels DIR]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 KIND=$1; shift
 case "$KIND" in cpu|gpu) ;; *) usage ;; esac
 OUT=""
 WHEELS=""
+FAST=0
 NAMES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
     --out=*) OUT="${1#--out=}"; shift ;;
     --wheels) WHEELS="${2:?--wheels needs a directory}"; shift 2 ;;
+    --fast) FAST=1; shift ;;
     -h|--help) usage ;;
     *) NAMES+=("$1"); shift ;;
   esac
@@ -65,15 +80,26 @@ if [ -n "$WHEELS" ]; then
 fi
 [ -n "$OUT" ] || OUT="$(mktemp -d "${TMPDIR:-/tmp}/underlay-bench.XXXXXX")"
 mkdir -p "$OUT"
+[ "$FAST" = 0 ] || [ "$KIND" = gpu ] || { echo "run.sh: --fast is a gpu option" >&2; exit 2; }
 if [ "$KIND" = cpu ]; then ORDER=("${CPU_ORDER[@]}"); else ORDER=("${GPU_ORDER[@]}"); fi
-[ ${#NAMES[@]} -gt 0 ] || NAMES=("${ORDER[@]}")
+if [ ${#NAMES[@]} -eq 0 ]; then
+  if [ "$FAST" = 1 ]; then NAMES=("${FAST_ORDER[@]}"); else NAMES=("${ORDER[@]}"); fi
+fi
 fails=0
+start=$(date +%s)
 for name in "${NAMES[@]}"; do
   if [ "$KIND" = cpu ]; then cmd="${CPU[$name]:-}"; else cmd="${GPU[$name]:-}"; fi
   if [ -z "$cmd" ]; then
     echo "unknown $KIND benchmark '$name'; known: ${ORDER[*]}" >&2
     fails=$((fails + 1))
     continue
+  fi
+  if [ "$FAST" = 1 ]; then
+    cmd="$cmd ${GPU_FAST[$name]:-}"
+    if [ "$name" = arch_sweep ]; then
+      left=$(( FAST_BUDGET_S - ($(date +%s) - start) ))
+      cmd="$cmd --budget-s $(( left > 60 ? left : 60 ))"
+    fi
   fi
   t0=$(date +%s)
   # shellcheck disable=SC2086  # cmd is a module name and its arguments
@@ -85,5 +111,5 @@ for name in "${NAMES[@]}"; do
     fails=$((fails + 1))
   fi
 done
-echo "$fails failed; records and logs in $OUT"
+echo "$fails failed in $(( $(date +%s) - start )) s; records and logs in $OUT"
 exit "$fails"

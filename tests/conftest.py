@@ -1,4 +1,6 @@
-"""Shared pytest configuration: marker-based skips and a clean backend registry per test."""
+"""Shared pytest configuration: marker-based skips, a clean backend registry per test, and
+deterministic property tests (hypothesis draws the same examples every run, derived from each test's
+name, and keeps no example database; explore new examples with ``--hypothesis-profile=default``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,14 @@ import pytest
 import torch
 
 from underlay import registry
+
+try:
+    from hypothesis import settings
+except ImportError:  # the verl environment has no hypothesis (and no property tests)
+    pass
+else:
+    settings.register_profile("underlay-deterministic", derandomize=True, database=None)
+    settings.load_profile("underlay-deterministic")
 
 
 def _has_cuda() -> bool:
@@ -27,6 +37,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason="needs an Ascend NPU with torch_npu (UNDERLAY_DEVICE=npu pytest on that host)"
     )
     gpu, npu = _has_cuda(), _has_npu()
+    full_matrix = "full_matrix" in (config.getoption("markexpr", "") or "")
+    skip_full = pytest.mark.skip(
+        reason="the whole matrix: select it with -m full_matrix (docs/model-matrix.md)"
+    )
     conformance = pytest.mark.conformance
     for item in items:
         if item.nodeid.startswith("tests/conformance/"):  # scripts/test_gpu.sh selects them by marker
@@ -35,6 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "npu" in item.keywords and not npu:
             item.add_marker(skip_npu)
+        if "full_matrix" in item.keywords and not full_matrix:
+            item.add_marker(skip_full)
 
 
 @pytest.fixture(autouse=True)

@@ -18,13 +18,20 @@ synchronised wall clock); the baselines are the 4-matmul floor, chunked and naiv
 ``max_memory_allocated`` during one call minus the allocation before it (inputs excluded, gradients
 included).
 
-    python -m benchmarks.gpu.bench_logprob [--shape N H V] [--out DIR]
+The goal's figure (issue 35: <= 1.08x the floor in every run) is measured apart, after the table:
+``--rounds`` (7) rounds, each timing the floor (4 back-to-back ``h @ W.T``) and then the default kernel
+(forward + backward), the median of ``--repeats`` calls each; the summary gives the median, minimum and
+maximum of the per-round ratios and whether every round meets ``--goal`` (1.08). Measured in
+alternation, clock or thermal drift moves both sides of a ratio alike.
+
+    python -m benchmarks.gpu.bench_logprob [--shape N H V] [--rounds R] [--out DIR]
 
 Prints a table and writes ``OUT/logprob.json``.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -59,12 +66,52 @@ def event_ms(fn: Callable[[], Any], reps: int) -> float:
     return harness.timeit(fn, warmup=0, repeats=reps, device="cuda").median * 1e3
 
 
+def interleaved_ratio(
+    fn: Callable[[], Any], floor_unit: Callable[[], Any], floor_calls: int, rounds: int, reps: int
+) -> dict[str, Any]:
+    """``fn``'s time over its floor (``floor_calls`` calls of ``floor_unit``), measured ``rounds`` times
+    in alternation (floor, then ``fn``, each the median of ``reps`` timed calls), so clock or thermal
+    drift between the two cannot masquerade as kernel time. Returns every round's ratio and milliseconds,
+    their median, minimum and maximum ratio. Call both warm."""
+
+    def floor() -> None:
+        for _ in range(floor_calls):
+            floor_unit()
+
+    ratios, floors, times = [], [], []
+    for _ in range(rounds):
+        f = event_ms(floor, reps)
+        t = event_ms(fn, reps)
+        floors.append(f)
+        times.append(t)
+        ratios.append(harness.ratio(t, f))
+    return {
+        "rounds": rounds,
+        "reps_per_round": reps,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratios": ratios,
+        "floor_ms": floors,
+        "ms": times,
+    }
+
+
 def main() -> None:
     """Run all methods and print/write the table."""
     ap = harness.parser(__doc__)
     ap.add_argument("--shape", type=int, nargs=3, default=(32768, 4096, 152064), metavar=("N", "H", "V"))
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=7,
+        help="rounds of the interleaved floor ratio (floor, then the default kernel, --repeats calls each)",
+    )
+    ap.add_argument("--goal", type=float, default=1.08, help="ratio to the floor every round must meet")
     ap.set_defaults(warmup=2)
     args = ap.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error(f"--rounds {args.rounds} and --repeats {args.repeats} must be >= 1")
     n, h, v = args.shape
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -195,6 +242,15 @@ def main() -> None:
         ):  # goal (issue 23): <= 1.10
             if "ms" in rows.get(name, {}):
                 info[f"backward_ratio_to_floor_{name}"] = harness.ratio(rows[name]["ms"], floor)
+    # the goal's figure: the default kernel against its floor, measured in alternation (the floor moves
+    # 229-241 ms between runs, and a single sequential pair read 1.083 and 1.105 on the same code)
+    inter: dict[str, Any] | None = None
+    if "ms" in rows.get("triton", {}) and "ms" in rows.get("matmul_bf16", {}):
+        inter = interleaved_ratio(ours(), matmul, 4, args.rounds, args.repeats)
+        clear()
+        inter["goal"] = args.goal
+        inter["every_round_meets_goal"] = inter["ratio_max"] <= args.goal
+        info["floor_ratio_interleaved"] = inter
     print(f"shape N={n} H={h} V={v} bf16 | torch {torch.__version__} triton {impl.triton.__version__} | "
           f"{torch.cuda.get_device_name()}")  # fmt: skip
     print(f"{'method':>16} {'ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} (gemms counted)")
@@ -207,9 +263,21 @@ def main() -> None:
         if key.startswith(("speedup", "backward", "mm_path")) or key.endswith(("config", "_ms")):
             print(f"{key}: {val}")
     tri = rows.get("triton", {})
+    if inter is not None:
+        each = ", ".join(f"{r:.3f}" for r in inter["ratios"])
+        print(
+            f"floor ratio, {inter['rounds']} interleaved rounds (median of {inter['reps_per_round']} calls each): "
+            f"median {inter['ratio_median']:.3f}, min {inter['ratio_min']:.3f}, max {inter['ratio_max']:.3f} "
+            f"[{each}]; every round <= {args.goal}: {inter['every_round_meets_goal']}"
+        )
+        ratio_text = (
+            f"{inter['ratio_median']:.3f}x the 4-matmul floor (median of {inter['rounds']} interleaved rounds, "
+            f"max {inter['ratio_max']:.3f}; goal <= {args.goal} every round: {inter['every_round_meets_goal']})"
+        )
+    else:
+        ratio_text = f"{info.get('backward_ratio_to_floor_triton', float('nan')):.3f}x the 4-matmul floor"
     summary = (
-        f"N={n} H={h} V={v}: triton {tri.get('ms', float('nan')):.1f} ms, "
-        f"{info.get('backward_ratio_to_floor_triton', float('nan')):.2f}x the 4-matmul floor, "
+        f"N={n} H={h} V={v}: triton {tri.get('ms', float('nan')):.1f} ms, {ratio_text}, "
         f"peak {tri.get('peak_extra_gib', float('nan')):.2f} GiB"
     )
     harness.report("logprob", info, summary, harness.out_dir(args))

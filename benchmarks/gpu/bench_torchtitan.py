@@ -78,6 +78,72 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+class _StepProfile:
+    """With ``--profile``: profile step ``at`` of a run (one whole optimizer step), write its chrome
+    trace to ``out/<name>_trace.json`` and print the top device kernels by total time and the device
+    time per kernel family (gemm, attention, copies/casts, elementwise/reductions, other)."""
+
+    def __init__(self, enabled: bool, at: int, out: Path, name: str) -> None:
+        self.enabled, self.at, self.out, self.name = enabled, at, out, name
+        self.prof: Any = None
+
+    def start(self, step: int) -> None:
+        if self.enabled and step == self.at:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def stop(self, step: int) -> None:
+        if self.prof is None or step != self.at:
+            return
+        self.prof.__exit__(None, None, None)
+        trace = self.out / f"{self.name}_trace.json"
+        self.prof.export_chrome_trace(str(trace))
+        rows = [e for e in self.prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+        rows = [
+            e
+            for e in rows
+            if not e.key.startswith(("aten::", "autograd::", "Torch-Compiled", "CompiledFunction"))
+        ]
+        rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        fam: dict[str, float] = {}
+        for e in rows:
+            k = e.key.lower()
+            f = (
+                "gemm"
+                if any(t in k for t in ("gemm", "cutlass", "sm90_xmma", "nvjet", "matmul"))
+                else "attention"
+                if any(t in k for t in ("flash", "fmha", "attention", "sdpa"))
+                else "copy/cast"
+                if any(t in k for t in ("copy", "memcpy", "cast", "memset", "chunk_cat", "split_with_sizes"))
+                else "triton"
+                if k.startswith("triton")
+                else "other"
+            )
+            fam[f] = fam.get(f, 0.0) + e.self_device_time_total / 1e3
+        total = sum(fam.values())
+        print(
+            f"[profile {self.name}] device ms by family: "
+            + json.dumps({k: round(v, 1) for k, v in sorted(fam.items())})
+            + f" total {total:.1f}",
+            flush=True,
+        )
+        for e in rows[:25]:
+            print(
+                f"[profile {self.name}]   {e.self_device_time_total / 1e3:9.2f} ms  x{e.count:<5d} {e.key[:110]}",
+                flush=True,
+            )
+        try:
+            from underlay.profiling.trace_gaps import analyse
+
+            print(analyse(json.loads(trace.read_text()), top=8), flush=True)
+        except Exception as exc:  # the gap report is optional
+            print(f"[profile {self.name}] gap analysis failed: {exc}", flush=True)
+        self.prof = None
+
+
 def run_torchtitan(
     tt: Any, args: Any, shape: dict[str, Any], batches: Any, device: torch.device, hf_dir: Path
 ) -> dict[str, Any]:
@@ -101,13 +167,15 @@ def run_torchtitan(
     torch.manual_seed(args.seed)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    # the initial weights, in Hugging Face names, for underlay
-    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if "freqs_cis" not in k}
-    state = {
-        k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): v for k, v in state.items()
-    }
-    hf_state = tt.Llama3StateDictAdapter(margs, None).to_hf(state)
-    _save_hf(hf_state, margs, model, hf_dir, args)
+    # the initial weights, in Hugging Face names, for underlay (once per shape: the seed fixes them)
+    if not (hf_dir / "model.safetensors").exists():
+        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if "freqs_cis" not in k}
+        state = {
+            k.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): v
+            for k, v in state.items()
+        }
+        _save_hf(tt.Llama3StateDictAdapter(margs, None).to_hf(state), margs, model, hf_dir, args)
+        del state
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(
         params,
@@ -126,8 +194,10 @@ def run_torchtitan(
         else torch.autocast("cpu", enabled=False)
     )
     losses, times = [], []
-    for seqs in batches:
+    prof = _StepProfile(args.profile, args.warmup - 1, args.out_dir, f"torchtitan_{args.case}")
+    for step, seqs in enumerate(batches):
         _sync(device)
+        prof.start(step)
         t0 = time.perf_counter()
         real = sum(len(s) - 1 for s in seqs)
         total = torch.zeros((), device=device)
@@ -153,6 +223,7 @@ def run_torchtitan(
         losses.append(float(total))
         _sync(device)
         times.append(time.perf_counter() - t0)
+        prof.stop(step)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     del model, opt, params
     return {"losses": losses, "times": times, "peak_gib": peak}
@@ -197,6 +268,8 @@ def run_underlay(args: Any, batches: Any, device: torch.device, hf_dir: Path) ->
         model=ModelConfig(path=str(hf_dir)),
         optim=OptimConfig(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0),
         micro_batch_max_tokens=args.micro_batch_tokens,
+        recompute=args.recompute,
+        options=json.loads(args.underlay_options),
         **({} if device.type == "cuda" else {"param_dtype": "float32", "reduce_dtype": "float32"}),
     )
     engine = underlay.get_engine(cfg)
@@ -205,8 +278,12 @@ def run_underlay(args: Any, batches: Any, device: torch.device, hf_dir: Path) ->
         loss = aggregate_loss(-outputs.log_probs, batch.loss_mask, "token-mean", ctx)
         return loss, {}
 
+    for key in ("resolved_options", "option_reasons", "recompute"):
+        if hasattr(engine, key):
+            print(f"[underlay] {key}: {getattr(engine, key)}", flush=True)
     losses, times = [], []
-    for seqs in batches:
+    prof = _StepProfile(args.profile, args.warmup - 1, args.out_dir, f"underlay_{args.case}")
+    for step, seqs in enumerate(batches):
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -217,11 +294,13 @@ def run_underlay(args: Any, batches: Any, device: torch.device, hf_dir: Path) ->
         loss_mask[:, 0] = 0  # position 0 scores nothing; positions 1.. score tokens 1.. given their prefix
         batch = TokenBatch(ids, attn, loss_mask)
         _sync(device)
+        prof.start(step)
         t0 = time.perf_counter()
         res = engine.forward_backward(batch, ce)
         engine.optimizer_step()
         _sync(device)
         times.append(time.perf_counter() - t0)
+        prof.stop(step)
         losses.append(float(res.metrics["loss"]))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     del engine
@@ -243,14 +322,26 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="profile the last warm-up step of each run")
+    ap.add_argument("--recompute", default="auto", help="underlay's EngineConfig.recompute")
+    ap.add_argument("--underlay-options", default="{}", help="underlay's EngineConfig.options, as JSON")
+    ap.add_argument("--trainers", default="torchtitan,underlay")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name (variants into one --out)")
     args = ap.parse_args()
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="bench_torchtitan_"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    args.out_dir = out_dir
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
     tt = _import_torchtitan()
-    results: dict[str, Any] = {"shape": args.shape, "seq_len": args.seq_len, "device": str(device)}
+    results: dict[str, Any] = {
+        "shape": args.shape,
+        "seq_len": args.seq_len,
+        "device": str(device),
+        "underlay_recompute": args.recompute,
+        "underlay_options": json.loads(args.underlay_options),
+    }
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)
     import torchtitan
@@ -262,10 +353,11 @@ def main() -> None:
         "transformers": transformers.__version__,
     }
     for case in args.cases.split(","):
+        args.case = case
         rows = args.rows if case == "full" else args.rows * 4
         batches = _batches(args.steps, rows, args.seq_len, args.vocab, case, args.seed)
         real = [sum(len(s) - 1 for s in b) for b in batches]
-        hf_dir = out_dir / f"hf_{args.shape}_{case}"
+        hf_dir = out_dir / f"hf_{args.shape}"  # the same seed gives the same init for every case
         entry: dict[str, Any] = {
             "rows": rows,
             "real_tokens_per_step": real[0] if case == "full" else sum(real) / len(real),
@@ -277,6 +369,9 @@ def main() -> None:
             ),
             ("underlay", lambda b=batches, d=hf_dir: run_underlay(args, b, device, d)),
         ):
+            needs_init = name == "torchtitan" and not (hf_dir / "model.safetensors").exists()
+            if name not in args.trainers.split(",") and not needs_init:
+                continue
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -295,7 +390,7 @@ def main() -> None:
                 f"[{case}] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("times",)}),
                 flush=True,
             )
-            if name == "torchtitan" and "error" in r and not hf_dir.exists():
+            if name == "torchtitan" and "error" in r and not (hf_dir / "model.safetensors").exists():
                 entry["underlay"] = {"error": "skipped: torchtitan did not produce the initial weights"}
                 break
         a, b = entry.get("underlay", {}), entry.get("torchtitan", {})
@@ -310,7 +405,7 @@ def main() -> None:
             )
         results[case] = entry
         # after every case: a run stopped later still leaves the cases it finished
-        (out_dir / f"torchtitan_{args.shape}.json").write_text(json.dumps(results, indent=2))
+        (out_dir / f"torchtitan_{args.shape}{args.tag}.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

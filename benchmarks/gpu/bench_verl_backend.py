@@ -13,15 +13,16 @@ dynamic micro-batches of at most ``--max-tokens`` tokens, no activation checkpoi
 
 Model: ``--model`` (default ``qwen2.5-1.5b``: Qwen2-shaped, random init saved to a temp dir), data:
 ``--prompts`` groups of ``--group`` responses, prompt 256 tokens, responses log-normal (median 600,
-capped at 2048). Reports the first step's loss and grad norm of each (they should agree to bf16
-precision), then tokens/s and peak memory averaged over ``--steps`` timed steps after one warm-up.
-Writes ``$OUT/verl_backend_bench.json`` (or the current directory).
+capped at 2048). Each contender runs ``--warmup`` untimed then ``--repeats`` timed updates; recorded:
+the first update's loss and grad norm (same weights, same batch: they agree to bf16 precision), step
+time, tokens/s, peak memory, and ``ratio`` = underlay tokens/s over verl's (same run). Harness record
+``OUT/verl_backend.json`` and one summary line. Run on the GPU host from the repository root::
 
-Run on the GPU host from the repo root, in the verl environment (``bash scripts/setup.sh verl`` built
-with a CUDA torch and, for verl's remove-padding path, flash-attn)::
+    python -m benchmarks.gpu.bench_verl_backend --out DIR
 
-    torchrun --nproc_per_node 1 benchmarks/gpu/bench_verl_backend.py
-
+It needs verl 0.9.1 and its imports there (the H200 image has none of verl, ray, tensordict,
+omegaconf, hydra-core, codetiming, datasets): ``bash scripts/gpu_wheels.sh --verl`` downloads them;
+see ``docs/verl.md`` for ray's wheel, which is larger than one device call carries.
 ``--device cpu --quick`` is a smoke run of the underlay contender alone with a tiny model (verl's FSDP
 engine registers for cuda and npu only).
 """
@@ -31,17 +32,17 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import math
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from benchmarks import _harness as harness
 
 MODELS: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": dict(
@@ -200,21 +201,20 @@ def _run(backend: str, path: str, args: argparse.Namespace, remove_padding: bool
     first: dict[str, float] = {}
     times = []
     tokens = 0
-    for step in range(args.steps + 1):
+    for step in range(args.warmup + args.repeats):
         td, tokens = _batch(args, vocab, remove_padding)
         if cuda:
             torch.cuda.synchronize()
-            if step == 1:
+            if step == args.warmup:
                 torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with engine.train_mode():
             out = engine.train_batch(td, loss_fn)
         if cuda:
             torch.cuda.synchronize()
-        if step == 0:
+        if step == 0:  # both contenders start from the same weights: their first steps must agree
             first = {"loss": float(sum(out["loss"])), "grad_norm": float(out["metrics"]["grad_norm"])}
-            # the same weights for every step: compare like with like (no drift between contenders)
-        else:
+        if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     step_s = sum(times) / len(times)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
@@ -224,65 +224,84 @@ def _run(backend: str, path: str, args: argparse.Namespace, remove_padding: bool
     return {"backend": backend, "step_s": step_s, "tokens_per_s": tokens / step_s, "peak_gib": peak, **first}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--median-response", type=int, default=600)
-    p.add_argument("--max-response", type=int, default=2048)
-    p.add_argument("--max-tokens", type=int, default=16384)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--quick", action="store_true", help="tiny model, tiny batch (smoke run)")
-    args = p.parse_args()
+def main() -> int:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--median-response", type=int, default=600)
+    ap.add_argument("--max-response", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true", help="tiny model, tiny batch (smoke run)")
+    args = ap.parse_args()
     if args.quick:
         args.model, args.prompts, args.group, args.prompt_len = "tiny", 2, 4, 8
-        args.median_response, args.max_response, args.max_tokens, args.steps = 16, 32, 128, 1
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
+        args.median_response, args.max_response, args.max_tokens = 16, 32, 128
+        args.warmup, args.repeats = 1, 1
+    out = harness.out_dir(args)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if args.device == "cpu":
         os.environ.setdefault("UNDERLAY_DEVICE", "cpu")
-        os.environ.setdefault("VERL_ENGINE_DEVICE", "cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     path = _model_dir(args.model)
     remove_padding = importlib.util.find_spec("flash_attn") is not None
-    rows = []
+    # verl's FSDP engine registers for cuda and npu only: on the CPU the underlay contender runs alone
     contenders = ["underlay"] if args.device == "cpu" else ["verl", "underlay"]
+    rows: dict[str, dict[str, Any]] = {}
     for backend in contenders:
         try:
-            rows.append(_run(backend, path, args, remove_padding))
-        except Exception as exc:  # a contender that cannot run is reported, not fatal to the other
-            rows.append({"backend": backend, "error": f"{type(exc).__name__}: {exc}"})
-    if dist.get_rank() == 0:
-        print(
-            f"model {args.model}, {args.prompts}x{args.group} sequences, verl remove_padding={remove_padding}"
-        )
-        for r in rows:
-            if "error" in r:
-                print(f"{r['backend']:>9}: FAILED {r['error']}")
-            else:
-                print(
-                    f"{r['backend']:>9}: step {r['step_s']:.3f} s  {r['tokens_per_s']:,.0f} tok/s  "
-                    f"peak {r['peak_gib']:.2f} GiB  first-step loss {r['loss']:.6f} grad_norm {r['grad_norm']:.6f}"
-                )
-        ok = [r for r in rows if "error" not in r]
-        if len(ok) == 2:
-            print(f"underlay/verl tokens/s: {ok[1]['tokens_per_s'] / ok[0]['tokens_per_s']:.2f}x")
-        out = Path(os.environ.get("OUT", ".")) / "verl_backend_bench.json"
-        out.write_text(
-            json.dumps({"args": vars(args), "remove_padding": remove_padding, "rows": rows}, indent=2)
-        )
-        print(f"wrote {out}")
+            rows[backend] = _run(backend, path, args, remove_padding)
+        except Exception as exc:  # a contender that cannot run is recorded, not fatal to the other
+            rows[backend] = {"backend": backend, "error": f"{type(exc).__name__}: {exc}"}
     dist.destroy_process_group()
-    sys.exit(0 if all("error" not in r for r in rows) else 1)
+    ok = {k: r for k, r in rows.items() if "error" not in r}
+    result: dict[str, Any] = {
+        "rows": rows,
+        "args": vars(args),
+        "remove_padding": remove_padding,
+        "versions": {name: _version(name) for name in ("verl", "tensordict", "ray")},
+    }
+    ours = ok.get("underlay")
+    base = ok.get("verl")
+    if ours and base:
+        result["ratio"] = harness.ratio(ours["tokens_per_s"], base["tokens_per_s"])
+        result["memory_ratio"] = harness.ratio(ours["peak_gib"], base["peak_gib"])
+        summary = (
+            f"{args.model} {args.prompts}x{args.group} GRPO update: underlay {ours['tokens_per_s']:,.0f} tok/s = "
+            f"{result['ratio']:.2f}x verl fsdp2 ({base['tokens_per_s']:,.0f}), peak {ours['peak_gib']:.1f} vs "
+            f"{base['peak_gib']:.1f} GiB, first-step grad_norm {ours['grad_norm']:.4f} vs {base['grad_norm']:.4f}"
+        )
+    elif ours:
+        why = rows.get("verl", {}).get("error", "not run on the CPU")
+        summary = f"{args.model}: underlay {ours['tokens_per_s']:,.0f} tok/s; no verl baseline ({why})"
+    else:
+        summary = "FAILED: " + "; ".join(f"{k}: {r['error']}" for k, r in rows.items())
+    harness.report("verl_backend", result, summary, out)
+    return 0 if len(ok) == len(contenders) else 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

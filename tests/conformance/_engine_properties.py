@@ -337,7 +337,7 @@ def _load_phases(name: str, engine: Any) -> list[tuple[str, Any, str]]:
     if name == "mcore":
         from megatron.core import dist_checkpointing
 
-        from underlay.engines.mcore.engine import _unwrap
+        from underlay.engines.mcore._chunks import unwrap as _unwrap
 
         return [
             ("read", dist_checkpointing, "load"),

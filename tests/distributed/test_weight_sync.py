@@ -5,7 +5,7 @@ process outside the trainer's default group.
   transformers model equals ``export_hf`` bit for bit; LoRA adapters alone equal ``export_adapters``
   (and load with peft); FP8 equals the registered ``Fp8Quantizer`` applied to the exported weights; an
   out-of-order version is refused and the receiver keeps its weights.
-- colocated cpu: one reusable shared-memory bucket into an ``HFRolloutWorker`` process; a trainer killed
+- colocated cpu: two reusable shared-memory buckets into an ``HFRolloutWorker`` process; a trainer killed
   in the middle of a sync leaves the worker on its previous version.
 """
 
@@ -236,6 +236,7 @@ def test_stale_version_refused_and_weights_kept(disagg: dict[str, Any]) -> None:
 def _colocated_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
     import underlay
     from underlay.rollout import HFRolloutWorker, WeightSender
+    from underlay.rollout.codec import tensor_digest
 
     engine = underlay.get_engine(H.engine_config(H.llama_config()))
     sender = WeightSender.colocated(engine.device, bucket_bytes=5000, timeout_s=120, wait=False)
@@ -258,6 +259,7 @@ def _colocated_trainer(rank: int, world: int, out: str) -> dict[str, Any]:
         result[f"equal_v{step}"] = sorted(state) == sorted(ref) and all(
             torch.equal(state[k], ref[k]) for k in ref
         )
+        result[f"digest_v{step}"] = worker.state_digest() == {k: tensor_digest(v) for k, v in ref.items()}
     worker.close()
     sender.close()
     return result
@@ -315,9 +317,10 @@ def test_colocated_shared_memory_worker(tmp_path: Path) -> None:
     (res,) = run_distributed(_colocated_trainer, 1, str(tmp_path), timeout_s=240)
     assert res["worker_v1"] == 1 and res["worker_v2"] == 2
     assert res["equal_v1"] and res["equal_v2"]
+    assert res["digest_v1"] and res["digest_v2"]  # the worker's digests name the same bits
     for _version, buckets, buffer_bytes, nbytes in res["reports"]:
         assert buckets > 1
-        # one reusable bucket buffer: the largest bucket, far less than the model
+        # two reusable bucket buffers: far less than the model
         assert 0 < buffer_bytes < nbytes
     assert not any(p.name.startswith("underlay_weight_sync_") for p in Path("/dev/shm").glob("*"))
 

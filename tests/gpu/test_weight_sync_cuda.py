@@ -1,7 +1,8 @@
 """Colocated weight sync over a CUDA IPC bucket: fsdp2 engine -> HFRolloutWorker process, bit-exact.
 
-A bf16 tiny Qwen2 engine streams its weights in 1 MiB buckets (several per sync) three times (a step
-between the syncs changes them); after each, the worker's state equals the engine's bit for bit.
+A bf16 tiny Qwen2 engine (about 0.2 MB) streams its weights in 32 KiB buckets (several per sync, so both
+IPC buffers are used in turn) three times (a step between the syncs changes them); after each, the
+worker's state equals the engine's bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def job_colocated_cuda(rank: int, world: int) -> dict[str, Any]:
             model=ModelConfig(hf_config=hf, seed=0), optim=OptimConfig(lr=1e-2), param_dtype="bfloat16"
         )
     )
-    bucket = 1 << 20
+    bucket = 1 << 15
     sender = WeightSender.colocated(device, bucket_bytes=bucket, timeout_s=300, wait=False)
     worker = HFRolloutWorker(
         hf, dtype=torch.bfloat16, device="cuda", device_index=device.current_index(), port=sender.port,
@@ -67,4 +68,4 @@ def job_colocated_cuda(rank: int, world: int) -> dict[str, Any]:
 def test_colocated_cuda_ipc_sync_is_bit_exact() -> None:
     (res,) = run_distributed(job_colocated_cuda, 1, backend="nccl", timeout_s=300)
     assert res["exact"] == [True, True, True], res
-    assert all(b >= 1 for b in res["buckets"]), res
+    assert all(b >= 3 for b in res["buckets"]), res

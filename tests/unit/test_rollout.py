@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from underlay.interfaces import CheckpointError, ConfigError, InvalidInput
-from underlay.rollout.codec import ALIGN, pack_into, plan, unpack
+from underlay.rollout.codec import ALIGN, pack_into, plan, tensor_digest, unpack
 from underlay.rollout.payload import WeightPayload, default_fp8_filter, scale_name
 from underlay.rollout.sinks import ModuleSink, StagingSink, peft_param_name
 from underlay.rollout.trace import RolloutRecord, RolloutReplay, RolloutTracer, config_key, read_trace
@@ -40,6 +40,42 @@ def test_codec_round_trip_is_bit_exact() -> None:
     for (n1, t1), (n2, t2) in zip(entries, out):
         assert n1 == n2 and t1.dtype == t2.dtype and t1.shape == t2.shape
         assert torch.equal(t1.reshape(-1).view(torch.uint8), t2.reshape(-1).view(torch.uint8))
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_codec_pack_equals_tensor_by_tensor_copies() -> None:
+    """``pack_into`` (one multi-tensor copy) writes exactly the bytes of a copy per tensor at its
+    planned offset, and leaves the alignment padding untouched."""
+    entries = [*_entries(2), ("empty", torch.zeros(0, 3)), ("big", torch.randn(3000).to(torch.bfloat16))]
+    metas, size = plan(entries)
+    reference = torch.full((size,), 0xAB, dtype=torch.uint8)
+    for (_, t), m in zip(entries, metas):
+        raw = raw_bytes(t)
+        reference[m.offset : m.offset + raw.numel()] = raw
+    packed = torch.full((size,), 0xAB, dtype=torch.uint8)
+    pack_into(packed, entries, metas)
+    for (name, t), m in zip(entries, metas):
+        got = packed[m.offset : m.offset + m.nbytes]
+        assert torch.equal(got, reference[m.offset : m.offset + m.nbytes]), name
+        back = got.view(t.dtype).view(t.shape)
+        assert back.dtype == t.dtype and torch.equal(back.reshape(-1).view(torch.uint8), raw_bytes(t)), name
+    assert torch.equal(packed, reference)
+
+
+def test_tensor_digest_is_equal_exactly_for_bit_equal_tensors() -> None:
+    for name, t in _entries(3):
+        assert tensor_digest(t) == tensor_digest(t.clone()), name
+        assert tensor_digest(t) == tensor_digest(t.contiguous()), name  # layout does not matter
+        if t.numel():
+            raw = raw_bytes(t).clone()
+            raw[-1] ^= 1  # one bit
+            assert tensor_digest(raw.view(t.dtype).view(t.shape)) != tensor_digest(t), name
+    w = torch.randn(4, 6)
+    assert tensor_digest(w) != tensor_digest(w.view(6, 4))  # same bytes, other shape
+    assert tensor_digest(w) != tensor_digest(w.view(torch.int32))  # same bytes, other dtype
 
 
 def test_codec_refuses_duplicates_and_corrupt_entries() -> None:
@@ -96,6 +132,33 @@ def test_module_sink_commits_all_or_nothing() -> None:
         sink.stage(k, v)
     sink.commit(4)
     assert all(torch.equal(model.state_dict()[k], new[k]) for k in new)
+
+
+def test_module_sink_stage_many_equals_stage() -> None:
+    """A bucket staged at once (multi-tensor copy; a float64 tensor takes the one-by-one path) commits
+    the same bits as ``stage`` per tensor; a bad name refuses the bucket before any copy."""
+    torch.manual_seed(0)
+    model_a = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
+    model_b = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
+    model_b.load_state_dict(model_a.state_dict())
+    new = {k: torch.randn(v.shape, dtype=torch.float64).to(v.dtype) for k, v in model_a.state_dict().items()}
+    new["0.bias"] = torch.randn(4, dtype=torch.float64)  # cast into the fp32 buffer by stage_many's fallback
+    one, many = ModuleSink(model_a), ModuleSink(model_b)
+    one.begin(1, {})
+    for k, v in new.items():
+        one.stage(k, v)
+    one.commit(1)
+    many.begin(1, {})
+    with pytest.raises(InvalidInput, match="does not have"):
+        many.stage_many([("0.weight", new["0.weight"]), ("nope", torch.zeros(1))])
+    with pytest.raises(InvalidInput, match="did not deliver"):
+        many.commit(1)  # nothing of the refused bucket was staged
+    many.stage_many(list(new.items()))
+    many.commit(1)
+    sa, sb = model_a.state_dict(), model_b.state_dict()
+    for k in new:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)), k
+        assert torch.equal(sb[k], new[k].to(sb[k].dtype)), k
 
 
 def test_staging_sink_applies_on_commit_only() -> None:

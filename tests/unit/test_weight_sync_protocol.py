@@ -54,13 +54,13 @@ def _buckets(
         yield [(name, t)]
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[WeightSender, WeightReceiver]]:
+@pytest.fixture(params=[1, 2], ids=["1buffer", "2buffers"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[WeightSender, WeightReceiver, int]]:
     dev = get_device("cpu")
-    sender = WeightSender.colocated(dev, bucket_bytes=1024, timeout_s=30, wait=False)
+    sender = WeightSender.colocated(dev, bucket_bytes=1024, timeout_s=30, wait=False, buffers=request.param)
     receiver = WeightReceiver.colocated(dev, ("127.0.0.1", sender.port), timeout_s=30)
     sender.wait_for_receivers()
-    yield sender, receiver
+    yield sender, receiver, request.param
     receiver.close()
     sender.close()
 
@@ -69,16 +69,18 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_protocol_edge_cases(pair: tuple[WeightSender, WeightReceiver]) -> None:
-    sender, receiver = pair
+def test_protocol_edge_cases(pair: tuple[WeightSender, WeightReceiver, int]) -> None:
+    sender, receiver, buffers = pair
     sink = StagingSink()
     w1, w2, w3 = _weights(1), _weights(2), _weights(3)
 
     run = _Run(receiver, sink)
     report = sender.send(_buckets(w1), {"payload": "full"})
     assert run.result() == 1 and _equal(sink.tensors, w1)
-    # the 64x64 tensor (16 KiB) outgrew the 1 KiB bucket: the buffer grew once to the largest tensor
-    assert report.buckets == 3 and report.buffer_bytes == 64 * 64 * 4
+    # the buffer of a and c grew once to the 16 KiB tensor that outgrew the 1 KiB bucket; with two
+    # buffers used in turn, b (7 bf16, one 256-byte aligned block) went alone into the second
+    second = 256 if buffers == 2 else 0
+    assert report.buckets == 3 and report.buffer_bytes == 64 * 64 * 4 + second
 
     # the sender's engine fails mid-sync: receivers abort, the previous version stays
     run = _Run(receiver, sink)
@@ -112,12 +114,59 @@ def test_protocol_edge_cases(pair: tuple[WeightSender, WeightReceiver]) -> None:
     assert run.result() == 6 and _equal(sink.tensors, w3) and sink.header == {"payload": "full"}
 
 
+class _HoldFirst(StagingSink):
+    """Holds the first staged bucket until ``go`` is set (at most ``wait_s``); records whether it was."""
+
+    def __init__(self, go: threading.Event, wait_s: float) -> None:
+        super().__init__()
+        self.go, self.wait_s, self.overlapped = go, wait_s, False
+
+    def stage(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "a":
+            self.overlapped = self.go.wait(self.wait_s)
+        super().stage(name, tensor)
+
+
+def test_two_buffers_pack_the_next_bucket_while_one_is_received() -> None:
+    """With two buffers the sender packs and posts bucket 1 while the receiver still holds bucket 0
+    (the bucket stream is asked for bucket 2 before the receiver is done with bucket 0)."""
+    dev = get_device("cpu")
+    sender = WeightSender.colocated(dev, bucket_bytes=1024, timeout_s=30, wait=False, buffers=2)
+    receiver = WeightReceiver.colocated(dev, ("127.0.0.1", sender.port), timeout_s=30)
+    sender.wait_for_receivers()
+    go = threading.Event()
+    w = _weights(4)
+
+    def stream() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for i, (name, t) in enumerate(w.items()):
+            if i == 2:
+                go.set()  # bucket 1 went out: set only if the sender did not wait for bucket 0's answer
+            yield [(name, t)]
+
+    sink = _HoldFirst(go, wait_s=5.0)
+    try:
+        # the first sync announces (and waits for the receiver to map) each buffer: warm them up
+        run = _Run(receiver, StagingSink())
+        sender.send(stream(), {"payload": "full"})
+        assert run.result() == 1
+        go.clear()
+        run = _Run(receiver, sink)
+        report = sender.send(stream(), {"payload": "full"})
+        assert run.result() == 2 and _equal(sink.tensors, w) and report.buckets == 3
+        assert sink.overlapped
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_constructor_validation() -> None:
     dev = get_device("cpu")
     with pytest.raises(ConfigError, match="port 0"):
         WeightSender.disaggregated(dev, ("127.0.0.1", 0))
     with pytest.raises(ConfigError, match="at least one"):
         WeightSender.colocated(dev, num_receivers=0, wait=False)
+    with pytest.raises(ConfigError, match="buffers=0"):
+        WeightSender.colocated(dev, wait=False, buffers=0)
     with pytest.raises(ConfigError, match="rank"):
         WeightReceiver.colocated(dev, ("127.0.0.1", 1), rank=0)
     port = free_port()

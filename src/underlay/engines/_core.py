@@ -33,7 +33,7 @@ __all__ = [
 log = logging.getLogger("underlay.engines")
 
 
-def check_token_batch(batch: TokenBatch, vocab: int) -> None:
+def check_token_batch(batch: TokenBatch, vocab: int, *, shared_prompts: bool = False) -> None:
     """Validate a ``TokenBatch`` where it enters an engine (``docs/reliability.md`` §7), reading only
     the tensors where they are (give host tensors for no device synchronisation).
 
@@ -41,7 +41,13 @@ def check_token_batch(batch: TokenBatch, vocab: int) -> None:
     empty batch (``B = 0``); an ``attention_mask`` or ``loss_mask`` with values other than 0/1; a
     row without tokens; a ``loss_mask`` that marks padding (``attention_mask`` 0: it would change the
     loss-token count that normalises the loss); token ids outside ``[0, vocab)`` (``vocab`` 0: no
-    upper bound). Changes nothing."""
+    upper bound); ``TokenBatch.prompt_groups`` unless the engine computes shared prompts
+    (``shared_prompts``). Changes nothing."""
+    if batch.prompt_groups is not None and not shared_prompts:
+        raise InvalidInput(
+            "TokenBatch.prompt_groups: this engine does not compute shared prompts (the fsdp2 engine "
+            "does: docs/roles.md); give the batch without prompt_groups"
+        )
     ids, mask, loss = batch.input_ids, batch.attention_mask, batch.loss_mask
     if ids.dtype not in (torch.int64, torch.int32):
         raise InvalidInput(f"TokenBatch.input_ids dtype {ids.dtype}: use int64 token ids")

@@ -424,6 +424,15 @@ class EngineConfig:
     ``False`` -> ``"none"``; a ``DeprecationWarning``; ``ConfigError`` when it contradicts
     ``recompute``). ``options`` holds engine-specific settings: a mapping validated against the
     engine's options dataclass (``underlay.registry.engine_options(name)``) or that dataclass itself.
+
+    ``role``: ``"trainable"`` (default: master weights, optimizer, gradients) or ``"reference"``: an
+    inference-only engine (a reference policy, a reward model) that holds the weights in ``param_dtype``
+    only (no fp32 master copy, no optimizer, no gradient buffers); ``infer``, ``load_hf``,
+    ``load_checkpoint`` (the weights of a trainable engine's checkpoint), ``offload``/``onload`` and the
+    weight streams work, while ``forward_backward``, ``optimizer_step``, ``lr_scheduler_step`` and
+    ``save_checkpoint`` raise ``UnsupportedOperation`` naming the role. A reference engine takes no
+    LoRA (use ``disable_adapter()`` of the trainable engine for LoRA's reference). Engines that cannot
+    build one refuse it with ``ConfigError`` (Megatron-Core: ``docs/roles.md``).
     """
 
     model: ModelConfig
@@ -438,8 +447,20 @@ class EngineConfig:
     temperature: float = 1.0
     with_entropy: bool = True
     options: Mapping[str, Any] | Any = field(default_factory=dict)
+    role: Literal["trainable", "reference"] = "trainable"
 
     def __post_init__(self) -> None:
+        if self.role not in ("trainable", "reference"):
+            raise ConfigError(
+                f"EngineConfig.role={self.role!r}: use 'trainable' (weights, optimizer, gradients) or "
+                "'reference' (inference only: weights in param_dtype, no optimizer)"
+            )
+        if self.role == "reference" and self.model.lora is not None:
+            raise ConfigError(
+                "EngineConfig.role='reference' with ModelConfig.lora: a reference engine trains nothing; "
+                "drop lora (merge the adapter into the weights first), or take the reference log-probs "
+                "of the LoRA engine itself inside engine.disable_adapter()"
+            )
         for name in ("param_dtype", "reduce_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES:

@@ -466,6 +466,10 @@ class TokenBatch:
       (``VisionInputs.rows``), whose ``input_ids`` hold its placeholder tokens (``image_token_id``,
       ``t * h * w / merge_size**2`` of them); :meth:`select` (micro-batching) keeps every row's images
       with it. Rows without images are text-only sequences of the same model.
+    - ``prompt_groups``: ``[B]`` int, or ``None``. Rows with equal values (a GRPO prompt's n
+      responses) share their prompt: an engine that supports it computes their longest common prefix
+      of real tokens once (``ops.prompt_sharing``; outputs and gradients equal the unshared
+      computation), and keeps each group in one micro-batch. Engines without it refuse the field.
     """
 
     input_ids: torch.Tensor
@@ -474,6 +478,7 @@ class TokenBatch:
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     images: VisionInputs | None = None
     videos: VisionInputs | None = None
+    prompt_groups: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -491,6 +496,19 @@ class TokenBatch:
                 raise InvalidInput(
                     f"TokenBatch.extras[{key!r}] has batch size {t.shape[:1]}, expected {self.input_ids.shape[0]}"
                 )
+        groups = self.prompt_groups
+        if groups is not None and (
+            not isinstance(groups, torch.Tensor)
+            or groups.shape != self.input_ids.shape[:1]
+            or groups.is_floating_point()
+            or groups.is_complex()
+            or groups.dtype == torch.bool
+        ):
+            raise InvalidInput(
+                f"TokenBatch.prompt_groups must be an integer tensor [B={self.batch_size}] (rows with equal "
+                f"values share their prompt), got {getattr(groups, 'dtype', type(groups).__name__)} "
+                f"{tuple(getattr(groups, 'shape', ()))}"
+            )
         for name in ("images", "videos"):
             media = getattr(self, name)
             if media is None:
@@ -527,6 +545,7 @@ class TokenBatch:
             {k: v[idx.to(v.device)] for k, v in self.extras.items()},
             None if self.images is None else self.images.select(rows),
             None if self.videos is None else self.videos.select(rows),
+            None if self.prompt_groups is None else self.prompt_groups[idx.to(self.prompt_groups.device)],
         )
 
     def to(self, device: torch.device) -> TokenBatch:
@@ -538,6 +557,7 @@ class TokenBatch:
             {k: v.to(device) for k, v in self.extras.items()},
             None if self.images is None else self.images.to(device),
             None if self.videos is None else self.videos.to(device),
+            None if self.prompt_groups is None else self.prompt_groups.to(device),
         )
 
 

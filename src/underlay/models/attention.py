@@ -59,6 +59,7 @@ from underlay.registry import get_attention
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ROUTE_ATTR",
+    "SHARED_PROMPTS_KWARG",
     "VARLEN_ATTN_IMPLEMENTATION",
     "AttentionRoute",
     "cu_seqlens_from_position_ids",
@@ -77,6 +78,11 @@ transformers runs there."""
 
 ROUTE_ATTR = "_underlay_attention_route"
 """Attribute of an attention module that holds its :class:`AttentionRoute`."""
+
+SHARED_PROMPTS_KWARG = "underlay_shared_prompts"
+"""Keyword argument (passed to the backbone, forwarded by transformers to every attention call) that
+carries an ``ops.prompt_sharing.SharedPrompts`` layout: the attention of that call is
+``ops.shared_prefix_attention`` over the shared-prompt stream."""
 
 
 @dataclass
@@ -246,6 +252,11 @@ def underlay_attention_forward(
     scale = scaling  # None: 1/sqrt(head_dim), as transformers' sdpa and flash functions
     window = _window(sliding_window, causal)
     sinks = kwargs.pop("s_aux", None)
+    shared = kwargs.pop(SHARED_PROMPTS_KWARG, None)
+    if shared is not None:
+        return _shared_attention(
+            module, route, shared, query, key, value, attention_mask, causal, window, scale, softcap, sinks
+        ), None
     # (no int() of the sequence dimension: under torch.compile it would specialise on the length)
     bsz, hq, dim = int(query.shape[0]), int(query.shape[1]), int(query.shape[3])
     hk, dim_v = int(key.shape[1]), int(value.shape[-1])
@@ -395,6 +406,55 @@ def _packed_attention(
 
 
 _DEFAULT_ROUTE = AttentionRoute()
+
+
+def _shared_attention(
+    module: nn.Module,
+    route: AttentionRoute,
+    shared: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of one layer over a shared-prompt stream (``ops.shared_prefix_attention``):
+    ``[1, H, T', D]`` inputs -> ``[1, T', Hq, Dv]``. ``UnsupportedOperation`` naming the layer's
+    property that the shared layout cannot reproduce exactly (non-causal, logit softcap, attention
+    sinks, Ulysses, a padded batch)."""
+    from underlay.ops.prompt_sharing import shared_prefix_attention
+
+    name = type(module).__name__
+    problems = [
+        what
+        for what, bad in (
+            (
+                "a padded batch (shared prompts need the packed stream)",
+                attention_mask is not None or query.shape[0] != 1,
+            ),
+            ("non-causal attention", not causal),
+            (f"attention logit softcapping ({softcap})", softcap is not None),
+            ("attention sinks (s_aux)", sinks is not None),
+            (
+                f"Ulysses sequence parallelism (sp={sp_world_size(route.sp_group)})",
+                sp_world_size(route.sp_group) > 1,
+            ),
+        )
+        if bad
+    ]
+    if problems:
+        raise UnsupportedOperation(
+            f"shared-prompt attention in {name}: {', '.join(problems)} is not supported; run this batch "
+            "without TokenBatch.prompt_groups"
+        )
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out: torch.Tensor = shared_prefix_attention(q, k, v, shared, scale=scale, window=window)
+    shared.calls.value += 1
+    return out.unsqueeze(0)
 
 
 def _padding_mask(

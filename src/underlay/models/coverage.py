@@ -23,6 +23,7 @@ from underlay.interfaces import ConfigError
 
 __all__ = [
     "ENGINES",
+    "ENGINE_GAPS",
     "EXACT",
     "KNOWN",
     "NOT_EXACT",
@@ -35,6 +36,7 @@ __all__ = [
     "markdown_table",
     "tiny_config",
     "unknown_model_types",
+    "value_refused",
 ]
 
 Status = Literal["exact", "accepted", "refused", "encoder-decoder", "no-tiny-config"]
@@ -604,3 +606,37 @@ KNOWN: dict[str, tuple[str, str]] = {
     "zaya": ("refused", "refused"),
 }
 """Reviewed ``(fsdp2 status, mcore status)`` per causal-LM model type of the installed transformers."""
+
+
+ENGINE_GAPS: dict[str, dict[str, str]] = {
+    "biogpt": {"load": "found no decoder layers"},
+    "exaone": {"load": "missing ['model.embed_tokens.weight'"},
+    "hrm_text": {"load": "missing ['model.L_module.layers.0.self_attn.q_proj.weight'"},
+    "falcon": {"value": "nor a score head"},
+    "fuyu": {"checkpoint": "Missing key in checkpoint state_dict: optim.state.model.vision_embed_tokens"},
+    "gpt-sw3": {"value": "nor a score head"},
+    "gpt2": {"value": "nor a score head"},
+    "gpt_bigcode": {"value": "nor a score head"},
+    "gpt_neox": {"value": "nor a score head"},
+}
+"""Reviewed engine-level refusals of fsdp2 rows whose model forward is exact (:data:`EXACT`): per model
+type, the check of tests/distributed/test_engine_matrix.py that the fsdp2 engine refuses (an
+``underlay.errors`` exception, never a silent wrong number) and a fragment of its message. Checks:
+``load`` (build the policy from transformers' ``save_pretrained`` checkpoint; when it is refused nothing
+else runs), ``infer`` (``infer`` log-probs == ``forward_backward``'s), ``export`` (``export_hf`` ->
+``from_pretrained`` gives the source's logits), ``checkpoint`` (``CheckpointManager`` save, load into a
+fresh engine, same ``infer``), ``value`` (``ModelConfig(path, kind="value")`` loads head and backbone).
+Beyond this table, ``value`` is refused by name for every model type transformers has no
+token-classification class for (``value_refused``). Today's gaps: biogpt has no decoder-layer class
+for fsdp2 to shard; exaone's and hrm_text's checkpoints hold fused/renamed tensors the fsdp2 weight map
+does not convert; the GPT-2 family, falcon and gpt_neox name their token-classification head
+``classifier``, which the value path does not read; fuyu's vision embedding gets no gradient in text
+training, so its optimizer state is absent and the checkpoint does not load into a fresh engine."""
+
+
+def value_refused(model_type: str) -> bool:
+    """Whether ``ModelConfig(kind="value")`` of ``model_type`` is refused because transformers has no
+    token-classification class for it (``AutoModelForTokenClassification``). Needs transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    return model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES

@@ -40,9 +40,10 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
             device.set_device(int(spec["device_index"]))
         tdev = device.torch_device() if device.is_accelerator else torch.device("cpu")
         auto: Any = transformers.AutoModelForCausalLM
-        model = auto.from_config(
-            spec["hf_config"], dtype=spec["dtype"], attn_implementation=spec["attn_implementation"]
-        )
+        with tdev:  # initialised where it lives: a 4B model's random init on one cpu thread takes minutes
+            model = auto.from_config(
+                spec["hf_config"], dtype=spec["dtype"], attn_implementation=spec["attn_implementation"]
+            )
         model = model.to(tdev).eval()
         address = (spec["host"], int(spec["port"]))
         if spec["mode"] == "colocated":
@@ -88,6 +89,10 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
                     ).logits.cpu()
             elif op == "state_dict":
                 result = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
+            elif op == "state_digest":
+                from underlay.rollout.codec import tensor_digest
+
+                result = {n: tensor_digest(p) for n, p in model.state_dict().items()}
             elif op == "version":
                 result = receiver.version
             elif op == "num_parameters":
@@ -196,6 +201,11 @@ class HFRolloutWorker:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A cpu copy of the worker model's state dict."""
         return self._call("state_dict")  # type: ignore[no-any-return]
+
+    def state_digest(self) -> dict[str, str]:
+        """``codec.tensor_digest`` of every tensor of the worker model's state dict, by name: a
+        bit-exactness check of a large model without copying it out of the worker."""
+        return self._call("state_digest")  # type: ignore[no-any-return]
 
     def num_parameters(self) -> int:
         """Parameters of the worker model (tied ones once)."""

@@ -4,6 +4,10 @@ A sink sees one sync as ``begin(version, header)``, ``stage(name, tensor)`` for 
 tensor is a view of the transport's buffer, valid only during the call: a sink copies what it keeps),
 then ``commit(version)`` when the sync arrived complete and in order, or ``abort(reason)`` otherwise.
 Live weights change only in ``commit``; after ``abort`` they are exactly what the last commit left.
+
+A sink may also define ``stage_many(items)`` (a whole bucket of ``(name, tensor)``, the same
+validity and effect as ``stage`` of each in order); the receiver calls it through ``stage_bucket``
+when it exists, so a sink can copy a bucket in one multi-tensor copy.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,7 +23,7 @@ import torch
 
 from underlay.interfaces import InvalidInput
 
-__all__ = ["AdapterDirSink", "ModuleSink", "StagingSink", "WeightSink", "peft_param_name"]
+__all__ = ["AdapterDirSink", "ModuleSink", "StagingSink", "WeightSink", "peft_param_name", "stage_bucket"]
 
 
 @runtime_checkable
@@ -41,6 +45,17 @@ class WeightSink(Protocol):
 
     def abort(self, reason: str) -> None:
         """Drop what was staged; live weights stay as the last commit left them."""
+
+
+def stage_bucket(sink: WeightSink, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Stage one bucket: ``sink.stage_many(items)`` where the sink defines it, else ``sink.stage`` of
+    each item in order."""
+    many = getattr(sink, "stage_many", None)
+    if callable(many):
+        many(items)
+        return
+    for name, tensor in items:
+        sink.stage(name, tensor)
 
 
 def peft_param_name(name: str, adapter: str = "default") -> str:
@@ -99,6 +114,14 @@ class ModuleSink:
 
     def stage(self, name: str, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` into the staging buffer of parameter ``rename(name)``."""
+        pid, buf = self._buffer_for(name, tensor)
+        with torch.no_grad():
+            buf.copy_(tensor)
+        self._staged.add(pid)
+
+    def _buffer_for(self, name: str, tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The parameter id and staging buffer that receive ``tensor`` under ``name``; raises
+        ``InvalidInput`` outside a sync, for an unknown name or a shape mismatch."""
         if not self._active:
             raise InvalidInput(f"ModuleSink.stage({name!r}) outside a sync; call begin first")
         target = self._rename(name)
@@ -117,9 +140,26 @@ class ModuleSink:
         if buf is None:
             buf = torch.empty_like(param.data)
             self._staging[id(param)] = buf
+        return id(param), buf
+
+    def stage_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """``stage`` of every item, checked first, then copied: items whose tensor has its staging
+        buffer's dtype and device go in one ``torch._foreach_copy_`` (a few kernel launches per
+        bucket on an accelerator instead of one per tensor), the others one by one. Raises
+        ``InvalidInput`` as ``stage`` does, before copying anything of the bucket."""
+        pairs = [(self._buffer_for(name, tensor), tensor) for name, tensor in items]
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         with torch.no_grad():
-            buf.copy_(tensor)
-        self._staged.add(id(param))
+            for (_pid, buf), tensor in pairs:
+                if buf.dtype == tensor.dtype and buf.device == tensor.device:
+                    dsts.append(buf)
+                    srcs.append(tensor)
+                else:
+                    buf.copy_(tensor)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+        self._staged.update(pid for (pid, _), _ in pairs)
 
     def commit(self, version: int) -> None:
         """Swap the staged buffers in; ``InvalidInput`` (nothing swapped) when a required parameter

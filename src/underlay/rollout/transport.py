@@ -4,11 +4,13 @@ One sync is a message sequence ``begin(version, header)``, ``bucket`` x N, ``end
 control channel (a ``torch.distributed.TCPStore`` hosted by the sending trainer rank, JSON values,
 nothing unpickled), while the bytes of each bucket travel on a data link:
 
-- colocated (trainer and inference worker on one device): one reusable bucket buffer that both
+- colocated (trainer and inference worker on one device): reusable bucket buffers that both
   processes map: POSIX shared memory on the cpu, a CUDA IPC handle of device memory on cuda (the
-  receiver copies straight out of the trainer's memory). Peak extra memory on the trainer: one bucket
-  (the largest of ``bucket_bytes`` and the largest single tensor). Other devices are refused with
-  ``UnsupportedOperation`` (use the disaggregated link).
+  receiver copies straight out of the trainer's memory). Two buffers by default, used in turn: the
+  sender gathers and packs bucket ``k + 1`` while the receivers copy bucket ``k`` out, and waits for
+  their answer to bucket ``k - 1`` before it overwrites that buffer. Peak extra memory on the
+  trainer: ``buffers`` buckets (each the largest of ``bucket_bytes`` and the largest single tensor).
+  Other devices are refused with ``UnsupportedOperation`` (use the disaggregated link).
 - disaggregated: a process group of its own (rank 0 = the sending trainer rank, ranks 1..n = the
   receivers) built on its own TCPStore rendezvous, outside the trainer's default group, with the
   device's backend (``Device.dist_backend``: nccl, hccl through torch's backend plugins, gloo). Each
@@ -23,6 +25,7 @@ live weights stay those of the previous version.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import json
@@ -50,7 +53,7 @@ from underlay.interfaces import (
 )
 from underlay.rollout.codec import TensorMeta, pack_into, plan, unpack
 from underlay.rollout.payload import WeightPayload, payload_buckets, payload_header
-from underlay.rollout.sinks import WeightSink
+from underlay.rollout.sinks import WeightSink, stage_bucket
 
 __all__ = ["SyncReport", "WeightReceiver", "WeightSender", "WeightSyncError"]
 
@@ -141,20 +144,26 @@ def _check_timeout(timeout_s: float) -> None:
 
 
 class _SendLink:
-    """Sender side of a data link: moves one packed bucket to every receiver."""
+    """Sender side of a data link: moves one packed bucket to every receiver.
+
+    ``slots``: how many buckets may be in the receivers' hands at once. A shared-buffer link holds one
+    buffer per slot: while the receivers copy bucket ``k`` out of slot ``k % slots``, the sender
+    gathers and packs bucket ``k + 1`` into the next slot."""
 
     kind = ""
     buffer_bytes = 0
+    slots = 1
 
-    def setup_messages(self, nbytes: int) -> list[dict[str, Any]]:
-        """Messages to post (and have acknowledged) before a bucket of ``nbytes`` can be sent."""
+    def setup_messages(self, nbytes: int, slot: int) -> list[dict[str, Any]]:
+        """Messages to post (and have acknowledged) before a bucket of ``nbytes`` can go in ``slot``."""
         return []
 
     def mapped(self) -> None:
         """Every receiver acknowledged the setup messages."""
 
-    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int) -> None:
-        """Pack ``bucket`` into the link's buffer (may start an asynchronous transfer)."""
+    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int, slot: int) -> None:
+        """Pack ``bucket`` into ``slot``'s buffer (may start an asynchronous transfer). The caller
+        guarantees that no receiver still reads that slot."""
 
     def launch(self) -> None:
         """Start moving the staged bucket (after its message was posted)."""
@@ -170,9 +179,9 @@ class _RecvLink:
     """Receiver side: maps a bucket message to a uint8 buffer holding its bytes."""
 
     def on_setup(self, msg: Mapping[str, Any]) -> None:
-        """Apply a setup message (a new shared buffer)."""
+        """Apply a setup message (a new shared buffer for one slot)."""
 
-    def fetch(self, nbytes: int) -> torch.Tensor:
+    def fetch(self, nbytes: int, slot: int) -> torch.Tensor:
         """The bytes of the current bucket (valid until the next call)."""
         raise NotImplementedError  # pragma: no cover - every link overrides it
 
@@ -184,20 +193,40 @@ class _RecvLink:
         """Release buffers."""
 
 
+def _check_slots(slots: int) -> int:
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ConfigError(
+            f"weight sync buffers={slots!r}: use an int >= 1 (2, the default, overlaps the receivers' "
+            "copy of one bucket with the gather of the next; 1 halves the transport memory)"
+        )
+    return slots
+
+
+def _slot_buffer(bufs: Mapping[int, torch.Tensor], slot: int, nbytes: int) -> torch.Tensor:
+    buf = bufs.get(slot)
+    if buf is None or buf.numel() < nbytes:
+        raise InvalidInput(
+            f"bucket of {nbytes} bytes in slot {slot}, but no shared buffer that large was announced there"
+        )
+    return buf
+
+
 class _ShmSend(_SendLink):
-    """cpu colocated: one reusable shared-memory bucket (a tmpfs file mapped ``MAP_SHARED`` by both
-    processes and unlinked as soon as the receivers mapped it), grown when a bucket needs more."""
+    """cpu colocated: one reusable shared-memory buffer per slot (a tmpfs file mapped ``MAP_SHARED``
+    by both processes and unlinked as soon as the receivers mapped it), grown when a bucket needs more."""
 
     kind = "shm"
 
-    def __init__(self) -> None:
-        self._view: torch.Tensor | None = None
-        self._path: str | None = None
+    def __init__(self, slots: int) -> None:
+        self.slots = _check_slots(slots)
+        self._views: list[torch.Tensor | None] = [None] * slots
+        self._paths: list[str] = []
 
-    def setup_messages(self, nbytes: int) -> list[dict[str, Any]]:
-        if self._view is not None and self._view.numel() >= nbytes:
+    def setup_messages(self, nbytes: int, slot: int) -> list[dict[str, Any]]:
+        view = self._views[slot]
+        if view is not None and view.numel() >= nbytes:
             return []
-        self.close()
+        self._views[slot] = None
         size = max(nbytes, 1)
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(root, f"underlay_weight_sync_{os.getpid()}_{uuid.uuid4().hex}")
@@ -206,45 +235,45 @@ class _ShmSend(_SendLink):
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        self._view = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self._path = path
-        self.buffer_bytes = size
-        return [{"type": "buffer", "link": "shm", "path": path, "nbytes": size}]
+        self._views[slot] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self._paths.append(path)
+        self.buffer_bytes = sum(v.numel() for v in self._views if v is not None)
+        return [{"type": "buffer", "link": "shm", "slot": slot, "path": path, "nbytes": size}]
 
     def mapped(self) -> None:
-        """Every receiver mapped the buffer: remove its name (the mappings stay valid)."""
-        if self._path is not None:
+        """Every receiver mapped the buffers: remove their names (the mappings stay valid)."""
+        for path in self._paths:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path)
-            self._path = None
+                os.unlink(path)
+        self._paths = []
 
-    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int) -> None:
-        assert self._view is not None
-        pack_into(self._view, bucket, metas)
+    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int, slot: int) -> None:
+        view = self._views[slot]
+        assert view is not None
+        pack_into(view, bucket, metas)
 
     def close(self) -> None:
         self.mapped()
-        self._view = None
+        self._views = [None] * self.slots
         self.buffer_bytes = 0
 
 
 class _ShmRecv(_RecvLink):
     def __init__(self) -> None:
-        self._view: torch.Tensor | None = None
+        self._views: dict[int, torch.Tensor] = {}
 
     def on_setup(self, msg: Mapping[str, Any]) -> None:
-        self._view = None
-        self._view = torch.from_file(
+        slot = int(msg.get("slot", 0))
+        self._views.pop(slot, None)
+        self._views[slot] = torch.from_file(
             str(msg["path"]), shared=True, size=int(msg["nbytes"]), dtype=torch.uint8
         )
 
-    def fetch(self, nbytes: int) -> torch.Tensor:
-        if self._view is None or self._view.numel() < nbytes:
-            raise InvalidInput(f"bucket of {nbytes} bytes but no shared buffer that large was announced")
-        return self._view
+    def fetch(self, nbytes: int, slot: int) -> torch.Tensor:
+        return _slot_buffer(self._views, slot, nbytes)
 
     def close(self) -> None:
-        self._view = None
+        self._views = {}
 
 
 def _encode_ipc(t: torch.Tensor) -> dict[str, Any]:
@@ -294,52 +323,55 @@ def _decode_ipc(msg: Mapping[str, Any]) -> torch.Tensor:
 
 
 class _IpcSend(_SendLink):
-    """cuda colocated: one reusable device buffer shared once through a CUDA IPC handle."""
+    """cuda colocated: one reusable device buffer per slot, each shared once through a CUDA IPC handle."""
 
     kind = "cuda_ipc"
 
-    def __init__(self, device: Device, torch_device: torch.device) -> None:
+    def __init__(self, device: Device, torch_device: torch.device, slots: int) -> None:
         self._device, self._torch_device = device, torch_device
-        self._buf: torch.Tensor | None = None
+        self.slots = _check_slots(slots)
+        self._bufs: list[torch.Tensor | None] = [None] * slots
 
-    def setup_messages(self, nbytes: int) -> list[dict[str, Any]]:
-        if self._buf is not None and self._buf.numel() >= nbytes:
+    def setup_messages(self, nbytes: int, slot: int) -> list[dict[str, Any]]:
+        buf = self._bufs[slot]
+        if buf is not None and buf.numel() >= nbytes:
             return []
-        self.close()
-        self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._torch_device)
-        self.buffer_bytes = self._buf.numel()
-        return [{"type": "buffer", "link": "cuda_ipc", "ipc": _encode_ipc(self._buf)}]
+        self._bufs[slot] = None
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._torch_device)
+        self._bufs[slot] = buf
+        self.buffer_bytes = sum(b.numel() for b in self._bufs if b is not None)
+        return [{"type": "buffer", "link": "cuda_ipc", "slot": slot, "ipc": _encode_ipc(buf)}]
 
-    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int) -> None:
-        assert self._buf is not None
-        pack_into(self._buf, bucket, metas)
+    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int, slot: int) -> None:
+        buf = self._bufs[slot]
+        assert buf is not None
+        pack_into(buf, bucket, metas)
         self._device.synchronize()  # the receiver reads through its own context: bytes must be there
 
     def close(self) -> None:
-        self._buf = None
+        self._bufs = [None] * self.slots
         self.buffer_bytes = 0
 
 
 class _IpcRecv(_RecvLink):
     def __init__(self, device: Device) -> None:
         self._device = device
-        self._buf: torch.Tensor | None = None
+        self._bufs: dict[int, torch.Tensor] = {}
 
     def on_setup(self, msg: Mapping[str, Any]) -> None:
-        self._buf = None
-        self._buf = _decode_ipc(msg["ipc"])
+        slot = int(msg.get("slot", 0))
+        self._bufs.pop(slot, None)
+        self._bufs[slot] = _decode_ipc(msg["ipc"])
 
-    def fetch(self, nbytes: int) -> torch.Tensor:
-        if self._buf is None or self._buf.numel() < nbytes:
-            raise InvalidInput(f"bucket of {nbytes} bytes but no IPC buffer that large was announced")
-        return self._buf
+    def fetch(self, nbytes: int, slot: int) -> torch.Tensor:
+        return _slot_buffer(self._bufs, slot, nbytes)
 
     def release(self) -> None:
         # the sink's copies out of the shared buffer run asynchronously on this process's stream
         self._device.synchronize()
 
     def close(self) -> None:
-        self._buf = None
+        self._bufs = {}
 
 
 def _new_group(store: Store, rank: int, world: int, backend: str, timeout_s: float) -> Any:
@@ -390,7 +422,7 @@ class _GroupSend(_SendLink):
         self._staged: torch.Tensor | None = None
         self._inflight: tuple[Any, torch.Tensor] | None = None
 
-    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int) -> None:
+    def stage(self, bucket: Bucket, metas: list[TensorMeta], nbytes: int, slot: int) -> None:
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self._torch_device)
         pack_into(buf, bucket, metas)
         self._staged = buf
@@ -418,7 +450,7 @@ class _GroupRecv(_RecvLink):
         self._group, self._device, self._torch_device = group, device, torch_device
         self._buf: torch.Tensor | None = None
 
-    def fetch(self, nbytes: int) -> torch.Tensor:
+    def fetch(self, nbytes: int, slot: int) -> torch.Tensor:
         size = max(nbytes, 1)
         if self._buf is None or self._buf.numel() < size:
             self._buf = None
@@ -510,14 +542,18 @@ class WeightSender:
         bucket_bytes: int = 1 << 28,
         timeout_s: float = 600.0,
         wait: bool = True,
+        buffers: int = 2,
     ) -> WeightSender:
         """Sender for receivers on this rank's device: cpu shared memory or CUDA IPC. Listens on
         ``address`` (port 0: any free port, see ``port``); with ``wait`` blocks until
-        ``num_receivers`` receivers connected. Raises ``UnsupportedOperation`` on other devices."""
+        ``num_receivers`` receivers connected. ``buffers`` shared bucket buffers (default 2: the
+        receivers copy one bucket out while the next is gathered and packed; extra memory on the
+        trainer: ``buffers`` x the bucket size). Raises ``UnsupportedOperation`` on other devices and
+        ``ConfigError`` for ``buffers < 1``."""
         if device.device_type == "cpu":
-            link: _SendLink = _ShmSend()
+            link: _SendLink = _ShmSend(buffers)
         elif device.device_type == "cuda":
-            link = _IpcSend(device, _torch_device(device))
+            link = _IpcSend(device, _torch_device(device), buffers)
         else:
             raise UnsupportedOperation(
                 f"colocated weight sync on {device.device_type!r}: underlay shares device memory between "
@@ -617,31 +653,39 @@ class WeightSender:
             return SyncReport(v, 0, 0, 0, time.perf_counter() - t0, 0)
         n_buckets = n_tensors = n_bytes = 0
         it = iter(buckets)
+        link = self._link
+        unanswered: collections.deque[int] = collections.deque()  # bucket messages in the receivers' hands
         try:
             self._exchange({"type": "begin", "version": v, "header": dict(header or {})})
             for bucket in it:
+                slot = n_buckets % link.slots
+                if len(unanswered) >= link.slots:
+                    self._await(unanswered.popleft(), "bucket")  # that slot's last bucket was copied out
                 metas, nbytes = plan(bucket)
-                for setup in self._link.setup_messages(nbytes):
+                for setup in link.setup_messages(nbytes, slot):
                     self._exchange(setup)
-                    self._link.mapped()
+                    link.mapped()
                 # broadcast: packing this bucket overlaps the previous bucket's transfer
-                self._link.stage(bucket, metas, nbytes)
+                link.stage(bucket, metas, nbytes, slot)
                 msg = {
                     "type": "bucket",
                     "seq": n_buckets,
+                    "slot": slot,
                     "nbytes": nbytes,
                     "tensors": [m.to_json() for m in metas],
                 }
-                if self._link.kind == "broadcast":
-                    self._link.finish()
+                if link.kind == "broadcast":
+                    link.finish()
                     self._loose.append(f"m{self._post(msg)}")
-                    self._link.launch()
+                    link.launch()
                 else:
-                    self._exchange(msg)
+                    unanswered.append(self._post(msg))
                 n_buckets += 1
                 n_tensors += len(metas)
                 n_bytes += sum(m.nbytes for m in metas)
-            self._link.finish()
+            while unanswered:
+                self._await(unanswered.popleft(), "bucket")
+            link.finish()
         except WeightSyncError:
             # a receiver is gone: finish the engine's collective iteration so the other trainer
             # ranks are not left waiting, then report
@@ -649,6 +693,10 @@ class WeightSender:
                 pass
             raise
         except BaseException as exc:
+            # the abort's answer comes after the receivers answered every bucket before it
+            self._loose += [
+                k for i in unanswered for k in (f"m{i}", *(f"a{i}.{r}" for r in range(1, self._n + 1)))
+            ]
             self._abort(f"sender failed during the sync: {type(exc).__name__}: {exc}")
             raise
         verdicts = self._exchange(
@@ -659,7 +707,7 @@ class WeightSender:
         bad = [f"receiver {i + 1}: {x}" for i, x in enumerate(verdicts) if x != "ok"]
         if bad:
             raise WeightSyncError(f"weight sync version {v} was not applied: {'; '.join(bad)}")
-        return SyncReport(v, n_buckets, n_tensors, n_bytes, seconds, self._link.buffer_bytes, tuple(verdicts))
+        return SyncReport(v, n_buckets, n_tensors, n_bytes, seconds, link.buffer_bytes, tuple(verdicts))
 
     def _post(self, msg: Mapping[str, Any]) -> int:
         assert self._control is not None
@@ -669,18 +717,21 @@ class WeightSender:
         return i
 
     def _exchange(self, msg: Mapping[str, Any]) -> list[str]:
-        """Post ``msg`` and wait for every receiver's answer (their ``status`` strings, rank order).
+        """Post ``msg`` and wait for every receiver's answer (their ``status`` strings, rank order)."""
+        return self._await(self._post(msg), str(msg.get("type")))
+
+    def _await(self, i: int, what: str) -> list[str]:
+        """Every receiver's answer to message ``i`` (rank order), then drop the message and answers.
         Messages posted without an answer (broadcast buckets) are deleted once a later one is
         answered: every receiver has read them by then."""
         assert self._control is not None
-        i = self._post(msg)
         keys = [f"a{i}.{r}" for r in range(1, self._n + 1)]
         try:
             self._control.store.wait(keys, datetime.timedelta(seconds=self._timeout_s))
             answers = [str(self._control.read(k).get("status", "?")) for k in keys]
         except Exception as exc:
             raise WeightSyncError(
-                f"weight sync: a receiver did not answer message {i} ({msg.get('type')}) within "
+                f"weight sync: a receiver did not answer message {i} ({what}) within "
                 f"{self._timeout_s:.0f} s ({exc}); it died or stopped calling receive()"
             ) from exc
         self._control.drop([*keys, f"m{i}", *self._loose])
@@ -688,12 +739,12 @@ class WeightSender:
         return answers
 
     def _abort(self, reason: str) -> None:
-        try:
-            if self._link is not None:
-                self._link.close()
+        # answered after the receivers are done with every bucket: then the buffers may go. The
+        # receivers may be gone too; the original error is what matters
+        with contextlib.suppress(Exception):
             self._exchange({"type": "abort", "reason": reason})
-        except Exception:  # the receivers may be gone too; the original error is what matters
-            pass
+        if self._link is not None:
+            self._link.close()
 
     def close(self) -> None:
         """Release the transport buffer and the rendezvous (receivers see the link closed)."""
@@ -831,11 +882,10 @@ class WeightReceiver:
                     if int(msg["seq"]) != n_buckets:
                         problem = problem or f"bucket {msg['seq']} arrived, expected {n_buckets}"
                     metas = [TensorMeta.from_json(m) for m in msg["tensors"]]
-                    buf = self._link.fetch(int(msg["nbytes"]))
+                    buf = self._link.fetch(int(msg["nbytes"]), int(msg.get("slot", 0)))
                     if problem is None:
                         try:
-                            for name, t in unpack(buf, metas):
-                                sink.stage(name, t)
+                            stage_bucket(sink, unpack(buf, metas))
                         except InvalidInput as exc:
                             problem = str(exc)
                     n_buckets += 1

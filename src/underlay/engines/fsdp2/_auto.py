@@ -28,10 +28,45 @@ def _unique_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list({id(p): p for p in module.parameters()}.values())
 
 
-def model_shape(model: torch.nn.Module, hf_config: Any) -> ModelShape:
+def _eager_attention_layers(
+    cfg: Any, layers: list[torch.nn.Module], spec: tuple[int, int, int], device_type: str, dtype: torch.dtype
+) -> int:
+    """Decoder layers whose attention call the registry would route to the ``eager`` kernel on
+    ``device_type``: the call's spec (``spec`` = heads, kv heads, head dim; the config's attention
+    softcap; sinks when the layer has a ``sinks`` parameter) has no fused kernel installed that runs it.
+    0 when the registry cannot resolve it (the kernel call itself reports that, with its reasons)."""
+    from underlay.interfaces import AttentionSpec
+    from underlay.registry import resolve
+
+    cap = config_value(cfg, "attn_logit_softcapping")
+    heads, kv, head_dim = spec
+    count = 0
+    chosen: dict[bool, bool] = {}
+    for layer in layers:
+        sinks = any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in layer.named_parameters())
+        if sinks not in chosen:
+            try:
+                call = AttentionSpec(
+                    dtype, head_dim, heads, kv, device_type, softcap=float(cap) if cap else None, sinks=sinks
+                )
+                chosen[sinks] = resolve("attention", spec=call).name == "eager"
+            except Exception:  # an estimate never fails the build; the kernel call raises with reasons
+                chosen[sinks] = False
+        count += chosen[sinks]
+    return count
+
+
+def model_shape(
+    model: torch.nn.Module,
+    hf_config: Any,
+    *,
+    device_type: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> ModelShape:
     """``ModelShape`` of a (meta-device) Hugging Face decoder model: parameter counts from the module
     (tied parameters once), dimensions from its config (``text_config`` of multimodal ones; MoE: the
-    routed experts per token x expert width, plus the shared expert)."""
+    routed experts per token x expert width, plus the shared expert). With ``device_type``, the layers
+    whose attention would run on the eager kernel there in ``dtype`` (``eager_attention_layers``; else 0)."""
     cfg = getattr(hf_config, "text_config", None) or hf_config
     # (per-layer attributes of heterogeneous configs, e.g. Gemma 4's head dims: the largest layer's)
     hidden = int(config_value(cfg, "hidden_size"))
@@ -61,6 +96,11 @@ def model_shape(model: torch.nn.Module, hf_config: Any) -> ModelShape:
         layer_params=largest,
         root_params=sum(p.numel() for p in params if id(p) not in layer_ids),
         qk_norm=qk_norm,
+        eager_attention_layers=(
+            _eager_attention_layers(cfg, layers, (heads, kv, head_dim), device_type, dtype)
+            if device_type is not None
+            else 0
+        ),
     )
 
 
@@ -100,17 +140,18 @@ def resolve_for(
     memory estimate over the usable bytes as a WARNING). Collective when ``LOCAL_WORLD_SIZE`` is unset
     and the world has more than one rank (host names are gathered)."""
     dtype = device.device_type
+    param_dtype = torch_dtype(config.param_dtype)
     resolved = resolve(
         options,
         device_type=dtype,
         recompute=config.recompute,
-        shape=model_shape(model, hf_config),
+        shape=model_shape(model, hf_config, device_type=dtype, dtype=param_dtype),
         device_total=int(device.memory_stats().total),
         tokens=config.micro_batch_max_tokens,
         single_node=_single_node(layout.world_size),
         dp=layout.dp_shard,
         ulysses=layout.ulysses,
-        param_bytes=torch.empty((), dtype=torch_dtype(config.param_dtype)).element_size(),
+        param_bytes=torch.empty((), dtype=param_dtype).element_size(),
         cpu_offload=config.cpu_offload,
         inductor_ok=inductor_ok(dtype),
         fused_adamw_ok=_fused_adamw_ok(dtype),

@@ -199,6 +199,24 @@ def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.
     return model
 
 
+def frozen_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Make every floating-point parameter of ``model`` a ``dtype`` parameter without gradients, in
+    place (meta parameters stay on the meta device); tied parameters stay one object. Buffers (rotary
+    frequencies, routing biases) keep their dtype, as under FSDP2's mixed precision, which casts only
+    parameters."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            new = done.get(id(param))
+            if new is None:
+                data = param.detach().to(dtype) if param.is_floating_point() else param.detach()
+                new = torch.nn.Parameter(data, requires_grad=False)
+                done[id(param)] = new
+            module._parameters[name] = new
+
+
 def seeded_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.Tensor]:
     """Parameters of the seed-initialised cpu model (``build_model(meta=False)``) by engine name,
     including tied aliases."""

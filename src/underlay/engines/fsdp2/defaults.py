@@ -36,7 +36,10 @@ heads x head_dim, ``kv`` = kv heads x head_dim, ``f`` ffn width):
   the policy never lowers it), 76 KiB against 78 KiB (Qwen3-4B, 111.6 GiB peak);
 - compiled at a budget above 0.9 (torch's own default is 1.0): 0.66 x eager (Qwen2-1.5B: 59.55 GiB
   peak, 75 KiB per token and layer);
-- full recomputation: the layer input (``2h``) per layer plus one layer's activations.
+- full recomputation: the layer input (``2h``) per layer plus one layer's activations;
+- attention on the eager kernel (a spec no installed fused kernel runs, e.g. Gemma 2's attention
+  softcap without flash-attn): ``[heads, S, S]`` fp32 scores per layer, counted apart
+  (``eager_attention_bytes``) because they grow with the square of the longest sequence.
 
 ``tests/unit/test_fsdp2_defaults.py`` holds the recorded peaks and the tolerance (15%).
 """
@@ -68,6 +71,7 @@ __all__ = [
     "Resolved",
     "choose_memory_policy",
     "device_defaults",
+    "eager_attention_bytes",
     "estimate_memory",
     "resolve",
     "usable_bytes",
@@ -86,6 +90,42 @@ HEAD_CHUNK_BYTES = 2 * (256 << 20)
 backward's dlogits and accumulator are about 128 MiB each) and, for a soft-capped head, its tanh chunk."""
 
 
+EAGER_ATTENTION_SAVED_BYTES = 12
+"""Bytes per (query head, query, key) score that the eager attention kernel (``eager_attention``: the
+fp32 reference, the only kernel some specs resolve to, e.g. Gemma 2's attention softcap where no
+flash-attn is installed) keeps for backward: the tanh of the capped scores, the softmax output and the
+masked probabilities, fp32 each."""
+
+EAGER_ATTENTION_BACKWARD_BYTES = 12
+"""Bytes per score of one eager layer's backward: the fp32 gradients of those three score tensors."""
+
+
+def eager_attention_bytes(
+    shape: ModelShape,
+    tokens: int,
+    *,
+    recompute: Literal["none", "full"],
+    activation_offload: bool = False,
+    ulysses: int = 1,
+) -> int:
+    """Device bytes of the ``[heads, S, S]`` score tensors of the decoder layers whose attention runs on
+    the eager kernel (``shape.eager_attention_layers``; 0 bytes when there are none). The longest
+    sequence of a micro-batch is ``tokens`` (one sequence may fill it), every rank of ``ulysses`` holds
+    ``heads / ulysses`` heads of the whole sequence. Saved for backward: every such layer without
+    recomputation, one with ``recompute="full"``, two with ``activation_offload`` (the layer being
+    offloaded and the one prefetched); plus one layer's backward (:data:`EAGER_ATTENTION_BACKWARD_BYTES`)."""
+    if shape.eager_attention_layers <= 0:
+        return 0
+    scores = -(-shape.heads // ulysses) * tokens * tokens
+    if recompute == "full":
+        held = 1
+    elif activation_offload:
+        held = min(2, shape.eager_attention_layers)
+    else:
+        held = shape.eager_attention_layers
+    return scores * (held * EAGER_ATTENTION_SAVED_BYTES + EAGER_ATTENTION_BACKWARD_BYTES)
+
+
 def head_bytes(shape: ModelShape, tokens: int) -> int:
     """Device bytes of the fused log-prob head for ``tokens`` tokens, the same for every architecture
     (soft-capped heads included: the cap is applied inside the kernel's chunks): per token its hidden
@@ -102,7 +142,10 @@ class ModelShape:
     ``params``: every parameter (tied ones once); ``trainable``: those the optimizer updates (LoRA:
     the adapters); ``layer_params``: the largest decoder layer; ``root_params``: parameters outside the
     decoder layers (embeddings, head, final norm); the rest as in the Hugging Face config.
-    ``ffn``: the MLP width a token passes through (MoE: routed experts x expert width + shared)."""
+    ``ffn``: the MLP width a token passes through (MoE: routed experts x expert width + shared).
+    ``eager_attention_layers``: decoder layers whose attention call resolves to the eager kernel, which
+    materialises ``[heads, S, S]`` fp32 scores (:func:`eager_attention_bytes`); 0 when a fused kernel
+    runs every layer."""
 
     hidden: int
     layers: int
@@ -116,13 +159,15 @@ class ModelShape:
     layer_params: int
     root_params: int
     qk_norm: bool = False
+    eager_attention_layers: int = 0
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Device bytes of one training step, by part (``total`` is their sum). ``accumulated_grads``: what
     the unsharded reduce-dtype gradients of ``grad_sync="per_step"`` hold beyond ``grads`` (0 when
-    syncing per micro-batch, and at one rank)."""
+    syncing per micro-batch, and at one rank). ``attention``: the eager attention kernel's score tensors
+    (:func:`eager_attention_bytes`; 0 when fused kernels run every layer)."""
 
     master_params: int
     grads: int
@@ -132,12 +177,14 @@ class MemoryEstimate:
     activations: int
     head: int
     accumulated_grads: int = 0
+    attention: int = 0
 
     @property
     def total(self) -> int:
         """Sum of the parts, bytes."""
         return (
-            self.master_params
+            self.attention
+            + self.master_params
             + self.grads
             + self.accumulated_grads
             + self.optimizer_state
@@ -163,6 +210,7 @@ class MemoryEstimate:
             "transient",
             "activations",
             "head",
+            "attention",
         )
         inner = ", ".join(f"{p} {getattr(self, p) / GiB:.1f}" for p in parts)
         return f"{self.total / GiB:.1f} GiB ({inner})"
@@ -217,7 +265,8 @@ def estimate_memory(
     micro-batch, ``micro_batch_max_tokens``; divided over ``ulysses`` ranks) x layers x
     ``activation_bytes_per_token_layer``, or with ``recompute="full"`` the layer inputs plus one layer's
     activations; ``activation_offload`` (saved activations in host memory, one layer of slack and one
-    prefetched): two layers' activations, or one with full recomputation. Head: :func:`head_bytes`."""
+    prefetched): two layers' activations, or one with full recomputation. Head: :func:`head_bytes`.
+    Attention: :func:`eager_attention_bytes` (layers on the eager kernel only)."""
     p, t = shape.params, shape.trainable
     master = 0 if cpu_offload else 4 * p // dp
     grads = 0 if cpu_offload else 4 * t // dp
@@ -249,7 +298,12 @@ def estimate_memory(
         acts = n * shape.layers * per_layer
     head = head_bytes(shape, n)
     accumulated = max(0, 4 * t - grads) if grad_sync == "per_step" else 0
-    return MemoryEstimate(master, grads, optim, unsharded, transient, int(acts), head, accumulated)
+    attention = eager_attention_bytes(
+        shape, tokens, recompute=recompute, activation_offload=activation_offload, ulysses=ulysses
+    )
+    return MemoryEstimate(
+        master, grads, optim, unsharded, transient, int(acts), head, accumulated, attention=attention
+    )
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from underlay.interfaces import (
     StepResult,
     TokenBatch,
     TokenOutputs,
+    UnsupportedOperation,
     WeightMap,
     resolve_options,
 )
@@ -137,7 +138,15 @@ class FSDP2Engine(EngineBase):
             ),
         )
         self._param_dtype = torch_dtype(config.param_dtype)
+        self._reference = config.role == "reference"
+        if self._reference and options.optimizer_offload:
+            raise ConfigError(
+                "FSDP2Options.optimizer_offload=True with EngineConfig.role='reference': a reference "
+                "engine has no optimizer; leave optimizer_offload unset"
+            )
         model = _build.build_model(config.model, self._hf_config, meta=True)
+        if self._reference:  # the weights themselves in the compute dtype: no fp32 master copy
+            _build.frozen_in_dtype(model, self._param_dtype)
         # the auto options (None) and recompute="auto" are decided once, here, and logged
         self._resolved = _auto.resolve_for(model, self._hf_config, config, options, device, layout)
         options = self._resolved.options
@@ -176,16 +185,30 @@ class FSDP2Engine(EngineBase):
         self._restore_buffers(model, buffers)
         self._model = model
         self._materialise()
+        self._global_step = 0
+        # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
+        self._grads_pending = False
+        self._skip_next = False  # a non-finite loss or metric since the last optimizer step
+        self._offloaded: dict[str, Any] = {}
+        self._adapter_disabled = False
+        self._logprob_kernel = self._pick_logprob_kernel()
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: Any = None
+        if not self._reference:
+            self._build_optimizer(model, options, device)
+
+    def _build_optimizer(self, model: torch.nn.Module, options: FSDP2Options, device: Device) -> None:
+        """The optimizer over the trainable sharded parameters and its LR schedule."""
         trainable = [p for p in model.parameters() if p.requires_grad]
         fused = bool(options.fused_adamw) and device.is_accelerator
-        optim = config.optim
-        self._optimizer: torch.optim.Optimizer
+        optim = self._config.optim
+        optimizer: torch.optim.Optimizer
         if optim.name.lower() != "adamw":
-            self._optimizer = _named_optimizer(trainable, optim, bool(options.optimizer_offload))
+            optimizer = _named_optimizer(trainable, optim, bool(options.optimizer_offload))
         elif options.optimizer_offload:
             from underlay.engines.fsdp2.optim_offload import HostOffloadAdamW
 
-            self._optimizer = HostOffloadAdamW(
+            optimizer = HostOffloadAdamW(
                 trainable,
                 lr=optim.lr,
                 betas=optim.betas,
@@ -195,7 +218,7 @@ class FSDP2Engine(EngineBase):
                 pin_memory=device.is_accelerator,
             )
         else:
-            self._optimizer = torch.optim.AdamW(
+            optimizer = torch.optim.AdamW(
                 trainable,
                 lr=optim.lr,
                 betas=optim.betas,
@@ -205,14 +228,18 @@ class FSDP2Engine(EngineBase):
             )
         from underlay.ops import build_lr_scheduler
 
-        self._scheduler = build_lr_scheduler(self._optimizer, optim)
-        self._global_step = 0
-        # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
-        self._grads_pending = False
-        self._skip_next = False  # a non-finite loss or metric since the last optimizer step
-        self._offloaded: dict[str, Any] = {}
-        self._adapter_disabled = False
-        self._logprob_kernel = self._pick_logprob_kernel()
+        self._optimizer = optimizer
+        self._scheduler = build_lr_scheduler(optimizer, optim)
+
+    def _trainable(self, what: str) -> torch.optim.Optimizer:
+        """The optimizer; ``UnsupportedOperation`` naming ``what`` and the role on a reference engine."""
+        if self._optimizer is None:
+            raise UnsupportedOperation(
+                f"{what}: this fsdp2 engine has EngineConfig.role='reference' (inference only: weights in "
+                f"{self._config.param_dtype}, no optimizer, no gradients); build the engine with "
+                "role='trainable' to train or save training state"
+            )
+        return self._optimizer
 
     # ------------------------------------------------------------------------------ construction
 
@@ -359,7 +386,7 @@ class FSDP2Engine(EngineBase):
             f"device={self._device.device_type}, recompute={self._recompute!r}, compile={o.compile!r}, "
             f"compile_memory_budget={o.compile_memory_budget!r}, fused_adamw={o.fused_adamw!r}, "
             f"reshard_after_forward={o.reshard_after_forward!r}, grad_sync={o.grad_sync!r}, "
-            f"optimizer_offload={o.optimizer_offload!r}, "
+            f"optimizer_offload={o.optimizer_offload!r}, role={self._config.role!r}, "
             f"training_randomness={self._config.model.training_randomness!r})"
         )
 
@@ -379,33 +406,74 @@ class FSDP2Engine(EngineBase):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The AdamW optimizer over the trainable sharded parameters."""
-        return self._optimizer
+        """The optimizer over the trainable sharded parameters; ``UnsupportedOperation`` for
+        ``role="reference"``."""
+        return self._trainable("optimizer")
 
     # --------------------------------------------------------------------------------- compute
 
     def _check_batch(self, batch: TokenBatch) -> TokenBatch:
         """``batch`` validated (``_core.check_token_batch``, then the vision inputs) and on the device;
         ``InvalidInput`` before any state changes."""
-        check_token_batch(batch, int(getattr(self._hf_config, "vocab_size", 0) or 0))
+        check_token_batch(batch, int(getattr(self._hf_config, "vocab_size", 0) or 0), shared_prompts=True)
         from underlay.models import check_vision_batch
 
         check_vision_batch(self._hf_config, batch)
+        if batch.prompt_groups is not None:
+            from underlay.models.shared_prompts import check_shared_prompts
+
+            if self._ulysses_group is not None:
+                raise InvalidInput(
+                    f"TokenBatch.prompt_groups with Ulysses (ulysses={self._layout.ulysses}): shared prompts "
+                    "need each group's whole stream on one rank; give the batch without prompt_groups"
+                )
+            check_shared_prompts(self._model)
         return batch.to(self._torch_device)
 
     def _plan(self, batch: TokenBatch) -> list[list[int]]:
         from underlay.models import sequence_costs
         from underlay.ops import plan_micro_batches
 
+        if batch.prompt_groups is not None:  # whole groups, each costing the tokens it computes shared
+            from underlay.ops.prompt_sharing import shared_prompt_costs
+
+            rows_of, costs = shared_prompt_costs(batch.input_ids, batch.attention_mask, batch.prompt_groups)
+            big = max(range(len(costs)), key=costs.__getitem__)
+            if costs[big] > self._config.micro_batch_max_tokens:
+                raise InvalidInput(
+                    f"TokenBatch.prompt_groups: the group of rows {rows_of[big]} computes {costs[big]} tokens "
+                    f"shared > micro_batch_max_tokens={self._config.micro_batch_max_tokens} (a group stays in "
+                    "one micro-batch); raise micro_batch_max_tokens or give the batch without prompt_groups"
+                )
+            plan = plan_micro_batches(costs, self._config.micro_batch_max_tokens, group=self._dp_group)
+            return [[r for g in mb for r in rows_of[g]] for mb in plan]
         # tokens, plus the vision patches of a row's images weighted by models.patch_cost
         seqlens = sequence_costs(self._hf_config, batch)
         return plan_micro_batches(seqlens, self._config.micro_batch_max_tokens, group=self._dp_group)
 
     def _forward(self, batch: TokenBatch, temperature: float, with_entropy: bool) -> TokenOutputs:
-        """Packed forward of one micro-batch; outputs padded back to ``[b, S]``."""
+        """Packed forward of one micro-batch (shared prompts with ``prompt_groups``); outputs padded
+        back to ``[b, S]``."""
         from underlay.models import packed_forward
         from underlay.ops import pad, unpad
 
+        if batch.prompt_groups is not None:
+            from underlay.models.shared_prompts import shared_prompt_forward
+            from underlay.ops.prompt_sharing import share_prompts
+
+            shared = share_prompts(batch.input_ids, batch.attention_mask, batch.prompt_groups)
+            packed = shared.packed
+            with self._compile_scope():
+                out = shared_prompt_forward(
+                    self._model,
+                    shared,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    logprob_kernel=self._logprob_kernel,
+                )
+            return TokenOutputs(
+                *(None if t is None else pad(t, packed) for t in (out.log_probs, out.entropy, out.values))
+            )
         packed = unpad(batch.input_ids, batch.attention_mask)
         multimodal, zero_passes = self._vision_inputs(batch)
         with self._compile_scope():  # AOTAutograd partitions forward/backward when forward compiles
@@ -460,6 +528,7 @@ class FSDP2Engine(EngineBase):
         call then syncs per micro-batch, so unsharded and sharded gradients never add up). The same
         gradients up to floating-point summation order. An exception leaves no gradient behind (the
         earlier calls' included), resets FSDP's per-iteration state and restores gradient sync."""
+        self._trainable("forward_backward")
         check_loss_fn(loss_fn)
         if self._adapter_disabled:
             raise InvalidInput(
@@ -615,8 +684,9 @@ class FSDP2Engine(EngineBase):
                 module.reshard()
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (set to ``None``)."""
-        self._optimizer.zero_grad(set_to_none=True)
+        """Drop accumulated gradients (set to ``None``); nothing to drop for ``role="reference"``."""
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
         self._grads_pending = False
         self._skip_next = False
 
@@ -624,10 +694,11 @@ class FSDP2Engine(EngineBase):
         """Clip to ``optim.grad_clip`` by the global L2 norm over all shards, then step AdamW; a
         non-finite norm, or a non-finite loss/metric in a ``forward_backward`` since the last step or
         ``zero_grad``, skips the update on every rank. Gradients are zeroed in both cases;
-        ``global_step`` grows."""
+        ``global_step`` grows. ``UnsupportedOperation`` for ``role="reference"``."""
+        optimizer = self._trainable("optimizer_step")
         self._ensure_onloaded("optimizer_step")
         params = [p for p in self._model.parameters() if p.requires_grad and p.grad is not None]
-        lr = float(self._optimizer.param_groups[0]["lr"])
+        lr = float(optimizer.param_groups[0]["lr"])
         clip = self._config.optim.grad_clip
         if params:
             if clip is not None and clip > 0:
@@ -644,22 +715,25 @@ class FSDP2Engine(EngineBase):
         # a non-finite loss or metric since the last step (reported by forward_backward) skips too
         skipped = not math.isfinite(norm) or self._skip_next
         if not skipped:
-            self._optimizer.step()
+            optimizer.step()
         self.zero_grad()
         self._global_step += 1
         return OptimizerStepResult(grad_norm=norm, skipped=skipped, lr=lr)
 
     def lr_scheduler_step(self) -> float:
-        """Advance the LR schedule one step; returns the new learning rate."""
+        """Advance the LR schedule one step; returns the new learning rate. ``UnsupportedOperation`` for
+        ``role="reference"``."""
+        optimizer = self._trainable("lr_scheduler_step")
         self._scheduler.step()
-        return float(self._optimizer.param_groups[0]["lr"])
+        return float(optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------ offloading
 
     def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Move parameters, gradients and/or optimizer state to host memory and release the device
         memory (``device.empty_cache``). Idempotent per kind. With ``cpu_offload`` the sharded
-        parameters already live on the host and stay there."""
+        parameters already live on the host and stay there. A reference engine has only parameters
+        (``grads``/``optimizer`` move nothing)."""
         host = torch.device("cpu")
         pin = self._device.is_accelerator
         if self._act_offload is not None:
@@ -671,7 +745,7 @@ class FSDP2Engine(EngineBase):
                     saved[i] = _to_host(p.grad, pin)
                     p.grad = None
             self._offloaded["grads"] = saved
-        if optimizer and "optimizer" not in self._offloaded:
+        if optimizer and "optimizer" not in self._offloaded and self._optimizer is not None:
             state: dict[int, dict[str, Any]] = {}
             # optimizer_offload: the AdamW state already lives in host memory; nothing to move
             host_state = bool(self._options.optimizer_offload)
@@ -698,7 +772,7 @@ class FSDP2Engine(EngineBase):
             for i, p in enumerate(self._model.parameters()):
                 if i in saved:
                     p.grad = _to_device(saved[i])
-        if optimizer and "optimizer" in self._offloaded:
+        if optimizer and "optimizer" in self._offloaded and self._optimizer is not None:
             state = self._offloaded.pop("optimizer")
             for i, group_param in enumerate(_optim_params(self._optimizer)):
                 if i in state:
@@ -708,7 +782,7 @@ class FSDP2Engine(EngineBase):
     # ----------------------------------------------------------------------------------- weights
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) fp32 parameters by engine name, in ``weight_map.rules`` order, one at a time;
+        """Full (unsharded) parameters by engine name (fp32; ``param_dtype`` for ``role="reference"``), in ``weight_map.rules`` order, one at a time;
         LoRA adapters are merged into their base weights (``W + scaling * B @ A``) and not yielded.
         Collective: every rank iterates and receives every tensor, on the compute device. On a world
         of 1 a tensor may share storage with the live parameter: clone it to keep it across
@@ -819,7 +893,9 @@ class FSDP2Engine(EngineBase):
     def save_checkpoint(self, directory: Path) -> None:
         """Sharded model and optimizer state with ``torch.distributed.checkpoint`` (loadable at another
         world size), plus the LR schedule, ``global_step`` and the model signature (rank 0).
-        ``directory`` must exist. Collective."""
+        ``directory`` must exist. Collective. ``UnsupportedOperation`` for ``role="reference"`` (no
+        training state to save; ``export_hf`` writes its weights)."""
+        optimizer = self._trainable("save_checkpoint")
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
@@ -834,7 +910,7 @@ class FSDP2Engine(EngineBase):
         self._reshard()
         state = {
             "model": get_model_state_dict(self._model),
-            "optim": get_optimizer_state_dict(self._model, self._optimizer),
+            "optim": get_optimizer_state_dict(self._model, optimizer),
         }
         try:
             dcp_save(state, checkpoint_id=str(directory))
@@ -872,7 +948,9 @@ class FSDP2Engine(EngineBase):
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what ``save_checkpoint`` wrote, at any world size. The signature is checked first:
-        ``CheckpointError`` before any state changes when it belongs to another model or shape."""
+        ``CheckpointError`` before any state changes when it belongs to another model or shape.
+        ``role="reference"``: the weights (rounded to ``param_dtype``) and ``global_step`` of a trainable
+        engine's checkpoint; its optimizer state and LR schedule are not read."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -896,6 +974,9 @@ class FSDP2Engine(EngineBase):
         except Exception as exc:
             raise CheckpointError(f"{directory / _STATE_FILE}: unreadable engine state ({exc})") from exc
         self._reshard()
+        if self._optimizer is None:
+            self._load_reference_weights(directory, step)
+            return
         # load into copies: the live weights and optimizer state change only after the whole
         # checkpoint was read (a corrupt shard fails here with the run's state untouched)
         model_sd = _fresh(get_model_state_dict(self._model))
@@ -911,6 +992,21 @@ class FSDP2Engine(EngineBase):
             self._scheduler.load_state_dict(scheduler_state)
         self._global_step = step
         self.zero_grad()
+
+    def _load_reference_weights(self, directory: Path, step: int) -> None:
+        """``load_checkpoint`` of a reference engine: the checkpoint's fp32 weights are read into fp32
+        copies of the shards (no dtype conversion inside the checkpoint reader), then rounded into the
+        live ``param_dtype`` weights; a failed read leaves them untouched."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        from underlay.utils.safe_dcp import safe_dcp_load
+
+        model_sd = {k: _fresh(v).to(torch.float32) for k, v in get_model_state_dict(self._model).items()}
+        live = LiveState(list(self._model.parameters()), [], [])
+        with load_transaction(f"load_checkpoint({directory})", live):
+            safe_dcp_load({"model": model_sd}, directory)
+            set_model_state_dict(self._model, model_sd)
+        self._global_step = step
 
 
 def signature_diff(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:

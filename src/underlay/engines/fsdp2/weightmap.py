@@ -47,6 +47,7 @@ __all__ = [
     "LEGACY_VL_CHECKPOINTS",
     "MIXTRAL_CHECKPOINTS",
     "PER_EXPERT_CHECKPOINTS",
+    "RENAMED_CHECKPOINTS",
     "TRANSPOSED_EXPERT_CHECKPOINTS",
     "fsdp2_weight_map",
     "hf_name",
@@ -54,11 +55,13 @@ __all__ = [
     "persistent_buffers",
 ]
 
-PER_EXPERT_CHECKPOINTS = frozenset({"qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe"})
+PER_EXPERT_CHECKPOINTS = frozenset(
+    {"qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "olmoe", "flex_olmo"}
+)
 """Model types whose checkpoints store ``experts.{e}.{gate,up,down}_proj.weight`` while transformers 5
 fuses them in memory (verified with transformers 5.25's ``save_pretrained`` for each)."""
 
-MIXTRAL_CHECKPOINTS = frozenset({"mixtral"})
+MIXTRAL_CHECKPOINTS = frozenset({"mixtral", "minimax_m2"})
 """Model types whose checkpoints keep Mixtral's original layout: the sparse block under
 ``block_sparse_moe.`` (module ``mlp.``) and per-expert ``experts.{e}.w1`` (gate), ``w3`` (up) and
 ``w2`` (down) (transformers 5.25's ``save_pretrained`` writes them so)."""
@@ -67,6 +70,31 @@ LEGACY_VL_CHECKPOINTS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 """Vision-language model types whose checkpoints hold ``visual.*`` and ``model.*`` for the modules
 ``model.visual.*`` and ``model.language_model.*`` (transformers 5.24's ``save_pretrained`` writes them so)."""
 
+
+RENAMED_CHECKPOINTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "gpt_neox": ((r"^lm_head\.", "embed_out."),),
+    "fuyu": (
+        (r"^lm_head\.", "language_model.lm_head."),
+        (r"^model\.language_model\.", "language_model.model."),
+        (r"^model\.vision_embed_tokens\.", "vision_embed_tokens."),
+    ),
+    "aria_text": (
+        (r"\.mlp\.experts\.gate_up_proj$", ".mlp.experts.fc1.weight"),
+        (r"\.mlp\.experts\.down_proj$", ".mlp.experts.fc2.weight"),
+    ),
+    **{
+        mt: (
+            (r"\.block_sparse_moe\.experts\.gate_up_proj$", ".block_sparse_moe.input_linear.weight"),
+            (r"\.block_sparse_moe\.experts\.down_proj$", ".block_sparse_moe.output_linear.weight"),
+            (r"\.block_sparse_moe\.router\.weight$", ".block_sparse_moe.router.layer.weight"),
+        )
+        for mt in ("granitemoe", "granitemoeshared")
+    },
+}
+"""Per model type, ``(module-name regex, checkpoint name)`` substitutions: the tensors whose checkpoint
+name differs from the module's only by name (transformers 5.25's conversion mapping renames them on
+load and its ``save_pretrained`` writes the checkpoint names; verified for each by
+tests/distributed/test_engine_matrix.py)."""
 
 TRANSPOSED_EXPERT_CHECKPOINTS = frozenset({"qwen3_vl_moe"})
 """Model types (``hf_config.model_type``) whose hub checkpoints hold ``experts.gate_up_proj`` and
@@ -123,15 +151,7 @@ def _legacy_vl_name(name: str) -> str:
     return name
 
 
-def _legacy_vl(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    return rename(match.string, _legacy_vl_name(hf_name(match.string)))
-
-
 LORA_PATTERN = r".*\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\..*"
-
-
-def _renamed(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    return rename(match.string, hf_name(match.string))
 
 
 def _optional(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
@@ -191,9 +211,13 @@ def fsdp2_weight_map(
     parameters are fine)."""
     model_type = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
     legacy_vl = getattr(hf_config, "model_type", None) in LEGACY_VL_CHECKPOINTS
+    renames = RENAMED_CHECKPOINTS.get(str(getattr(hf_config, "model_type", None)), ())
 
     def hf(name: str) -> str:
-        return _legacy_vl_name(hf_name(name)) if legacy_vl else hf_name(name)
+        out = _legacy_vl_name(hf_name(name)) if legacy_vl else hf_name(name)
+        for pattern, repl in renames:
+            out = re.sub(pattern, repl, out)
+        return out
 
     first: dict[int, str] = {}
     tied: dict[str, str] = {}
@@ -230,5 +254,12 @@ def fsdp2_weight_map(
     if kind == "value":
         patterns.append(RulePattern(r"(.*\.)?score\.(weight|bias)", _optional))
         ignored = ("lm_head.*",)
-    patterns.append(RulePattern(r".*", _legacy_vl if legacy_vl else _renamed))
+    head = hf("lm_head.weight")
+    if kind == "value" and head != "lm_head.weight":  # a causal-LM checkpoint's head, renamed
+        ignored += (head.rsplit(".", 1)[0] + ".*",)
+
+    def renamed(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+        return rename(match.string, hf(match.string))
+
+    patterns.append(RulePattern(r".*", renamed))
     return WeightMap.resolve(unique, patterns, tied=tied, ignored=ignored)

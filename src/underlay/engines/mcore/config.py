@@ -32,6 +32,7 @@ __all__ = [
     "check_layout",
     "config_class",
     "padded_vocab_size",
+    "transformer_config_keys",
     "transformer_config_kwargs",
     "value_arch",
     "with_padded_vocab",
@@ -449,6 +450,7 @@ def check_layout(
     ep: int,
     etp: int,
     sequence_parallel: bool,
+    stage_layers: tuple[int | None, int | None] = (None, None),
 ) -> int:
     """Validate the parallel sizes against the world size and the model; return the data-parallel size.
 
@@ -457,7 +459,10 @@ def check_layout(
     padded: ``with_padded_vocab``), sliding windows or multi-latent attention meet ``cp > 1``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
     without sequence parallelism, VPP is used without PP or with CP, or ``etp != tp`` (``etp`` is expert tensor
-    parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``)."""
+    parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``).
+    ``stage_layers``: the layer counts of the first and last pipeline stage (megatron's
+    ``num_layers_in_first/last_pipeline_stage``, ``None`` = even split); each must be a multiple of
+    ``vpp`` and the other layers must split evenly over the other stages and virtual stages."""
     for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"mcore: {name}={value!r} must be an int >= 1")
@@ -492,7 +497,9 @@ def check_layout(
             f"mcore: vpp={vpp} with cp={cp}: virtual pipelines and context parallelism are not combined "
             "in the mcore engine; use vpp=1 or cp=1"
         )
-    if arch.num_layers % (pp * vpp):
+    if stage_layers != (None, None):
+        _check_uneven(arch.num_layers, pp, vpp, stage_layers)
+    elif arch.num_layers % (pp * vpp):
         raise ConfigError(
             f"mcore: the model's {arch.num_layers} layers are not divisible by pp*vpp = {pp}*{vpp} = "
             f"{pp * vpp}; pick pp and vpp whose product divides the layer count"
@@ -522,6 +529,31 @@ def check_layout(
     if sequence_parallel and tp == 1:
         raise ConfigError("mcore: sequence_parallel=True needs tp > 1 (it splits the sequence over TP)")
     return dp
+
+
+def _check_uneven(num_layers: int, pp: int, vpp: int, stage_layers: tuple[int | None, int | None]) -> None:
+    """``ConfigError`` unless first/last stage layer counts ``stage_layers`` split ``num_layers`` over
+    ``pp`` stages of ``vpp`` virtual stages: each given count a multiple of ``vpp``, the rest an equal
+    non-zero multiple of ``vpp`` per other stage (megatron's rule for uneven pipelines)."""
+    first, last = stage_layers
+    if pp == 1:
+        raise ConfigError(
+            "mcore: num_layers_in_first/last_pipeline_stage need pp > 1; remove them or raise pp"
+        )
+    given = [n for n in (first, last) if n is not None]
+    for n in given:
+        if n % vpp:
+            raise ConfigError(
+                f"mcore: a first/last pipeline stage of {n} layers is not divisible by vpp={vpp}"
+            )
+    rest = num_layers - sum(given)
+    others = pp - len(given)
+    if rest < 0 or (others == 0 and rest) or (others and (rest < others * vpp or rest % (others * vpp))):
+        raise ConfigError(
+            f"mcore: first/last pipeline stages of {first}/{last} layers leave {rest} of the model's "
+            f"{num_layers} layers for {others} other stage(s) x vpp={vpp}; they must split evenly (at "
+            "least one layer per virtual stage)"
+        )
 
 
 def check_interleaved_count(count: int, *, pp: int, vpp: int, group_size: int | None = None) -> None:
@@ -670,3 +702,12 @@ def transformer_config_kwargs(
     elif recompute != "none":
         raise ConfigError(f"mcore: recompute={recompute!r}; use 'none', 'full' or 'selective'")
     return kw
+
+
+def transformer_config_keys(arch: MCoreArch) -> dict[str, Any]:
+    """``transformer_config_kwargs`` of ``arch`` at the smallest layout: its key set (which fields
+    the engine sets for this model) does not depend on the sizes, so the pass-through can be checked
+    against it before any layout is validated."""
+    return transformer_config_kwargs(
+        arch, tp=1, pp=1, vpp=1, cp=1, ep=1, etp=1, sequence_parallel=False, params_dtype=torch.float32
+    )

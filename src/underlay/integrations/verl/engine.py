@@ -32,7 +32,14 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from underlay.integrations.verl.config import to_underlay_config
-from underlay.interfaces import ConfigError, InvalidInput, LossContext, TokenBatch, TokenOutputs
+from underlay.interfaces import (
+    ConfigError,
+    InvalidInput,
+    LossContext,
+    ParallelLayout,
+    TokenBatch,
+    TokenOutputs,
+)
 
 __all__ = ["UnderlayLMEngine", "UnderlayValueEngine", "to_token_batch", "to_verl_outputs"]
 
@@ -175,6 +182,7 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         self._engine: Any = None
         self._solo: Any = None
         self._lora = self.underlay_config.model.lora is not None
+        self._planned_asked = False
 
     # ---- construction, modes, parallel groups -------------------------------------------------
 
@@ -188,6 +196,7 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
             # one data-parallel rank per model replica (e.g. all ranks in one Ulysses group): verl's
             # losses get a group of this rank alone, not the world
             self._solo, _ = dist.new_subgroups(group_size=1)  # type: ignore[no-untyped-call]
+        self._check_planned()
         if self.is_param_offload_enabled or self.is_optimizer_offload_enabled:
             self.to(
                 "cpu",
@@ -221,12 +230,52 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         """verl's eval-mode context (onload/offload per the offload flags)."""
         return BaseEngineCtx(self, "eval", **kwargs)
 
+    def _planned(self) -> tuple[int, int, bool]:
+        """``(dp_rank, dp_size, is_mp_src)`` from the configured sizes, before the engine exists: verl's
+        ``TrainingWorker.__init__`` registers its dispatch ranks before it calls ``initialize()``.
+        Exact for data parallel and Ulysses (an underlay Ulysses group is ``ulysses`` consecutive
+        ranks that share one data shard); ``InvalidInput`` with tp/pp/cp > 1, whose rank order is the
+        engine's own."""
+        p = self.underlay_config.parallel
+        world, rank = dist.get_world_size(), dist.get_rank()
+        layout = ParallelLayout.infer(
+            world, tp=p.tp, pp=p.pp, cp=p.cp, ulysses=p.ulysses, dp_replicate=p.dp_replicate
+        )
+        if layout.mp != layout.ulysses:
+            raise InvalidInput(
+                f"data-parallel rank asked before initialize() with tp={p.tp}, pp={p.pp}, cp={p.cp}: the "
+                "rank order is the engine's; call initialize() first (verl's TrainingWorker asks in its "
+                "constructor, so it runs data parallel and Ulysses only)"
+            )
+        return rank // layout.ulysses, layout.dp, rank % layout.ulysses == 0
+
+    def _check_planned(self) -> None:
+        """After ``initialize()``: the engine's ranks equal the answers :meth:`_planned` gave."""
+        if not self._planned_asked:
+            return
+        built = (
+            self.get_data_parallel_rank(),
+            self.get_data_parallel_size(),
+            self.is_mp_src_rank_with_outputs(),
+        )
+        if built != self._planned():
+            raise InvalidInput(
+                f"the engine's (dp_rank, dp_size, is_mp_src) {built} differ from those reported before "
+                f"initialize() {self._planned()}; verl dispatched data by the latter"
+            )
+
     def get_data_parallel_size(self) -> int:
-        """Ranks with different data (``layout.dp``)."""
+        """Ranks with different data (``layout.dp``); before ``initialize()`` from the configured sizes."""
+        if self._engine is None:
+            self._planned_asked = True
+            return self._planned()[1]
         return int(self.underlay.layout.dp)
 
     def get_data_parallel_rank(self) -> int:
-        """This rank's index in its data-parallel group."""
+        """This rank's index in its data-parallel group; before ``initialize()`` from the sizes."""
+        if self._engine is None:
+            self._planned_asked = True
+            return self._planned()[0]
         group = self.underlay.layout.groups.dp
         return 0 if group is None else int(dist.get_rank(group))
 
@@ -239,7 +288,11 @@ class UnderlayEngine(BaseEngine):  # type: ignore[misc]
         return self._solo if self._solo is not None else dist.group.WORLD
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        """Whether this rank is the first of its model-parallel group (every rank holds the outputs)."""
+        """Whether this rank is the first of its model-parallel group (every rank holds the outputs);
+        before ``initialize()`` from the configured sizes."""
+        if self._engine is None:
+            self._planned_asked = True
+            return self._planned()[2]
         group = self.underlay.layout.groups.mp
         return group is None or dist.get_rank(group) == 0
 
