@@ -24,6 +24,7 @@ from underlay.interfaces import ConfigError
 __all__ = [
     "ENGINES",
     "ENGINE_GAPS",
+    "ENGINE_MATRIX_PENDING",
     "EXACT",
     "KNOWN",
     "NOT_EXACT",
@@ -158,6 +159,45 @@ EXACT: dict[str, frozenset[str]] = {
 tests (tests/unit/models/test_model_coverage_matrix.py for every fsdp2 row, test_model_fixes.py,
 tests/distributed/test_model_coverage.py,
 tests/mcore/test_mcore_models.py)."""
+
+ENGINE_MATRIX_PENDING: frozenset[str] = frozenset(
+    {
+        "afmoe",
+        "axk1",
+        "cohere_compass_text",
+        "deepseek_v2",
+        "dots1",
+        "emu3",
+        "ergo",
+        "ernie4_5_moe",
+        "exaone_moe",
+        "flint",
+        "gemma3n_text",
+        "gemma4",
+        "gemma4_text",
+        "gemma4_unified",
+        "glm4_moe_lite",
+        "helium",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "kolibri1",
+        "laguna",
+        "mellum",
+        "mimo_v2_flash",
+        "minicpm5_moe",
+        "param2moe",
+        "sarvam_mla",
+        "sarvam_moe",
+        "solar_open",
+    }
+)
+"""fsdp2 rows whose model forward is exact (:data:`EXACT`) but that tests/distributed/test_engine_matrix.py
+does not take through the engine yet (it skips them). Its first run over them: load of transformers'
+``save_pretrained`` checkpoint fails for the MoE rows (fused ``experts.gate_up_proj``/``down_proj``
+missing, per-expert tensors unexpected; sarvam_moe and param2moe: every tensor missing under the
+checkpoint's names), and emu3 raises in the build (``Emu3TextConfig`` is no ``AutoModelForCausalLM``
+config); each needs a conversion or a reviewed :data:`ENGINE_GAPS` entry before it leaves this set."""
+
 
 NOT_EXACT: dict[str, str] = {
     "dbrx": "log-probs equal transformers' (2.6e-7) but two packings of the same sequences differ by 1 ulp "
