@@ -68,6 +68,7 @@ def test_docs_table_equals_coverage(rows: list[coverage.CoverageRow]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~95 rows: 2-3 minutes on an idle 2-core machine, far more under load
 def test_fsdp2_exact_rows_equal_transformers() -> None:
     """Every fsdp2 row marked exact: packed_forward of the prepared float64 model equals transformers'
     eager forward of each sequence alone (log-probs and entropies at T=1 and T=0.7, the gradient of
