@@ -20,9 +20,11 @@ time, tokens/s, peak memory, and ``ratio`` = underlay tokens/s over verl's (same
 
     python -m benchmarks.gpu.bench_verl_backend --out DIR
 
-It needs verl 0.9.1 and its imports there (the H200 image has none of verl, ray, tensordict,
-omegaconf, hydra-core, codetiming, datasets): ``bash scripts/gpu_wheels.sh --verl`` downloads them;
-see ``docs/verl.md`` for ray's wheel, which is larger than one device call carries.
+It needs verl 0.9.1 and its imports there (the GPU image has none of verl, ray, tensordict, omegaconf,
+hydra-core, codetiming, datasets, pyarrow): ``bash scripts/gpu_wheels.sh --verl`` downloads them into
+two folders that each fit one device call; ``docs/verl.md`` (GPU comparison) gives the two calls that
+install them into ``.verl-site/`` and run this script. A contender that cannot run is recorded with its
+error and the line that raised it (the deepest frame inside verl), not fatal to the other.
 ``--device cpu --quick`` is a smoke run of the underlay contender alone with a tiny model (verl's FSDP
 engine registers for cuda and npu only).
 """
@@ -258,14 +260,18 @@ def main() -> int:
         try:
             rows[backend] = _run(backend, path, args, remove_padding)
         except Exception as exc:  # a contender that cannot run is recorded, not fatal to the other
-            rows[backend] = {"backend": backend, "error": f"{type(exc).__name__}: {exc}"}
+            rows[backend] = {
+                "backend": backend,
+                "error": f"{type(exc).__name__}: {exc}",
+                "at": _blocking_line(exc),
+            }
     dist.destroy_process_group()
     ok = {k: r for k, r in rows.items() if "error" not in r}
     result: dict[str, Any] = {
         "rows": rows,
         "args": vars(args),
         "remove_padding": remove_padding,
-        "versions": {name: _version(name) for name in ("verl", "tensordict", "ray")},
+        "versions": {name: _version(name) for name in ("verl", "tensordict", "ray", "transformers", "torch")},
     }
     ours = ok.get("underlay")
     base = ok.get("verl")
@@ -278,12 +284,26 @@ def main() -> int:
             f"{base['peak_gib']:.1f} GiB, first-step grad_norm {ours['grad_norm']:.4f} vs {base['grad_norm']:.4f}"
         )
     elif ours:
-        why = rows.get("verl", {}).get("error", "not run on the CPU")
+        verl_row = rows.get("verl", {})
+        why = f"{verl_row['error']} at {verl_row['at']}" if "error" in verl_row else "not run on the CPU"
         summary = f"{args.model}: underlay {ours['tokens_per_s']:,.0f} tok/s; no verl baseline ({why})"
     else:
-        summary = "FAILED: " + "; ".join(f"{k}: {r['error']}" for k, r in rows.items())
+        summary = "FAILED: " + "; ".join(f"{k}: {r['error']} at {r['at']}" for k, r in rows.items())
     harness.report("verl_backend", result, summary, out)
     return 0 if len(ok) == len(contenders) else 1
+
+
+def _blocking_line(exc: BaseException) -> str:
+    """Where ``exc`` was raised: the deepest frame inside verl if the traceback passes through verl (the line
+    of verl that cannot run here), else the deepest frame, as ``path:line: source``."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "?"
+    in_verl = [f for f in frames if f"{os.sep}verl{os.sep}" in f.filename]
+    f = (in_verl or frames)[-1]
+    return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
 
 
 def _free_port() -> int:

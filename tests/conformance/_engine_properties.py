@@ -14,6 +14,14 @@ calls, so one pass checks at every layout:
   from the reference state through ``load_hf`` and a fresh optimizer, see ``job_properties``);
 - ``nonfinite_*``: a loss that is NaN on the last rank only makes ``optimizer_step`` skip on every
   rank, logs a warning on every rank naming that rank and the metric, and changes no parameter;
+- ``load_*`` (first layout): ``load_hf`` of a missing-tensor (a per-expert one for MoE), mis-shaped,
+  unexpected-tensor or truncated copy of the reference's ``save_pretrained`` files raises
+  ``CheckpointError`` and leaves every weight bit-identical; the intact files then load exactly (the
+  file's fp32 values, the float64 reference's weights);
+- ``failed_*`` (every layout with pp = 1): a ``loss_fn`` that raises, or returns a bad value
+  (``InvalidInput``), on the second micro-batch of a call after an earlier call leaves no gradient at
+  all (exactly zero) and no weight changed: the step that follows (``accum_*``) starts as a fresh
+  engine's would, bit for bit;
 - ``low_*`` (layouts with ``low_precision``): an engine built in ``param_dtype="bfloat16"``, after
   ``load_hf`` of another model and one step, holds the loaded weights moved by at most one step (its
   fp32 master copies follow the load), never the seed's.
@@ -36,7 +44,7 @@ from tests.conformance._engine_contract import _ctx, _dp_coords, _hf_state
 from tests.distributed import _fsdp_helpers as H
 from underlay.interfaces import CheckpointError, LossContext, ParallelConfig, TokenBatch
 
-__all__ = ["Layout", "chains", "check_properties", "job_properties", "tiny_config"]
+__all__ = ["SLOW_CHAINS", "Layout", "chains", "check_properties", "job_properties", "tiny_config"]
 
 
 @dataclass(frozen=True)
@@ -51,20 +59,32 @@ class Layout:
     refuses: bool = False  # resuming the previous layout's checkpoint must be refused (CheckpointError)
 
 
+# chains that the CPU test runs only among the slow variants (their layouts' properties at other
+# layouts run in CI: cp2 in the "dense" chain)
+SLOW_CHAINS = frozenset({"dense-vpp-cp"})
+
+
 def chains(engine: str, world: int) -> dict[str, list[Layout]]:
-    """The layout chains each engine runs at ``world`` ranks, by model (``"dense"``/``"moe"``): every
-    layout of the engine the ranks can hold, each resuming the previous one's checkpoint."""
+    """The layout chains each engine runs at ``world`` ranks, by name (``"moe"`` for the Qwen3-MoE
+    model, every other name the dense one): every layout of the engine the ranks can hold, each
+    resuming the previous one's checkpoint."""
     if engine == "mcore" and world == 2:
         return {
-            # dp2 -> tp2 (sequence parallel) -> pp2 -> the plain optimizer (refused: other format)
+            # dp2 -> tp2 (sequence parallel) -> pp2 -> cp2 -> the plain optimizer (refused: other format)
             "dense": [
                 Layout("dp2", low_precision=True),
                 Layout("tp2-sp", {"tp": 2}, {"sequence_parallel": True}),
                 Layout("pp2", {"pp": 2}),
+                Layout("cp2", {"cp": 2}),
                 Layout("dp2-plain-optimizer", options={"distributed_optimizer": False}, refuses=True),
             ],
             # ep2 -> ep1 (refused: the experts' optimizer state does not map across)
             "moe": [Layout("ep2", {"ep": 2}), Layout("ep1-dp2", refuses=True)],
+            # interleaved pipeline (its load_hf and broken files), then cp2 resuming it; bf16 at both
+            "dense-vpp-cp": [
+                Layout("pp2-vpp2", {"pp": 2, "vpp": 2}, low_precision=True),
+                Layout("cp2", {"cp": 2}, low_precision=True),
+            ],
         }
     if engine == "mcore":
         return {"dense": [Layout("single", low_precision=True)]}
@@ -211,7 +231,11 @@ def job_properties(
         engine = build(cfg)
         dpi, dps = _dp_coords(engine)
         if previous is None:
-            loader.load_hf(engine, _export_reference(ref, Path(root) / "ref0", rank))
+            ref_dir = _export_reference(ref, Path(root) / "ref0", rank)
+            out.update(_bad_loads(loader, engine, ref_dir, rank, moe))
+            loader.load_hf(engine, ref_dir)
+            out["load_exact"] = H.max_diff(_hf_state(loader, engine), _files(ref_dir))
+            out["load_f64"] = H.max_diff(_hf_state(loader, engine), ref.weights())
             fresh_optimizer = True
         else:
             before_w = _hf_state(loader, engine)
@@ -245,6 +269,8 @@ def job_properties(
         out["fresh_optimizer"] = fresh_optimizer
         # gradient accumulation: two calls, one step, against the reference's step over both losses
         b1, b2 = H.global_batch(30 + 2 * i), H.global_batch(31 + 2 * i, n=4)
+        if engine.layout.pp == 1:
+            out.update(_failed_steps(loader, engine, H.shard(b1, dpi, dps), dpi, dps))
         engine.forward_backward(H.shard(b1, dpi, dps), H.pg_loss)
         engine.forward_backward(H.shard(b2, dpi, dps), H.pg_loss)
         st = engine.optimizer_step()
@@ -273,6 +299,113 @@ def job_properties(
         results.append(out)
     logging.getLogger("underlay").removeHandler(handler)
     return results
+
+
+def _files(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _bad_loads(loader: Any, engine: Any, good: Path, rank: int, moe: bool) -> dict[str, Any]:
+    """``load_hf`` of broken copies of the ``save_pretrained`` files in ``good``: one tensor missing (a
+    per-expert one for MoE), one mis-shaped, one unexpected, the file truncated. Per case the error
+    and the largest change of any weight (must be ``0.0``)."""
+    from safetensors.torch import save_file
+
+    names = {"missing": {}, "shape": {}, "unexpected": {}, "truncated": {}}
+    dirs = {case: good.parent / f"{good.name}-{case}" for case in names}
+    if rank == 0:
+        files = sorted(good.glob("*.safetensors"))
+        assert len(files) == 1, files  # a tiny model: save_pretrained writes one file
+        state = _files(good)
+        victim = (
+            "model.layers.1.mlp.experts.3.down_proj.weight" if moe else "model.layers.1.mlp.down_proj.weight"
+        )
+        assert victim in state, sorted(state)[:8]
+        variants = {
+            "missing": {k: v for k, v in state.items() if k != victim},
+            "shape": {**state, victim: state[victim][:-1].contiguous()},
+            "unexpected": {**state, "model.layers.1.mlp.extra.weight": torch.zeros(2, 2)},
+        }
+        for case, d in dirs.items():
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "config.json").write_bytes((good / "config.json").read_bytes())
+            if case == "truncated":
+                data = files[0].read_bytes()
+                (d / files[0].name).write_bytes(data[:-64])
+            else:
+                save_file(variants[case], str(d / files[0].name), metadata={"format": "pt"})
+    dist.barrier()
+    before = _hf_state(loader, engine)
+    out: dict[str, Any] = {}
+    for case, d in dirs.items():
+        try:
+            loader.load_hf(engine, d)
+            out[f"load_{case}"] = "no error"
+        except Exception as exc:
+            out[f"load_{case}"] = f"{type(exc).__name__}: {exc}"
+        out[f"load_{case}_changed"] = H.max_diff(_hf_state(loader, engine), before)
+    return out
+
+
+def _full_rows(seed: int, n: int) -> TokenBatch:
+    """``n`` sequences of ``H.SEQ`` tokens each (no padding): at ``micro_batch_max_tokens=20`` every
+    row is a micro-batch of its own, so every rank runs as many real micro-batches as it has rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, H.VOCAB, (n, H.SEQ), generator=g)
+    attn = torch.ones_like(ids)
+    loss_mask = attn.clone()
+    loss_mask[:, 0] = 0
+    return TokenBatch(ids, attn, loss_mask, {"advantages": torch.randn(n, generator=g)})
+
+
+def _grad_abs_max(engine: Any) -> float:
+    """The largest gradient value the engine holds (``param.grad`` and megatron's ``main_grad``)."""
+    worst = 0.0
+    for p in engine.model.parameters():
+        for g in (p.grad, getattr(p, "main_grad", None)):
+            if g is not None:
+                local = g.to_local() if hasattr(g, "to_local") else g
+                if local.numel():
+                    worst = max(worst, float(local.detach().abs().max()))
+    return worst
+
+
+def _failed_steps(loader: Any, engine: Any, earlier: TokenBatch, dpi: int, dps: int) -> dict[str, Any]:
+    """After a good ``forward_backward(earlier)``, a call whose ``loss_fn`` raises (``raise``) or returns
+    a Python float (``bad_return``) on its second micro-batch (every rank runs two real micro-batches):
+    the error, the largest gradient left (must be ``0.0``: the partial and the earlier gradients are
+    dropped) and the largest weight change (``0.0``)."""
+
+    def failing(bad_return: bool) -> Callable[..., Any]:
+        def loss_fn(outputs: Any, batch: TokenBatch, ctx: LossContext) -> Any:
+            loss, metrics = H.pg_loss(outputs, batch, ctx)
+            if ctx.micro_batch == 1:
+                if bad_return:
+                    return float(loss), metrics
+                raise RuntimeError("injected loss_fn failure")
+            return loss, metrics
+
+        return loss_fn
+
+    kept = _hf_state(loader, engine)
+    out: dict[str, Any] = {}
+    rows = H.shard(_full_rows(70, 2 * dps), dpi, dps)
+    for case, bad_return in (("raise", False), ("bad_return", True)):
+        engine.forward_backward(earlier, H.pg_loss)  # gradients of an earlier call, to be dropped too
+        out[f"failed_{case}_before"] = _grad_abs_max(engine)
+        try:
+            engine.forward_backward(rows, failing(bad_return))
+            out[f"failed_{case}"] = "no error"
+        except Exception as exc:
+            out[f"failed_{case}"] = f"{type(exc).__name__}: {exc}"
+        out[f"failed_{case}_grads"] = _grad_abs_max(engine)
+    out["failed_changed"] = H.max_diff(_hf_state(loader, engine), kept)
+    return out
 
 
 def _export_reference(ref: _Reference, out: Path, rank: int) -> Path:
@@ -318,7 +451,21 @@ def check_properties(results: list[list[dict[str, Any]]], world: int, tol: float
     """What ``job_properties`` must show, per layout, on every rank."""
     assert len(results) == world
     for per_rank in results:
+        # every chain proves the file checks (its first layout) and failed-call cleanup (a pp = 1 layout)
+        assert "load_exact" in per_rank[0], per_rank[0]
+        assert any("failed_raise" in r for r in per_rank), [r["layout"] for r in per_rank]
         for r in per_rank:
+            if "load_exact" in r:  # broken files refused with nothing changed; the intact ones exact
+                for case in ("missing", "shape", "unexpected", "truncated"):
+                    assert r[f"load_{case}"].startswith("CheckpointError"), (case, r)
+                    assert r[f"load_{case}_changed"] == 0.0, (case, r)
+                assert r["load_exact"] == 0.0 and r["load_f64"] < tol, r
+            if "failed_raise" in r:  # a failed call leaves no gradient and no weight changed
+                assert r["failed_raise_before"] > 0.0 and r["failed_bad_return_before"] > 0.0, r
+                assert r["failed_raise"].startswith("RuntimeError: injected"), r
+                assert r["failed_bad_return"].startswith("InvalidInput"), r
+                assert r["failed_raise_grads"] == 0.0 and r["failed_bad_return_grads"] == 0.0, r
+                assert r["failed_changed"] == 0.0, r
             assert r["accum_norm"] < tol and r["accum_weights"] < tol, r
             assert r["nonfinite_skipped"] and r["nonfinite_changed"] == 0.0, r
             assert f"rank {world - 1}" in r["nonfinite_warning"] and "loss" in r["nonfinite_warning"], r

@@ -260,6 +260,13 @@ def merged_weights(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor, else ``t`` itself (the fsdp2 engine's world-size-1 path,
+    ``options.single_device``, holds plain tensors)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def max_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     """Largest absolute difference over common keys (inf when the key sets differ)."""
     if set(a) != set(b):

@@ -25,8 +25,8 @@ from underlay.models import coverage
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROWS = sorted(coverage.EXACT["fsdp2"] - coverage.ENGINE_MATRIX_PENDING)
-SHARDS = 11
-"""About 6 rows per CI run (~10 s of checks on the 2-core machine)."""
+SHARDS = 16
+"""4 rows per CI run (about 8 s of checks on an idle 2-core machine)."""
 
 
 def shard_of_the_day() -> list[str]:
@@ -80,8 +80,9 @@ def test_engine_matrix_sample(tmp_path: Path) -> None:
 
 @pytest.mark.full_matrix
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_engine_matrix_full(tmp_path: Path) -> None:
-    """Every fsdp2 exact row (~2 minutes on 2 cores)."""
-    (res,) = run_distributed(check_rows, 1, ROWS, str(tmp_path), timeout_s=600, deadline_s=900)
+    """Every fsdp2 exact row (~2 minutes on an idle 2-core machine, 10+ on a busy one)."""
+    (res,) = run_distributed(check_rows, 1, ROWS, str(tmp_path), timeout_s=600, deadline_s=2300)
     bad = _compare(res)
     assert not bad, bad

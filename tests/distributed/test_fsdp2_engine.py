@@ -35,12 +35,13 @@ def _step(engine: Any, batch: Any, loss_fn: Any = H.pg_loss) -> tuple[Any, Any]:
 
 
 def _snapshot(engine: Any) -> list[torch.Tensor]:
-    """Local shards of every parameter, gradient and optimizer-state tensor, cloned."""
+    """Local shards of every parameter, gradient and optimizer-state tensor, cloned (plain tensors on
+    the world-size-1 path)."""
     out: list[torch.Tensor] = []
     for p in engine.model.parameters():
-        out.append(p.to_local().detach().clone())
+        out.append(H.local(p).detach().clone())
         if p.grad is not None:
-            out.append(p.grad.to_local().detach().clone())
+            out.append(H.local(p.grad).detach().clone())
     for state in engine.optimizer.state.values():
         for v in state.values():
             if torch.is_tensor(v):

@@ -58,9 +58,7 @@ class _Probe:
 
 def _grads(engine: Any) -> dict[str, torch.Tensor]:
     return {
-        n: p.grad.to_local().detach().clone()
-        for n, p in engine.model.named_parameters()
-        if p.grad is not None
+        n: H.local(p.grad).detach().clone() for n, p in engine.model.named_parameters() if p.grad is not None
     }
 
 
@@ -96,7 +94,9 @@ def _pair(
 
     engines, probes, grads, results = {}, {}, {}, {}
     for sync in SYNCS:
-        ec = H.engine_config(hf, options={**(options or {}), "grad_sync": sync}, **cfg)
+        # FSDP2 at every world size: the world-size-1 path (single_device) has no gradient sync
+        opts = {"single_device": False, **(options or {}), "grad_sync": sync}
+        ec = H.engine_config(hf, options=opts, **cfg)
         engine = FSDP2Engine(ec, get_device("cpu"))
         if setup is not None:
             setup(engine, batch)

@@ -72,11 +72,12 @@ def test_typed_options_are_validated_with_names() -> None:
         "compile_memory_budget",
         "optimizer_offload",
         "grad_sync",
+        "single_device",
         "activation_offload",
         "activation_offload_min_bytes",
     ]
     # every speed/memory option is auto (None) by default and documents what auto means
-    for name in list(fields)[:6]:
+    for name in list(fields)[:7]:
         assert fields[name].default is None and "auto" in fields[name].doc, fields[name]
     assert "all-gathers" in fields["reshard_after_forward"].doc
     opts = resolve_options(FSDP2Options, {"compile": "layer", "compile_memory_budget": 1}, "fsdp2")

@@ -34,7 +34,7 @@ class _Payload:
 
 def _state(engine: Any) -> list[torch.Tensor]:
     """Local shards of parameters and optimizer state, cloned, plus step and LR as tensors."""
-    out = [p.to_local().detach().clone() for p in engine.model.parameters()]
+    out = [H.local(p).detach().clone() for p in engine.model.parameters()]
     for st in engine.optimizer.state.values():
         for v in st.values():
             if torch.is_tensor(v):

@@ -64,9 +64,7 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None, mask: torch.Tensor) -> 
 
 def _grads(engine: Any) -> dict[str, torch.Tensor]:
     return {
-        n: p.grad.to_local().detach().clone()
-        for n, p in engine.model.named_parameters()
-        if p.grad is not None
+        n: H.local(p.grad).detach().clone() for n, p in engine.model.named_parameters() if p.grad is not None
     }
 
 

@@ -83,9 +83,9 @@ def fp32_weights(engine: Any) -> dict[str, torch.Tensor]:
 def snapshot(engine: Any) -> list[torch.Tensor]:
     out = []
     for p in engine.model.parameters():
-        out.append(p.to_local().detach().clone())
+        out.append(H.local(p).detach().clone())
         if p.grad is not None:
-            out.append(p.grad.to_local().detach().clone())
+            out.append(H.local(p.grad).detach().clone())
     for st in engine.optimizer.state.values():
         for v in st.values():
             if torch.is_tensor(v):

@@ -105,3 +105,75 @@ def pipeline_phase(rank: int, world: int) -> dict[str, Any]:
         del eng
         ps.destroy_model_parallel()
     return out
+
+
+def overlap_phase(rank: int, world: int) -> dict[str, Any]:
+    """dp=2 on 2 ranks, three optimizer steps of the same batches with the gradient reduction and the
+    parameter all-gather overlapped or not: ``both`` (distributed optimizer, overlap_grad_reduce +
+    overlap_param_gather) against ``off`` (no overlap), ``allreduce`` (overlap_grad_reduce without
+    the distributed optimizer) against ``allreduce_off``. Per variant: the full parameters read
+    right after each step (before any forward: a deferred all-gather must be finished by the read),
+    the log-probs of an ``infer`` after the last step, the grad norms; plus whether a second
+    ``forward_backward`` before the step is refused under overlap and ``zero_grad`` drains a started
+    reduction."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from underlay.interfaces import InvalidInput
+
+    cfg = H.tiny_config("llama")
+    # each overlapped variant against its baseline without overlap
+    variants = {
+        "off": {},
+        "both": {"overlap_grad_reduce": True, "overlap_param_gather": True},
+        "allreduce_off": {"distributed_optimizer": False},
+        "allreduce": {"overlap_grad_reduce": True, "distributed_optimizer": False},
+    }
+    baseline = {"both": "off", "allreduce": "allreduce_off"}
+    out: dict[str, Any] = {}
+    for name, opts in variants.items():
+        eng = H.make_engine(H.engine_config(cfg, **opts))
+        dp_rank = eng_dp_rank(eng)
+        params: list[dict[str, torch.Tensor]] = []
+        norms: list[float] = []
+        init = {n: t.clone() for n, t in eng.named_full_tensors()}
+        for step in range(3):
+            full = H.make_batch(40 + step, b=4)
+            eng.forward_backward(full.select([dp_rank, dp_rank + 2]), H.pg_loss)
+            norms.append(eng.optimizer_step().grad_norm)
+            if step == 2:  # steps 0 and 1: the next forward's pre-hooks gather the parameters
+                params.append({n: t.clone() for n, t in eng.named_full_tensors()})
+        lp = eng.infer(H.make_batch(50, b=2)).log_probs.clone()
+        refused = ""
+        if opts:
+            one = H.make_batch(51, b=1)
+            eng.forward_backward(one, H.pg_loss)
+            try:
+                eng.forward_backward(one, H.pg_loss)
+            except InvalidInput as e:
+                refused = str(e)
+            eng.zero_grad()  # drains the reduction the first call started
+            eng.forward_backward(one, H.pg_loss)  # a fresh accumulation runs
+            eng.zero_grad()
+        out[name] = {"params": params, "init": init, "lp": lp, "norms": norms, "refused": refused}
+        del eng
+        ps.destroy_model_parallel()
+    res: dict[str, Any] = {}
+    for name, ref in baseline.items():
+        r, base = out[name], out[ref]
+        diffs = [
+            max(float((a[n] - b[n]).abs().max()) for n in a) for a, b in zip(r["params"], base["params"])
+        ]
+        res[name] = {
+            "param_diff": max(diffs),
+            "lp_diff": float((r["lp"] - base["lp"]).abs().max()),
+            "norm_diff": max(abs(a - b) for a, b in zip(r["norms"], base["norms"])),
+            "moved": max(float((base["params"][0][n] - base["init"][n]).abs().max()) for n in base["init"]),
+            "refused": r["refused"],
+        }
+    return res
+
+
+def all_phases(rank: int, world: int) -> dict[str, Any]:
+    """Every phase in one 2-rank process group (one spawn for the test module)."""
+    return {"pipeline": pipeline_phase(rank, world), "overlap": overlap_phase(rank, world)}

@@ -49,12 +49,16 @@ def check_forward_grads(
     for name, g in grads.items():
         r = ref_grads[name]
         gerr = max(gerr, float((g.double() - r).abs().max() / (r.abs().max() + 1e-6)))
+    # the optimizer's global grad norm (every shard and replica counted once) against HF's
+    ref_norm = float(sum((g**2).sum() for g in ref_grads.values()) ** 0.5)
+    norm = eng.optimizer_step().grad_norm
     return {
         "lp": float((out.log_probs.double() - ref_mine).abs().max()),
         "loss": abs(res.metrics["loss"] - float(ref_loss)),
         "grad_rel": gerr,
         "n": len(grads),
         "etp": eng.layout.etp,
+        "norm_rel": abs(norm - ref_norm) / ref_norm,
     }
 
 
@@ -68,13 +72,22 @@ def eng_dp_rank(eng: Any) -> int:
 def wrong_fusion(rank: int, world: int, which: str) -> float:
     """Max log-prob error against HF when the weight map fuses in a wrong order (negative control):
     ``qkv``: plain ``[q; k; v]`` concatenation; ``gate_up``: ``[up; gate]``."""
+    import dataclasses
+
     import underlay.engines.mcore.weightmap as wm
 
+    # the rule constructors the engine's weight map (and so its fill through the shared reader) uses
     if which == "qkv":
-        wm.fuse_qkv = lambda q, k, v, groups: torch.cat([q, k, v], 0)  # type: ignore[assignment]
+        qkv = wm._wm_qkv
+
+        def plain_qkv(name: str, q: str, k: str, v: str, **kw: int) -> Any:
+            rule = qkv(name, q, k, v, **kw)
+            return dataclasses.replace(rule, from_hf=lambda t: torch.cat([t[q], t[k], t[v]], 0))
+
+        wm._wm_qkv = plain_qkv
     else:
-        original = wm.fuse_gate_up
-        wm.fuse_gate_up = lambda gate, up, r, n: original(up, gate, r, n)  # type: ignore[assignment]
+        gate_up = wm._wm_gate_up
+        wm._wm_gate_up = lambda name, gate, up: gate_up(name, up, gate)
     cfg = H.tiny_config("llama")
     eng = H.make_engine(H.engine_config(cfg))
     batch = H.make_batch(3)

@@ -7,15 +7,7 @@ import torch
 
 from tests.mcore._helpers import tiny_config
 from underlay.engines.mcore.config import arch_of, check_layout, transformer_config_kwargs
-from underlay.engines.mcore.weightmap import (
-    Rule,
-    fuse_gate_up,
-    fuse_qkv,
-    hf_shapes,
-    split_gate_up,
-    split_qkv,
-    stage_rules,
-)
+from underlay.engines.mcore.weightmap import Rule, engine_rule, hf_shapes, stage_rules
 from underlay.interfaces import ConfigError
 
 pytestmark = pytest.mark.mcore
@@ -75,13 +67,12 @@ def test_model_type_refused() -> None:
         ("llama", {"world": 3, "pp": 3}, "4 layers are not divisible by pp\\*vpp = 3\\*1"),
         ("llama", {"world": 2, "pp": 2, "vpp": 4}, "not divisible by pp\\*vpp = 2\\*4 = 8"),
         ("llama", {"world": 2, "vpp": 2}, "vpp=2 needs pp > 1"),
-        ("llama", {"world": 4, "pp": 2, "vpp": 2, "cp": 2}, "vpp=2 with cp=2"),
         ("qwen3_moe", {"world": 3, "ep": 3}, "ep=3 must divide the number of experts 4"),
         ("qwen3_moe", {"world": 2, "tp": 2}, "requires sequence parallelism"),
         ("llama", {"world": 2, "ep": 2}, "dense model"),
         ("llama", {"world": 2, "sequence_parallel": True}, "needs tp > 1"),
-        ("qwen3_moe", {"world": 2, "tp": 2, "etp": 1, "sequence_parallel": True}, "etp=1 with tp=2"),
-        ("llama", {"world": 2, "etp": 2}, "etp=2 with tp=1"),
+        ("qwen3_moe", {"world": 2, "tp": 1, "etp": 2}, r"etp=2 > tp=1"),
+        ("llama", {"world": 2, "tp": 2, "etp": 1}, "etp=1 with tp=2 on a dense model"),
     ],
 )
 def test_bad_layouts_refused(family: str, sizes: dict[str, object], needle: str) -> None:
@@ -112,27 +103,42 @@ def test_interleaved_micro_batch_count_refused(count: int, pp: int, group: int |
 
 
 def test_qkv_fusion_is_per_query_group() -> None:
+    """The engine's ``linear_qkv`` rule (``engine_rule``, what load and export use): rows grouped per
+    query group, TP rank ``r`` holds whole groups, and ``to_hf`` gives back q, k and v."""
+    arch = arch_of(tiny_config("llama"))  # 4 query heads, 2 groups
+    heads, groups, d = arch.heads, arch.num_query_groups, arch.head_dim
+    names = tuple(f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv")
+    rule = engine_rule(Rule("decoder.layers.0.self_attention.linear_qkv.weight", names, "qkv", arch), arch)
     g = torch.Generator().manual_seed(0)
-    heads, groups, d, h = 4, 2, 3, 5
-    q, k, v = (torch.randn(n * d, h, generator=g) for n in (heads, groups, groups))
-    fused = fuse_qkv(q, k, v, groups)
-    # group 0 = q heads 0,1 then k head 0 then v head 0
-    assert torch.equal(fused[: 2 * d], q[: 2 * d])
-    assert torch.equal(fused[2 * d : 3 * d], k[:d])
-    assert torch.equal(fused[3 * d : 4 * d], v[:d])
-    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, heads, groups, d), (q, k, v)))
+    q, k, v = (torch.randn(n * d, arch.hidden, generator=g) for n in (heads, groups, groups))
+    fused = rule.from_hf(dict(zip(names, (q, k, v))))
+    per = heads // groups
+    # group 0 = its q heads, then k head 0, then v head 0
+    assert torch.equal(fused[: per * d], q[: per * d])
+    assert torch.equal(fused[per * d : (per + 1) * d], k[:d])
+    assert torch.equal(fused[(per + 1) * d : (per + 2) * d], v[:d])
+    assert torch.equal(rule.tp_shard(fused, 1, 2), fused[(per + 2) * d :])  # rank 1: group 1 whole
+    back = rule.to_hf(fused)
+    assert all(torch.equal(back[n], t) for n, t in zip(names, (q, k, v)))
 
 
 def test_gate_up_per_rank_and_roundtrip() -> None:
+    """``linear_fc1``: TP rank ``r`` holds gate's ``r``-th chunk, then up's; ``to_hf`` inverts."""
+    arch = arch_of(tiny_config("llama"))
+    names = ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
+    rule = engine_rule(Rule("decoder.layers.0.mlp.linear_fc1.weight", names, "gate_up", arch), arch)
     gate, up = torch.arange(8.0)[:, None], 100 + torch.arange(8.0)[:, None]
-    pieces = [fuse_gate_up(gate, up, r, 2) for r in range(2)]
+    full = rule.from_hf(dict(zip(names, (gate, up))))
+    pieces = [rule.tp_shard(full, r, 2) for r in range(2)]
     assert pieces[1][:, 0].tolist() == [4, 5, 6, 7, 104, 105, 106, 107]
-    a, b = split_gate_up(pieces)
-    assert torch.equal(a, gate) and torch.equal(b, up)
+    back = rule.to_hf(rule.tp_unshard(pieces))
+    assert torch.equal(back[names[0]], gate) and torch.equal(back[names[1]], up)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
 def test_rules_shard_unshard_roundtrip(family: str) -> None:
+    """Every rule of a whole model covers each HF tensor once; HF tensors -> engine tensor -> TP
+    pieces -> engine tensor -> HF tensors gives back the same values."""
     arch = arch_of(tiny_config(family))
     shapes = hf_shapes(arch)
     rules = stage_rules(
@@ -147,11 +153,11 @@ def test_rules_shard_unshard_roundtrip(family: str) -> None:
     assert covered == set(shapes)
     g = torch.Generator().manual_seed(1)
     for rule in rules:
-        full = [torch.randn(shapes[n], generator=g) for n in rule.hf]
-        pieces = [rule.shard(full, r, 2) for r in range(2)]
-        back = rule.unshard(pieces)
-        assert all(torch.equal(a, b) for a, b in zip(back, full)), rule.name
-    assert isinstance(rules[0], Rule)
+        wr = engine_rule(rule, arch)
+        hf = {n: torch.randn(shapes[n], generator=g) for n in rule.hf}
+        full = wr.from_hf(hf)
+        back = wr.to_hf(wr.tp_unshard([wr.tp_shard(full, r, 2) for r in range(2)]))
+        assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf), rule.name
 
 
 def test_registry_refuses_mcore_on_cpu() -> None:
@@ -175,7 +181,7 @@ def test_registry_refuses_mcore_on_cpu() -> None:
         # batched p2p at pp=2 pairs the two directions' transfers by posting order: swapped tensors
         ({"parallel": {"pp": 2, "vpp": 2}}, {"batch_p2p_comm": True}, "batch_p2p_comm=True with pp=2"),
         ({"parallel": {"ulysses": 2}}, {}, "ulysses=2"),
-        ({"parallel": {"tp": 2, "etp": 1}}, {}, "etp=1 with tp=2"),
+        ({"parallel": {"tp": 2, "etp": 1}}, {}, "etp=1 with tp=2 on a dense model"),
         ({}, {"sequence_parallel": "yes"}, "sequence_parallel='yes'"),
         ({}, {"vpp": 2}, "unknown mcore option"),
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),

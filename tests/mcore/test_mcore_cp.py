@@ -1,6 +1,6 @@
 """Context parallelism in the mcore engine: megatron's load-balanced THD split (checked against
 megatron's own RoPE position slicing, in process), and CP=2 alone, with TP=2 + sequence parallelism
-and with PP=2 on 4 gloo ranks against the float64 HF model, with two negative controls; value models
+with PP=2 and with PP=2 x VPP=2 on 4 gloo ranks against the float64 HF model, with two negative controls; value models
 at the same CP layouts against the float64 HF token-classification model and the CP1 step (one spawn
 for both); bad layouts refused before any process group exists."""
 
@@ -73,10 +73,30 @@ def test_split_matches_megatron_rope_and_reassembles(cp: int, multiple: int) -> 
     assert split.cu_real[: len(lengths) + 1].tolist() == cu.tolist()
 
 
+def test_split_to_a_fixed_local_length() -> None:
+    """``local_length`` (virtual pipelines) pads every rank to exactly that many tokens with one
+    padding sequence that the gather drops; a count below the micro-batch's own or odd is refused."""
+    from underlay.engines.mcore.context_parallel import local_token_count
+    from underlay.interfaces import InvalidInput
+
+    lengths = [1, 3, 8]
+    ids, pos, labels, cu = _packed(lengths)
+    own = local_token_count(lengths, 2)
+    assert own == (4 + 4 + 8) // 2
+    for rank in range(2):
+        lid, _, _, split = split_packed(ids, pos, labels, cu, group=None, cp_rank=(2, rank), local_length=12)
+        assert lid.numel() == 12 and int(split.real_index.numel()) == sum(lengths)
+    for bad in (own - 2, own + 1):
+        with pytest.raises(InvalidInput, match=f"local_length={bad}"):
+            split_packed(ids, pos, labels, cu, group=None, cp_rank=(2, 0), local_length=bad)
+
+
 _CASES: list[tuple[str, int, int, int, dict[str, Any], str | None]] = [
     ("llama", 1, 1, 2, {}, None),  # CP2 x DP2: the token mean over dp x cp
     ("qwen3", 2, 1, 2, {"sequence_parallel": True}, None),  # CP2 x TP2 with sequence parallelism
     ("qwen2_tied", 1, 2, 2, {}, None),  # CP2 x PP2, tied embeddings
+    # CP2 x PP2 x VPP2: every micro-batch padded to one per-rank token count by a padding sequence
+    ("qwen3", 1, 2, 2, {"vpp": 2}, None),
     ("llama", 1, 1, 2, {}, "contiguous"),
     ("llama", 1, 1, 2, {}, "kv_grad_not_summed"),
 ]
@@ -98,7 +118,8 @@ def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls(
     cp_suite: list[tuple[list[dict[str, float]], dict[str, float]]],
 ) -> None:
     """Packed variable-length micro-batches (24 tokens max; sequences of 1..12 tokens, some shorter
-    than 2*cp and of odd length) on 4 ranks at CP2xDP2, CP2xTP2 (SP) and CP2xPP2: per-token log-probs
+    than 2*cp and of odd length) on 4 ranks at CP2xDP2, CP2xTP2 (SP), CP2xPP2 and CP2xPP2xVPP2 (the
+    interleaved schedule's fixed per-rank token count): per-token log-probs
     on every rank, the token-mean loss over dp x cp, every gradient and the grad norm
     ``optimizer_step`` reports equal the float64 HF model's.
     Negative controls: a contiguous (not load-balanced) split breaks the log-probs, and a K/V gather
@@ -126,7 +147,7 @@ def test_cp2_equals_hf_with_dp_tp_sp_pp_and_negative_controls(
         else:
             assert lp < LP_TOL and loss < LOSS_TOL, (case, per_rank)
             assert grad > 100 * GRAD_TOL, (case, per_rank)
-    assert [r["dp"] for r in results[0]] == [2.0, 1.0, 1.0, 2.0, 2.0]
+    assert [r["dp"] for r in results[0]] == [2.0, 1.0, 1.0, 1.0, 2.0, 2.0]
 
 
 @pytest.mark.distributed

@@ -33,6 +33,17 @@ GRAD_TOL = 1e-4
         pytest.param("qwen3", 1, 1, 1, 1, {"fused_elementwise": True}, {}, id="qwen3-1rank-fused"),
         # etp unset = tp (megatron's default): experts split over TP like the dense layers
         pytest.param("qwen3_moe", 2, 1, 1, 2, {"sequence_parallel": True}, {}, id="qwen3moe-tp2-sp-etp2"),
+        # etp=1 < tp=2: each expert whole on both TP ranks, which route different (SP) tokens to it
+        pytest.param(
+            "qwen3_moe",
+            2,
+            1,
+            1,
+            2,
+            {"sequence_parallel": True, "distributed_optimizer": False},
+            {"etp": 1},
+            id="qwen3moe-tp2-sp-etp1",
+        ),
         # the plain DDP all-reduce: the distributed optimizer leaves each rank only its reduce-scattered shard
         pytest.param("mistral", 1, 1, 1, 2, {"distributed_optimizer": False}, {}, id="mistral-dp2"),
         # expert parallelism (alltoall dispatcher): experts 0-1 on rank 0, 2-3 on rank 1, dp=2
@@ -64,6 +75,7 @@ def test_logprobs_loss_grads_equal_hf(
         assert r["loss"] < LOSS_TOL, r
         assert r["grad_rel"] < GRAD_TOL, r
         assert r["etp"] == sizes.get("etp", tp), r
+        assert r["norm_rel"] < GRAD_TOL, r
 
 
 @pytest.mark.parametrize("which", ["qkv", "gate_up"])

@@ -1,6 +1,7 @@
 """The training properties (``tests/conformance/_engine_properties.py``) for mcore under the CPU
-fixture: one 2-rank process group per model runs a chain of layouts (each resumes the previous one's
-checkpoint), all against the float64 reference."""
+fixture: one 2-rank process group per chain runs its layouts (each resumes the previous one's
+checkpoint), all against the float64 reference. The chains in ``P.SLOW_CHAINS`` (pp2 x vpp2 -> cp2)
+are marked ``slow``: CI covers cp2 in the dense chain, and ``-m "not slow"`` leaves them out."""
 
 from __future__ import annotations
 
@@ -14,13 +15,21 @@ from tests.conformance import _engine_properties as P
 from tests.conformance._engine_contract import device_name, tolerance
 from tests.mcore.test_mcore_conformance import fixture_launcher
 
-pytestmark = [pytest.mark.mcore, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.mcore, pytest.mark.distributed]
 
 
-@pytest.mark.parametrize("model", sorted(P.chains("mcore", 2)))
-def test_mcore_training_properties(model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "chain",
+    [
+        pytest.param(c, marks=[pytest.mark.slow] if c in P.SLOW_CHAINS else [])
+        for c in sorted(P.chains("mcore", 2))
+    ],
+)
+def test_mcore_training_properties(chain: str, tmp_path: Path) -> None:
+    """Every chain of ``P.chains("mcore", 2)``: dense dp2 -> tp2+sp -> pp2 -> cp2 -> plain optimizer,
+    MoE ep2 -> ep1, and (slow) pp2 x vpp2 -> cp2, each layout checked by ``P.check_properties``."""
     results = fixture_launcher(
-        P.job_properties, 2, "mcore", str(tmp_path), device_name(), model, P.chains("mcore", 2)[model]
+        P.job_properties, 2, "mcore", str(tmp_path), device_name(), chain, P.chains("mcore", 2)[chain]
     )
     P.check_properties(results, 2, tolerance())
 

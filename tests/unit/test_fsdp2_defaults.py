@@ -5,6 +5,7 @@ the shapes come from the real Hugging Face modules built on the meta device)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -273,9 +274,11 @@ def test_resolve_fills_only_the_auto_fields() -> None:
         compile_memory_budget=0.85,
         optimizer_offload=False,
         grad_sync="per_micro_batch",
+        single_device=True,
     )
     assert r.recompute == "none" and r.memory is not None and r.memory.fits
     assert set(r.reasons) == {
+        "single_device",
         "compile",
         "fused_adamw",
         "compile_memory_budget",
@@ -293,9 +296,11 @@ def test_resolve_fills_only_the_auto_fields() -> None:
         grad_sync="per_micro_batch",
     )
     r = resolve(given, device_type="cuda", recompute="full", single_node=True, **kw)
-    assert r.options == given
+    assert r.options == replace(given, single_device=False)  # resharded: FSDP2 at one rank too
     assert (
-        r.recompute == "full" and r.memory is None and set(r.reasons.values()) <= {"given", "not compiling"}
+        r.recompute == "full"
+        and r.memory is None
+        and {v for k, v in r.reasons.items() if k != "single_device"} <= {"given", "not compiling"}
     )
     r = resolve(FSDP2Options(), device_type="cpu", recompute="auto", single_node=False, **kw)
     assert r.options.compile is False and r.options.reshard_after_forward is True
@@ -331,3 +336,29 @@ def test_compile_warmup_is_accounted_once_and_a_silent_auto_compile_is_logged(
         for step in range(3):
             silent.stop(silent.start(), step=step, auto=True)
     assert caplog.text.count("compiled no graph") == 1 and "compile=False" in caplog.text
+
+
+def test_single_device_only_at_one_rank_with_unsharded_parameters() -> None:
+    """The world-size-1 path is chosen at world size 1 when the parameters stay unsharded; FSDP2 at
+    more ranks, with cpu_offload, or when the memory policy reshards; a given value is kept."""
+    s = shape_of("qwen2-1.5b")
+    kw: dict[str, Any] = dict(shape=s, tokens=16384, inductor_ok=True, fused_adamw_ok=True, single_node=True)
+    one = resolve(FSDP2Options(), device_type="cuda", recompute="auto", device_total=H200, **kw)
+    assert one.options.single_device is True and "world size 1" in one.reasons["single_device"]
+    two = resolve(
+        FSDP2Options(), device_type="cuda", recompute="auto", device_total=H200, world_size=2, dp=2, **kw
+    )
+    assert two.options.single_device is False and "world size 2" in two.reasons["single_device"]
+    off = resolve(
+        FSDP2Options(), device_type="cuda", recompute="auto", device_total=H200, cpu_offload=True, **kw
+    )
+    assert off.options.single_device is False and "cpu_offload" in off.reasons["single_device"]
+    small = resolve(FSDP2Options(), device_type="cuda", recompute="auto", device_total=24 * GiB, **kw)
+    assert small.options.reshard_after_forward is True and small.options.single_device is False
+    assert "resharded" in small.reasons["single_device"]
+    # given True: the memory estimate keeps the compute copy (parameters unsharded) whatever it costs
+    given = resolve(
+        FSDP2Options(single_device=True), device_type="cuda", recompute="auto", device_total=24 * GiB, **kw
+    )
+    assert given.options.single_device is True and given.options.reshard_after_forward is False
+    assert given.reasons["single_device"] == "given"

@@ -9,15 +9,23 @@ import torch
 from underlay.interfaces import InvalidInput
 from underlay.parallel.rank import current_rank
 
-__all__ = ["bucket_full_tensors", "check_bucket_args"]
+__all__ = ["bucket_full_tensors", "check_bucket_args", "check_byte_count"]
+
+
+def check_byte_count(value: object, what: str, minimum: int = 1) -> int:
+    """``value`` when it is an int ``>= minimum`` (a bool is not); ``InvalidInput`` naming ``what``
+    (e.g. ``"FSDP2WeightLoader: load_bucket_bytes"``) otherwise. For the byte sizes of buckets and
+    buffers that every engine's loaders take."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInput(f"{what}={value!r} must be an int >= {minimum}")
+    return value
 
 
 def check_bucket_args(bucket_bytes: object, ranks: Collection[int] | None, world_size: int) -> bool:
     """Validate ``iter_weights``' arguments before any collective and say whether this rank receives
     tensors. ``InvalidInput`` for a ``bucket_bytes`` that is not an int >= 1 (a bool is not) or a rank
     outside ``[0, world_size)``."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise InvalidInput(f"iter_weights: bucket_bytes={bucket_bytes!r} must be an int >= 1")
+    check_byte_count(bucket_bytes, "iter_weights: bucket_bytes")
     if ranks is None:
         return True
     receivers = set(ranks)

@@ -30,7 +30,26 @@ import torch
 from underlay.interfaces import CheckpointError, InvalidInput
 from underlay.utils.safe_files import INDEX_FILE, SAFETENSORS_DTYPES
 
-__all__ = ["DEFAULT_EXPORT_BUFFER_BYTES", "StreamingShardWriter", "export_owned", "plan_shards"]
+__all__ = [
+    "DEFAULT_EXPORT_BUFFER_BYTES",
+    "TOKENIZER_FILES",
+    "StreamingShardWriter",
+    "export_owned",
+    "plan_shards",
+]
+
+# the tokenizer files of a model directory that every engine's export copies from the source
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 _EXPORT_SUFFIXES = (".safetensors", ".json", ".model", ".jinja", ".tiktoken")
 _EXPORT_NAMES = frozenset({"merges.txt", "vocab.txt", "README.md"})

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from underlay.interfaces import CheckpointError, ParallelEngine, WeightMap, WeightRule
+from underlay.engines._buckets import check_byte_count
+from underlay.interfaces import (
+    CheckpointError,
+    LoadReport,
+    ParallelEngine,
+    WeightMap,
+    WeightRule,
+)
 from underlay.parallel.agree import agree, collective_device, describe
 from underlay.parallel.rank import current_rank
 from underlay.utils.safe_files import (
@@ -56,6 +63,7 @@ __all__ = [
     "LoadPlan",
     "Round",
     "gather_headers",
+    "load_hf_files",
     "load_rounds",
     "plan_load",
     "schedule",
@@ -356,3 +364,60 @@ def load_rounds(
         reader.close()
     if error is not None:
         raise error
+
+
+def load_hf_files(
+    engine: ParallelEngine,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    bucket_bytes: int = DEFAULT_LOAD_BUCKET_BYTES,
+    file_layout: Callable[[WeightMap, Mapping[str, tuple[int, ...]]], WeightMap] | None = None,
+) -> LoadReport:
+    """``WeightLoader.load_hf`` of every engine: load the HF safetensors of ``path`` into ``engine``
+    through the ``ParallelEngine`` protocol only (``weight_map`` and ``copy_full_parameter``).
+
+    Every HF name the map expects is looked up in the file headers (a tied alias stands in for its
+    canonical name), names and shapes are all checked before any parameter changes: a shape mismatch
+    always raises ``CheckpointError``; with ``strict``, missing names (except those of ``optional``
+    rules) and unexpected names (neither expected, tied nor ``ignored``) raise it too. A bad header or
+    index found by any rank, or a file shorter than its header says (truncated), raises on every rank,
+    before any change. ``file_layout(wmap, {name: shape})`` may switch rules to the layout the files
+    hold before the check (fsdp2's fused experts stored either way).
+
+    Reading is split across ranks (module docstring): each rank validates about ``1/world`` of the file
+    headers and reads about ``1/world`` of the tensor bytes, once, and the bytes reach every rank by
+    broadcast, in rounds of about ``bucket_bytes``; each engine parameter is built from its HF tensors
+    (``rule.from_hf``) and copied into the shards while the next round is broadcast and the one after
+    is read. Extra memory per rank: about ``2 * bucket_bytes`` (two rounds; a single parameter larger
+    than a round's share makes its round larger), one prefetched share of a third round and one full
+    parameter.
+
+    ``LoadReport.loaded`` counts HF tensors loaded; ``missing`` lists the expected HF names not found;
+    ``unexpected`` the names in the files the map neither expects, ties nor ignores; ``bytes_read`` is
+    the tensor bytes this rank read from the files. ``InvalidInput`` for a ``bucket_bytes`` that is not
+    an int >= 1. Collective."""
+    check_byte_count(bucket_bytes, "load_hf: bucket_bytes")
+    path = Path(path)
+    where = gather_headers(path)  # collective; raises on every rank for a bad file on any
+    wmap = engine.weight_map
+    if file_layout is not None:
+        wmap = file_layout(wmap, {name: entry.shape for name, entry in where.items()})
+    error: BaseException | None = None
+    plan: LoadPlan | None = None
+    try:
+        plan = plan_load(wmap, where, path, strict)
+    except CheckpointError as exc:
+        error = exc
+    # every rank checked the same entries: all go on, or all raise (no rank left in a collective)
+    agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
+    assert plan is not None
+    rounds = schedule(wmap, plan, _world()[1], bucket_bytes)
+    loaded, nbytes = 0, 0
+    try:
+        for n, b in load_rounds(engine, plan, rounds, path):
+            loaded, nbytes = loaded + n, nbytes + b
+    except Exception as exc:
+        error = exc
+    agree(error is None, describe(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
+    return LoadReport(loaded=loaded, missing=plan.missing, unexpected=plan.unexpected, bytes_read=nbytes)

@@ -653,7 +653,6 @@ ENGINE_GAPS: dict[str, dict[str, str]] = {
     "exaone": {"load": "missing ['model.embed_tokens.weight'"},
     "hrm_text": {"load": "missing ['model.L_module.layers.0.self_attn.q_proj.weight'"},
     "falcon": {"value": "nor a score head"},
-    "fuyu": {"checkpoint": "Missing key in checkpoint state_dict: optim.state.model.vision_embed_tokens"},
     "gpt-sw3": {"value": "nor a score head"},
     "gpt2": {"value": "nor a score head"},
     "gpt_bigcode": {"value": "nor a score head"},
@@ -670,8 +669,7 @@ Beyond this table, ``value`` is refused by name for every model type transformer
 token-classification class for (``value_refused``). Today's gaps: biogpt has no decoder-layer class
 for fsdp2 to shard; exaone's and hrm_text's checkpoints hold fused/renamed tensors the fsdp2 weight map
 does not convert; the GPT-2 family, falcon and gpt_neox name their token-classification head
-``classifier``, which the value path does not read; fuyu's vision embedding gets no gradient in text
-training, so its optimizer state is absent and the checkpoint does not load into a fresh engine."""
+``classifier``, which the value path does not read."""
 
 
 def value_refused(model_type: str) -> bool:

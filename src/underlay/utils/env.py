@@ -69,6 +69,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "the AttentionKernel (auto: the fastest that supports the case)",
         ),
         EnvVar(
+            "UNDERLAY_ATTENTION_DENSE_UNIFORM",
+            "1, 0",
+            "0",
+            "torch attention backend: a packed causal self-attention whose sequences all have the same "
+            "length runs as one batched SDPA call (torch picks cuDNN/flash) instead of varlen_attn",
+        ),
+        EnvVar(
             "UNDERLAY_LOGPROB_KERNEL",
             "auto, triton, torch",
             "auto",

@@ -141,7 +141,7 @@ def _worker_step(policy: str) -> dict[str, Any]:
         "PYTHONPATH": os.pathsep.join(p for p in paths if p),
         "OMP_NUM_THREADS": "1",
     }
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    _ray_init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
         pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
         wg = RayWorkerGroup(
@@ -163,6 +163,21 @@ def _worker_step(policy: str) -> dict[str, Any]:
     finally:
         ray.shutdown()
     return {"old": old, "new": new, "metrics": metrics, "platform": platform}
+
+
+def _ray_init(**kwargs: Any) -> None:
+    """``ray.init``, tried a second time when the local node does not start in time. ray 2.60 waits a fixed
+    30 s for its raylet (``ray/_private/node.py``: ``raylet_start_wait_time_s = 30``, no setting), which a
+    loaded 2-core machine can exceed; only that startup error is retried, any other propagates."""
+    import ray
+
+    try:
+        ray.init(**kwargs)
+    except Exception as exc:
+        if "timed out during startup" not in str(exc):
+            raise
+        ray.shutdown()
+        ray.init(**kwargs)
 
 
 def _device_of(worker: Any) -> tuple[str, str, str]:

@@ -26,7 +26,7 @@ from underlay.ops.attention import (
     varlen_call,
 )
 
-__all__ = ["EagerAttention", "TorchAttention", "eager_attention"]
+__all__ = ["EagerAttention", "TorchAttention", "dense_causal", "eager_attention", "uniform_rows"]
 
 
 def _per_sequence(
@@ -280,6 +280,62 @@ def _traced_varlen(
     )
 
 
+def uniform_rows(total: int, cu_seqlens: torch.Tensor, max_seqlen: int) -> int | None:
+    """How many sequences a packed batch of ``total`` tokens holds when all of them have length
+    ``max_seqlen`` (then ``total == n * max_seqlen`` with ``n = len(cu_seqlens) - 1``, since no
+    sequence is longer than ``max_seqlen``), else ``None``. Reads shapes only: no host sync, and
+    traceable (a symbolic comparison under ``torch.compile``)."""
+    n = cu_seqlens.shape[0] - 1
+    if n >= 1 and max_seqlen >= 1 and total == n * max_seqlen:
+        return int(n)
+    return None
+
+
+def dense_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, scale: float | None
+) -> torch.Tensor:
+    """Causal self-attention of ``rows`` packed sequences of equal length as one batched SDPA call:
+    ``q [T, Hq, D]``, ``k``/``v`` ``[T, Hk, D|Dv]`` viewed as ``[rows, H, T / rows, D]`` (no copy;
+    GQA through ``enable_gqa``) -> ``[T, Hq, Dv]``. Equal to the varlen path on the same batch."""
+    t, hq = int(q.shape[0]), int(q.shape[1])
+    length = t // rows
+
+    def view(x: torch.Tensor) -> torch.Tensor:
+        return x.view(rows, length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        view(q), view(k), view(v), is_causal=True, scale=scale, enable_gqa=hq != k.shape[1]
+    )
+    return out.transpose(1, 2).reshape(t, hq, v.shape[-1])
+
+
+def _dense_uniform_on() -> bool:
+    from underlay.utils import env
+
+    return env.get_bool("UNDERLAY_ATTENTION_DENSE_UNIFORM")
+
+
+def _traced_dense_or_varlen(
+    fn: Callable[..., torch.Tensor],
+    has_window: bool,
+    has_gqa: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """``_traced_varlen``, except that a causal batch of equal-length sequences runs ``dense_causal``
+    (``UNDERLAY_ATTENTION_DENSE_UNIFORM=1``)."""
+    rows = uniform_rows(q.shape[0], cu_seqlens, max_seqlen) if causal and window is None else None
+    if rows is not None:
+        return dense_causal(q, k, v, rows, scale)
+    return _traced_varlen(fn, has_window, has_gqa, q, k, v, cu_seqlens, max_seqlen, causal, window, scale)
+
+
 class TorchAttention:
     """``torch``: PyTorch's own kernels.
 
@@ -288,6 +344,9 @@ class TorchAttention:
       and bottom-right causal alignment when ``S_q != S_k``.
     - varlen: ``torch.nn.attention.varlen.varlen_attn`` (flash) on CUDA for bf16/fp16 when the installed
       torch has it and the case fits (see :meth:`varlen_path`); otherwise one SDPA call per sequence.
+      With ``UNDERLAY_ATTENTION_DENSE_UNIFORM=1`` a causal self-attention batch whose sequences all
+      have the same length (full-length training rows) runs as one batched causal SDPA call instead
+      (``dense_causal``; cuDNN or flash as torch picks), on any device.
 
     ``softcap`` and ``sinks`` are not available in these kernels: ``supports`` reports them.
     """
@@ -385,6 +444,10 @@ class TorchAttention:
         )
         self._require(call.spec)
         window, lens_q, lens_k = call.window, call.lens_q, call.lens_k
+        if causal and window is None and cu_seqlens_k is cu_seqlens_q and _dense_uniform_on():
+            rows = uniform_rows(int(q.shape[0]), cu_seqlens_q, max_seqlen_q)
+            if rows is not None:
+                return dense_causal(q, k, v, rows, scale)
         path, _ = self.varlen_path(call.spec)
         if path == "varlen_attn":
             fn, params = _varlen_api()
@@ -428,7 +491,8 @@ class TorchAttention:
             return None
         fn, params = _varlen_api()
         assert fn is not None
-        return partial(_traced_varlen, fn, "window_size" in params, "enable_gqa" in params)
+        traced = _traced_dense_or_varlen if _dense_uniform_on() else _traced_varlen
+        return partial(traced, fn, "window_size" in params, "enable_gqa" in params)
 
     def padded(
         self,

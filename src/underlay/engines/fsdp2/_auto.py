@@ -155,6 +155,7 @@ def resolve_for(
         cpu_offload=config.cpu_offload,
         inductor_ok=inductor_ok(dtype),
         fused_adamw_ok=_fused_adamw_ok(dtype),
+        world_size=layout.world_size,
     )
     if current_rank() == 0:
         o = resolved.options
@@ -165,6 +166,7 @@ def resolve_for(
             "reshard_after_forward": o.reshard_after_forward,
             "optimizer_offload": o.optimizer_offload,
             "grad_sync": o.grad_sync,
+            "single_device": o.single_device,
             "recompute": resolved.recompute,
         }
         for name, value in values.items():

@@ -430,12 +430,16 @@ def resolve(
     cpu_offload: bool = False,
     inductor_ok: bool | None = None,
     fused_adamw_ok: bool | None = None,
+    world_size: int = 1,
 ) -> Resolved:
     """Decide the auto fields of ``options`` (``None``) and ``recompute="auto"`` for an engine on
     ``device_type`` with ``device_total`` bytes of memory: the speed fields from ``device_defaults``,
     then resharding, recomputation, gradient sync and optimizer offload from ``choose_memory_policy``
-    (parameters may stay unsharded only when ``single_node``). Fields the user set are kept as given, with the reason
-    "given". ``recompute`` must be ``"auto"``, ``"none"`` or ``"full"`` (the engine refused the rest).
+    (parameters may stay unsharded only when ``single_node``), last ``single_device``: True at
+    ``world_size`` 1 without ``cpu_offload`` when the parameters stay unsharded (the world-size-1 path
+    keeps its compute copy for the whole step; a ``single_device=True`` the user set keeps them unsharded
+    in the memory estimate too). Fields the user set are kept as given, with the reason "given".
+    ``recompute`` must be ``"auto"``, ``"none"`` or ``"full"`` (the engine refused the rest).
     Never raises."""
     dd = device_defaults(device_type, inductor_ok=inductor_ok, fused_adamw_ok=fused_adamw_ok)
     reasons: dict[str, str] = {}
@@ -458,6 +462,8 @@ def resolve(
         )
     given_rc: Literal["none", "full"] | None = None if recompute == "auto" else recompute  # type: ignore[assignment]
     given_keep = None if options.reshard_after_forward is None else not options.reshard_after_forward
+    if options.single_device and given_keep is None:
+        given_keep = True  # the compute copy lives from forward to backward and across micro-batches
     memory: MemoryPolicy | None = None
     if (
         given_rc is not None
@@ -498,8 +504,22 @@ def resolve(
             reasons["reshard_after_forward"] = policy
         reasons["optimizer_offload"] = "given" if options.optimizer_offload is not None else policy
         reasons["grad_sync"] = "given" if options.grad_sync is not None else policy
+    if options.single_device is not None:
+        single = options.single_device
+        reasons["single_device"] = "given"
+    else:
+        single = world_size == 1 and not cpu_offload and keep
+        if world_size != 1:
+            reasons["single_device"] = f"world size {world_size}: parameters are sharded with fully_shard"
+        elif cpu_offload:
+            reasons["single_device"] = "cpu_offload keeps the parameters on the host through FSDP2"
+        elif not keep:
+            reasons["single_device"] = "parameters resharded after forward (reshard_after_forward=True)"
+        else:
+            reasons["single_device"] = "world size 1 and the parameters stay unsharded: no FSDP2 copies"
     concrete = replace(
         options,
+        single_device=single,
         compile=compile_,  # type: ignore[arg-type]
         fused_adamw=bool(fused),
         compile_memory_budget=budget,  # type: ignore[arg-type]

@@ -12,6 +12,8 @@ mapping of its fields or an instance). Its speed and memory fields default to ``
 ``EngineConfig.recompute`` to ``"auto"``: right after the meta model is built they are decided once
 (``_auto.resolve_for`` -> the pure ``defaults.resolve``: per-device speed settings, then the memory
 policy), logged with their reasons and kept in ``resolved_options``/``option_reasons``/``recompute``.
+``single_device`` (auto: at world size 1 when the parameters stay unsharded) skips ``fully_shard``:
+fp32 masters in the module, a persistent compute-dtype copy for forwards (``single.ComputeCopy``).
 ``grad_sync="per_step"`` reduces a ``forward_backward``'s gradients once, at its last micro-batch
 (FSDP2's ``set_requires_gradient_sync``; see ``forward_backward``).
 Recompute policies: ``"auto"``, ``"none"`` and ``"full"`` (``"selective"`` is refused with the reason,
@@ -52,11 +54,13 @@ from underlay.engines.fsdp2.parallelize import (
     build_layout,
     build_meshes,
     compile_layer_parts,
+    decoder_layers,
     mp_policy_for,
     offload_policy_for,
     torch_dtype,
     validate_ulysses,
 )
+from underlay.engines.fsdp2.single import ComputeCopy, check_single_device, to_empty_keeping_ties
 from underlay.engines.fsdp2.weightmap import fsdp2_weight_map, persistent_buffers
 from underlay.interfaces import (
     CheckpointError,
@@ -148,12 +152,20 @@ class FSDP2Engine(EngineBase):
         if self._reference:  # the weights themselves in the compute dtype: no fp32 master copy
             _build.frozen_in_dtype(model, self._param_dtype)
         # the auto options (None) and recompute="auto" are decided once, here, and logged
+        self._options_given = options
         self._resolved = _auto.resolve_for(model, self._hf_config, config, options, device, layout)
         options = self._resolved.options
         self._options = options
         self._recompute = self._resolved.recompute
+        check_single_device(
+            bool(options.single_device),
+            self._options_given.single_device,
+            world,
+            config.cpu_offload,
+            bool(options.reshard_after_forward),
+        )
         # parameters stay unsharded from forward to backward: then also from one micro-batch to the next
-        self._keep_unsharded = not options.reshard_after_forward
+        self._keep_unsharded = not options.reshard_after_forward and not options.single_device
         buffers = {n: b for n, b in model.named_buffers()}
         apply_activation_checkpointing(model, self._recompute)
         self._prepare(model)
@@ -169,22 +181,32 @@ class FSDP2Engine(EngineBase):
             )
         # outermost around each layer's (compiled, checkpointed) forward: see act_offload
         self._act_offload = install_activation_offload(model, device, options)
-        apply_fsdp(
-            model,
-            self._meshes.fsdp,
-            mp_policy_for(config.param_dtype, config.reduce_dtype),
-            offload_policy_for(config.cpu_offload, pin_memory=device.is_accelerator),
-            reshard_after_forward=not self._keep_unsharded,
-        )
+        if not options.single_device:
+            apply_fsdp(
+                model,
+                self._meshes.fsdp,
+                mp_policy_for(config.param_dtype, config.reduce_dtype),
+                offload_policy_for(config.cpu_offload, pin_memory=device.is_accelerator),
+                reshard_after_forward=not self._keep_unsharded,
+            )
         self._weight_map = fsdp2_weight_map(
             [*model.named_parameters(remove_duplicate=False), *persistent_buffers(model)],
             self._hf_config,
             config.model.kind,
         )
-        model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
+        if options.single_device:
+            to_empty_keeping_ties(model, self._torch_device)
+        else:
+            model.to_empty(device="cpu" if config.cpu_offload else self._torch_device)
         self._restore_buffers(model, buffers)
         self._model = model
         self._materialise()
+        # world size 1 (options.single_device): fp32 masters registered, a compute copy for forwards
+        self._single = (
+            ComputeCopy(model, self._param_dtype, [model, *decoder_layers(model)])
+            if options.single_device
+            else None
+        )
         self._global_step = 0
         # whether sharded gradients may exist: a forward_backward completed since the last zero_grad
         self._grads_pending = False
@@ -272,6 +294,7 @@ class FSDP2Engine(EngineBase):
     def _materialise(self) -> None:
         """Fill the shards: from the safetensors of ``model.path`` (a value head or LoRA adapters the
         files lack are initialised from the seed), or entirely from the seed."""
+        from underlay.engines._value_head import refuse_unread_tensors
         from underlay.engines.fsdp2.weights import load_hf_into
 
         mc = self._config.model
@@ -285,6 +308,9 @@ class FSDP2Engine(EngineBase):
                 rule = self._weight_map.rule_for_hf(hf)
                 if rule is not None:
                     fill.add(rule.engine_name)
+            if fill and mc.kind == "value":  # no head in the files: none under another name either
+                rows = int(self._hf_config.get_text_config().vocab_size)
+                refuse_unread_tensors(mc.path, self._weight_map, rows, "fsdp2")
             if not fill and mc.lora is None:
                 return
         full = _build.seeded_state(mc, self._hf_config)
@@ -401,7 +427,9 @@ class FSDP2Engine(EngineBase):
 
     @property
     def model(self) -> torch.nn.Module:
-        """The FSDP2-sharded module (a peft ``PeftModel`` when LoRA is configured)."""
+        """The FSDP2-sharded module (a peft ``PeftModel`` when LoRA is configured); with
+        ``options.single_device`` (world size 1) the plain module, its parameters the fp32 masters as
+        plain tensors (``single.ComputeCopy`` swaps the compute copies in for forward and backward)."""
         return self._model
 
     @property
@@ -551,6 +579,8 @@ class FSDP2Engine(EngineBase):
         completed = False
         filled: list[_ZeroFilled] = []
         warm = self._compile_warmup.start() if self._options.compile else None
+        if self._single is not None:  # the compute copies stay in for backward and recomputation
+            self._single.swap_in()
         try:
             for i, idx in enumerate(plan):
                 last = i == len(plan) - 1
@@ -572,6 +602,8 @@ class FSDP2Engine(EngineBase):
                 reducer.add(loss, metrics)
             completed = True
         finally:
+            if self._single is not None:
+                self._single.swap_out()
             _unfill(filled, completed)
             if sync_once:
                 self._set_requires_gradient_sync(True)  # after a failure too: the next call syncs
@@ -629,7 +661,8 @@ class FSDP2Engine(EngineBase):
             if not idx:
                 self._forward(batch.select([0]), temp, False)
                 continue
-            out = self._forward(batch.select(idx), temp, with_entropy)
+            with self._compute_view():
+                out = self._forward(batch.select(idx), temp, with_entropy)
             rows = torch.as_tensor(idx, device=self._torch_device)
             for key in ("log_probs", "entropy", "values"):
                 t = getattr(out, key)
@@ -642,6 +675,11 @@ class FSDP2Engine(EngineBase):
         if warm is not None:  # inference compiles its own (no-grad) graphs once too
             self._compile_warmup.stop(warm, self._global_step, self._compile_auto)
         return TokenOutputs(result.get("log_probs"), result.get("entropy"), result.get("values"))
+
+    def _compute_view(self) -> contextlib.AbstractContextManager[Any]:
+        """World size 1 (``options.single_device``): the modules hold the compute-dtype copies inside
+        (``single.ComputeCopy``); under FSDP2 nothing to do."""
+        return self._single.compute_view() if self._single is not None else contextlib.nullcontext()
 
     def _set_reshard_after_backward(self, value: bool) -> None:
         setter = getattr(self._model, "set_reshard_after_backward", None)
@@ -716,6 +754,8 @@ class FSDP2Engine(EngineBase):
         skipped = not math.isfinite(norm) or self._skip_next
         if not skipped:
             optimizer.step()
+            if self._single is not None:
+                self._single.invalidate()
         self.zero_grad()
         self._global_step += 1
         return OptimizerStepResult(grad_norm=norm, skipped=skipped, lr=lr)
@@ -756,6 +796,8 @@ class FSDP2Engine(EngineBase):
                     self._optimizer.state[group_param] = {}
             self._offloaded["optimizer"] = state
         if params and "params" not in self._offloaded:
+            if self._single is not None:
+                self._single.release()  # rebuilt from the masters at the next forward
             if not self._config.cpu_offload and self._device.is_accelerator:
                 self._model.to(host)
             self._offloaded["params"] = True
@@ -981,6 +1023,10 @@ class FSDP2Engine(EngineBase):
         # checkpoint was read (a corrupt shard fails here with the run's state untouched)
         model_sd = _fresh(get_model_state_dict(self._model))
         optim_sd = _fresh(get_optimizer_state_dict(self._model, self._optimizer))
+        # a parameter that never had a gradient when the checkpoint was saved (a vision tower in
+        # text-only training, an unused expert) has no optimizer state there; torch's template for
+        # this engine has one for every parameter: those entries are not read, and dropped after
+        stateless = {fqn: optim_sd["state"].pop(fqn) for fqn in _stateless_params(optim_sd, directory)}
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         live = LiveState(
             [*self._model.parameters(), *_optim_params(self._optimizer)], [self._optimizer], [self._scheduler]
@@ -988,7 +1034,13 @@ class FSDP2Engine(EngineBase):
         with load_transaction(f"load_checkpoint({directory})", live):
             safe_dcp_load(state, directory)
             set_model_state_dict(self._model, model_sd)
+            optim_sd["state"].update(stateless)  # torch's setter wants every parameter's entry
             set_optimizer_state_dict(self._model, self._optimizer, optim_sd)
+            params = dict(self._model.named_parameters())
+            for fqn in stateless:  # as at save: no state until the parameter's first gradient
+                param = params.get(fqn)
+                if param is not None:
+                    self._optimizer.state.pop(param, None)
             self._scheduler.load_state_dict(scheduler_state)
         self._global_step = step
         self.zero_grad()
@@ -1057,6 +1109,16 @@ def _fresh(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(_fresh(v) for v in tree)
     return tree
+
+
+def _stateless_params(optim_sd: Mapping[str, Any], directory: Path) -> list[str]:
+    """The parameter names of ``optim_sd["state"]`` (torch's ``get_optimizer_state_dict`` layout) for
+    which the DCP checkpoint in ``directory`` holds no optimizer state."""
+    from underlay.utils.safe_dcp import SafeFileSystemReader
+
+    saved = SafeFileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    prefixes = {k.rsplit(".", 1)[0] for k in saved if k.startswith("optim.state.")}
+    return [fqn for fqn in optim_sd.get("state", {}) if f"optim.state.{fqn}" not in prefixes]
 
 
 def _optim_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -69,6 +69,14 @@ class FSDP2Options:
         "forward_backward before the optimizer step syncs per micro-batch); None = auto: "
         "'per_micro_batch' (the memory estimate counts 'per_step' when it is asked for)",
     )
+    single_device: bool | None = option(
+        None,
+        "world size 1 only: no fully_shard; the module keeps fp32 master weights and a persistent "
+        "param_dtype compute copy refreshed once per optimizer step, gradients accumulate in fp32 through "
+        "hooks (same numerics as FSDP2 at one rank, without its per-step copies and casts); None = auto: "
+        "True at world size 1 without cpu_offload when the parameters may stay unsharded (the memory "
+        "policy's reshard_after_forward=False), else False",
+    )
 
     activation_offload: bool = option(
         False,
@@ -129,6 +137,10 @@ class FSDP2Options:
                 + memory,
             ),
             "recompute": ("auto", "'none' when the estimate fits, else 'full'; " + memory),
+            "single_device": (
+                "auto",
+                "True at world size 1 without cpu_offload when the parameters stay unsharded; " + memory,
+            ),
         }
 
     @staticmethod

@@ -11,35 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, export_owned
-from underlay.engines._hf_load import (
-    DEFAULT_LOAD_BUCKET_BYTES,
-    LoadPlan,
-    gather_headers,
-    load_rounds,
-    plan_load,
-    schedule,
-)
+from underlay.engines._buckets import check_byte_count
+from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, TOKENIZER_FILES, export_owned
+from underlay.engines._hf_load import DEFAULT_LOAD_BUCKET_BYTES, load_hf_files
 from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
 from underlay.parallel.agree import agree, describe
 from underlay.parallel.rank import current_rank
 from underlay.utils.safe_files import as_path, atomic_directory
 
 __all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into"]
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 
 
 def load_hf_into(
@@ -49,57 +30,16 @@ def load_hf_into(
     strict: bool = True,
     bucket_bytes: int = DEFAULT_LOAD_BUCKET_BYTES,
 ) -> LoadReport:
-    """``FSDP2WeightLoader.load_hf`` as a function (the engine calls it while it materialises; it only
-    uses the ``ParallelEngine`` protocol: ``weight_map`` and ``copy_full_parameter``).
-
-    Every HF name the map expects is looked up in the file headers (a tied alias stands in for its
-    canonical name), names and shapes are all checked before any parameter changes: a shape mismatch
-    always raises ``CheckpointError``; with ``strict``, missing names (except those of ``optional``
-    rules) and unexpected names (neither expected, tied nor ``ignored``) raise it too. A bad header or
-    index found by any rank raises on every rank, before any change.
-
-    Reading is split across ranks (``underlay.engines._hf_load``): each rank validates about
-    ``1/world`` of the file headers and reads about ``1/world`` of the tensor bytes (contiguous runs
-    in file order, cut between tensors; a single file is split by tensor), once, and the bytes
-    reach every rank by broadcast, in rounds of about ``bucket_bytes``; each engine parameter is
-    built from its HF tensors (``rule.from_hf``) and copied into the shards while the next round is
-    broadcast and the one after is read. Extra memory per rank: about ``2 * bucket_bytes`` (two
-    rounds; a single parameter larger than a round's share makes its round larger), one prefetched
-    share of a third round and one full parameter.
-
-    ``LoadReport.loaded`` counts HF tensors loaded; ``missing`` lists the expected HF names not found;
-    ``bytes_read`` is the tensor bytes this rank read from the files. ``InvalidInput`` for a
-    ``bucket_bytes`` that is not an int >= 1. Collective."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise InvalidInput(f"load_hf: bucket_bytes={bucket_bytes!r} must be an int >= 1")
+    """``FSDP2WeightLoader.load_hf`` as a function (the engine calls it while it materialises): the
+    shared reader ``engines._hf_load.load_hf_files`` (every name and shape checked before any parameter
+    changes, reads split across ranks, rounds of about ``bucket_bytes``; its docstring is the
+    contract), with rules switched to the expert layout the files hold (``match_file_layout``)."""
     from underlay.engines.fsdp2.weightmap import match_file_layout
 
-    path = Path(path)
-    where = gather_headers(path)  # collective; raises on every rank for a bad file on any
     # fused experts stored either as on the hub or as in memory (Qwen3-VL-MoE): read what the files hold
-    wmap = match_file_layout(engine.weight_map, {name: entry.shape for name, entry in where.items()})
-    error: BaseException | None = None
-    plan: LoadPlan | None = None
-    try:
-        plan = plan_load(wmap, where, path, strict)
-    except CheckpointError as exc:
-        error = exc
-    # every rank checked the same entries: all go on, or all raise (no rank left in a collective)
-    agree(error is None, str(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
-    assert plan is not None
-    rounds = schedule(wmap, plan, _world_size(), bucket_bytes)
-    loaded, nbytes = 0, 0
-    try:
-        for n, b in load_rounds(engine, plan, rounds, path):
-            loaded, nbytes = loaded + n, nbytes + b
-    except Exception as exc:
-        error = exc
-    agree(error is None, describe(error), what=f"load_hf({path})", error_type=CheckpointError, cause=error)
-    return LoadReport(loaded=loaded, missing=plan.missing, unexpected=plan.unexpected, bytes_read=nbytes)
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return load_hf_files(
+        engine, path, strict=strict, bucket_bytes=bucket_bytes, file_layout=match_file_layout
+    )
 
 
 class FSDP2WeightLoader:
@@ -121,25 +61,11 @@ class FSDP2WeightLoader:
         load_bucket_bytes: int = DEFAULT_LOAD_BUCKET_BYTES,
         export_buffer_bytes: int = DEFAULT_EXPORT_BUFFER_BYTES,
     ) -> None:
-        if (
-            isinstance(load_bucket_bytes, bool)
-            or not isinstance(load_bucket_bytes, int)
-            or load_bucket_bytes < 1
-        ):
-            raise InvalidInput(
-                f"FSDP2WeightLoader: load_bucket_bytes={load_bucket_bytes!r} must be an int >= 1"
-            )
-        if (
-            isinstance(export_buffer_bytes, bool)
-            or not isinstance(export_buffer_bytes, int)
-            or export_buffer_bytes < 0
-        ):
-            raise InvalidInput(
-                f"FSDP2WeightLoader: export_buffer_bytes={export_buffer_bytes!r} must be an int >= 0"
-            )
         self._device = device
-        self._load_bucket_bytes = load_bucket_bytes
-        self._export_buffer_bytes = export_buffer_bytes
+        self._load_bucket_bytes = check_byte_count(load_bucket_bytes, "FSDP2WeightLoader: load_bucket_bytes")
+        self._export_buffer_bytes = check_byte_count(
+            export_buffer_bytes, "FSDP2WeightLoader: export_buffer_bytes", minimum=0
+        )
 
     @property
     def name(self) -> str:

@@ -49,6 +49,7 @@ class MCoreBuild(EngineBase):
     _grads: str  # "clean" | "local" (unreduced, accumulating) | "reduced"
     _skip_next: bool  # a non-finite loss or metric since the last optimizer step
     _masters_stale: bool  # parameters written outside the optimizer (see _sync_master_params)
+    _gather_pending: bool  # overlap_param_gather: the step's parameter all-gather not yet finished
     _logprob_kernel: Any
 
     @staticmethod
@@ -118,6 +119,8 @@ class MCoreBuild(EngineBase):
                 _return_hidden(model.output_layer, self._tf_config.sequence_parallel)
             # before DDP and the optimizer: both read these attributes (grad norm, optimizer shards)
             mark_tensor_parallel(model)
+            if self._layout.etp != self._layout.tp:
+                _mark_expert_replicas(model)
             model.to(self._torch_device)
             chunks.append(model)
         return chunks
@@ -220,6 +223,18 @@ def _compat_shims() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _mark_expert_replicas(model: torch.nn.Module) -> None:
+    """Mark every expert weight ``allreduce=False`` (megatron's flag for expert-parallel parameters)
+    when ``etp != tp``. Megatron sets the flag only with ``ep > 1``; with ``ep == 1`` and ``etp < tp``
+    each expert is replicated over ``tp / etp`` TP ranks that route different (sequence-parallel)
+    tokens to it, and only the flag puts its gradient in DDP's expert buffers, summed over the expert
+    data-parallel group that contains those ranks (unflagged, each rank kept its own tokens' share)."""
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for p in module.parameters(recurse=False):
+                p.allreduce = False  # type: ignore[attr-defined]
 
 
 def _return_hidden(output_layer: Any, sequence_parallel: bool) -> None:

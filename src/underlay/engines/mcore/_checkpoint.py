@@ -72,6 +72,7 @@ class MCoreCheckpoint(MCoreOptim):
         # CPU (gloo) runs, so the host-device case writes from the rank's own process
         threads = 2 if self._device.is_accelerator else 1
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+        self._finish_param_gather()
         self._sync_master_params()
         self._init_optimizer_state()
         state = self._model_state_for_ckpt()
@@ -107,11 +108,10 @@ class MCoreCheckpoint(MCoreOptim):
     def _optimizer_sharded_state(self, model_state: dict[str, Any], *, is_loading: bool) -> Any:
         """Megatron's sharded optimizer state over ``model_state`` (the model's sharded state dict that
         is saved or loaded with it): ``fully_reshardable`` for the distributed optimizer (its other
-        formats cannot change TP or failed to load in-place without TE/apex)."""
-        model_sd: dict[str, Any] = {}
-        for key, value in model_state.items():
-            if key.startswith("model"):
-                model_sd.update(value)
+        formats cannot change TP or failed to load in-place without TE/apex). The model entries stay
+        nested by chunk (``model0``, ``model1``, ...): megatron walks any structure, and a flat merge
+        would let a later virtual chunk's chunk-local keys hide an earlier one's parameters."""
+        model_sd = {key: value for key, value in model_state.items() if key.startswith("model")}
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
         return self._optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
 
@@ -173,6 +173,7 @@ class MCoreCheckpoint(MCoreOptim):
         directory = Path(directory)
         self.check_signature(directory)
         self._ensure_onloaded("load_checkpoint")
+        self._finish_param_gather()  # a pending gather would overwrite the loaded parameters
         extra = self._read_engine_state(directory)
         live = LiveState(
             [*self._param_tensors(), *self._optim_tensors()],

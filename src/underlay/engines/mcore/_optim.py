@@ -31,16 +31,33 @@ class MCoreOptim(MCoreParams):
             self._grads = "reduced"
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (megatron's grad buffers are zeroed)."""
+        """Drop accumulated gradients (megatron's grad buffers are zeroed). With
+        ``overlap_grad_reduce`` after a ``forward_backward`` it first waits for the reductions that
+        call started (megatron allows one outstanding per bucket; none is started here)."""
+        if self._opts.overlap_grad_reduce and self._grads == "local":
+            for c in self._chunks:
+                for group in [*c.bucket_groups, *c.expert_parallel_bucket_groups]:  # type: ignore[misc,union-attr]
+                    handle = getattr(group, "grad_reduce_handle", None)
+                    if handle is not None:
+                        handle.wait()
+                        group.grad_reduce_handle = None
         for c in self._chunks:
             c.zero_grad_buffer()  # type: ignore[operator]
         self._optimizer.zero_grad()
         self._grads = "clean"
         self._skip_next = False
 
+    def _drop_grads(self) -> None:
+        """``zero_grad`` after a failed ``forward_backward``: also drops any ``param.grad`` that
+        megatron's DDP hook had not yet moved into its buffer (``main_grad``)."""
+        self.zero_grad()
+        for c in self._chunks:
+            for p in c.parameters():
+                p.grad = None
+
     def _sync_master_params(self) -> None:
         """Copy the model parameters into the optimizer's fp32 master copies when something wrote the
-        parameters outside the optimizer (``load_tensors``, ``copy_full_parameter``): with bf16/fp16
+        parameters outside the optimizer (``copy_full_parameter``: ``load_hf``, weight sync): with bf16/fp16
         parameters megatron's optimizer steps its masters and copies them back, so a load it missed
         would be undone by the next step. No-op for fp32 parameters (no masters) and when clean."""
         if self._masters_stale:
@@ -70,6 +87,8 @@ class MCoreOptim(MCoreParams):
             if clip is not None and clip > 0:
                 _clip_by_norm(opt, clip, norm)
             opt.step_with_ready_grads()
+            # megatron gathers the updated shards in the next forward's pre-hooks
+            self._gather_pending = self._opts.overlap_param_gather
         self.zero_grad()
         self._global_step += 1
         return OptimizerStepResult(grad_norm=norm, skipped=skipped, lr=lr)
@@ -106,6 +125,7 @@ class MCoreOptim(MCoreParams):
     def offload(self, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
         """Copy the chosen state to host memory and shrink the device storage to nothing (megatron's
         views into its buffers stay valid: storage is swapped, not the tensors). Idempotent per kind."""
+        self._finish_param_gather()
         for kind, on, get in (
             ("params", params, self._param_tensors),
             ("grads", grads, self._grad_tensors),

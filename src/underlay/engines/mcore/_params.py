@@ -1,4 +1,4 @@
-"""Parameters of the mcore engine through its weight map: filling the chunks from HF tensors, the
+"""Parameters of the mcore engine through its weight map: filling the chunks (the shared HF reader), the
 ``WeightMap`` over global names, full-tensor gathers and writes, and weight streaming."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Collection, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from underlay.engines._buckets import bucket_full_tensors, check_bucket_args
 from underlay.engines.mcore._build import MCoreBuild
 from underlay.engines.mcore._chunks import unwrap as _unwrap
 from underlay.engines.mcore.stages import chunk_layer_spans
-from underlay.engines.mcore.weightmap import VALUE_HEAD_NAMES, Rule, hf_shapes, stage_rules
+from underlay.engines.mcore.weightmap import Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
     CheckpointError,
     InvalidInput,
@@ -27,100 +26,35 @@ from underlay.interfaces.weightmap import WeightMap
 class MCoreParams(MCoreBuild):
     """The weight-map half of the mcore engine (``ParallelEngine`` weight access)."""
 
-    def chunk_rules(self, chunk: torch.nn.Module) -> list[Rule]:
-        """The weight-map rules of one (unwrapped) pipeline chunk on this rank."""
-        from megatron.core import parallel_state as ps
+    def _fill(self) -> None:
+        """Fill the parameters (after ``_build_weight_map``, before the optimizer exists): from the
+        safetensors of ``model.path`` through the shared reader (``engines._hf_load.load_hf_files``,
+        strict, as ``load_hf``: every name and shape checked before any parameter changes), the optional
+        tensors the files lack (a value model's head, e.g. from a causal-LM checkpoint) from the seed
+        model (the whole seed model is built, so the head is the fsdp2 engine's); or all from the seed
+        model. ``CheckpointError`` for anything else missing, unexpected or mis-shaped. Collective."""
+        from underlay.engines._hf_load import load_hf_files
+        from underlay.engines.mcore._hf import seeded_hf_state
 
-        inner = _unwrap(chunk)
-        layers = inner.decoder.layers
-        first = int(layers[0].layer_number) - 1 if len(layers) else 0
-        local_e = 0
-        offset = 0
-        if self._arch.is_moe:
-            local_e = self._arch.num_experts // ps.get_expert_model_parallel_world_size()
-            offset = ps.get_expert_model_parallel_rank() * local_e
-        return stage_rules(
-            self._arch,
-            first_layer=first,
-            num_layers=len(layers),
-            pre_process=bool(inner.pre_process),
-            post_process=bool(inner.post_process),
-            expert_offset=offset,
-            local_experts=local_e,
-        )
-
-    def _tp_coords(self, rule: Rule) -> tuple[int, int]:
-        from megatron.core import parallel_state as ps
-
-        if rule.expert:
-            return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-    def load_tensors(self, chunks: list[torch.nn.Module], read: Any) -> tuple[int, list[str]]:
-        """Fill every parameter of ``chunks`` through the weight map; ``read(name)`` returns the full HF
-        tensor (or ``None`` when absent). Returns ``(parameters filled, missing HF names)``; shapes
-        are checked before anything is copied into a parameter."""
-        loaded = 0
-        missing: list[str] = []
-        shapes = hf_shapes(self._arch)
-        for chunk in chunks:
-            params = _named_tensors(chunk)
-            for rule in self.chunk_rules(chunk):
-                tensors = []
-                for name in rule.hf:
-                    t = read(name)
-                    if t is None:
-                        missing.append(name)
-                        break
-                    if tuple(t.shape) != shapes[name]:
-                        raise CheckpointError(
-                            f"{name}: shape {tuple(t.shape)} in the files != {shapes[name]} of the model config"
-                        )
-                    tensors.append(t)
-                if len(tensors) != len(rule.hf):
-                    continue
-                rank, size = self._tp_coords(rule)
-                piece = rule.shard(tensors, rank, size)
-                param = params[rule.name]
-                if tuple(piece.shape) != tuple(param.shape):
-                    raise CheckpointError(
-                        f"{rule.name}: converted shape {tuple(piece.shape)} != parameter {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(piece.to(param.dtype))
-                self._masters_stale = True
-                loaded += 1
-        return loaded, missing
-
-    def _fill(self, chunks: list[torch.nn.Module]) -> None:
-        """Parameters from the safetensors of ``model.path`` (a value model's head, when the files lack
-        it, e.g. a causal-LM checkpoint, from the seed: the whole seed model is built, so the head is
-        the fsdp2 engine's), or all from the seed model. ``CheckpointError`` for anything else missing."""
         mc = self._config.model
         only: set[str] | None = None
         if mc.path is not None and mc.load_weights:
-            from underlay.engines.mcore.weights import SafetensorsReader
-
-            with SafetensorsReader(Path(mc.path)) as reader:
-                _, missing = self.load_tensors(chunks, reader.get)
-            head = set(VALUE_HEAD_NAMES) if self._value else set()
-            if set(missing) - head:
-                raise CheckpointError(
-                    f"mcore: {len(missing)} tensors missing from {mc.path}: {sorted(set(missing))[:5]}"
-                )
-            if not missing:
+            report = load_hf_files(self, mc.path, strict=True)  # type: ignore[arg-type]
+            if not report.missing:
                 return
-            only = set(missing)
-        from underlay.engines.mcore._hf import seeded_hf_state
+            from underlay.engines._value_head import refuse_unread_tensors
 
+            # the head is missing: it is in no file under another name either
+            refuse_unread_tensors(mc.path, self._weight_map, int(self._hf_config.vocab_size), "mcore")
+            only = set(report.missing)
         state = seeded_hf_state(mc, self._hf_config)
-        if only is not None:
-            state = {n: t for n, t in state.items() if n in only}
-        _, missing = self.load_tensors(chunks, state.get)
-        if only is None and missing:
-            raise CheckpointError(
-                f"mcore: the seeded model lacks {sorted(set(missing))[:5]} (conversion bug)"
-            )
+        for wr in self._weight_map.rules:
+            if only is not None and not only.intersection(wr.hf_names):
+                continue
+            lacking = [n for n in wr.hf_names if n not in state]
+            if lacking:
+                raise CheckpointError(f"mcore: the seeded model lacks {lacking[:5]} (conversion bug)")
+            self.copy_full_parameter(wr.engine_name, wr.from_hf({n: state[n] for n in wr.hf_names}))
 
     def _global_rules(self) -> list[tuple[int, int, int, Rule]]:
         """Every rule of the model with the (pp rank, virtual chunk, ep rank) that owns it, in a fixed
@@ -194,6 +128,7 @@ class MCoreParams(MCoreBuild):
         broadcast from the lowest owning rank (pipeline stage, expert rank): full (``tp == 1`` layout)
         fp32 tensors on the device, on every rank. Collective."""
         self._ensure_onloaded("weights")
+        self._finish_param_gather()
         params = [_named_tensors(c) for c in self._chunks]
         for wr in self._weight_map.rules:
             stage, v, e, rule = self._where[wr.engine_name]
@@ -233,6 +168,7 @@ class MCoreParams(MCoreBuild):
                 f"copy_full_parameter {engine_name}: shape {tuple(full.shape)} != {wr.engine_shape}"
             )
         stage, v, e, rule = self._where[engine_name]
+        self._finish_param_gather()  # a pending gather would overwrite what is written here
         targets: list[tuple[int, str]] = []
         if self._is_mine(stage, e, rule):
             targets.append((v, rule.name))
@@ -258,6 +194,16 @@ class MCoreParams(MCoreBuild):
             self._masters_stale = True
             written += param.numel() * param.element_size()
         return written
+
+    def _finish_param_gather(self) -> None:
+        """Complete the parameter all-gather that ``overlap_param_gather`` defers from the optimizer
+        step to the next forward's pre-hooks, for paths that read or write parameters outside a
+        forward (weights, checkpoints, offload). No-op when none is pending. Collective over dp when
+        one is."""
+        if self._gather_pending:
+            for c in self._chunks:
+                c.start_param_sync(force_sync=True)  # type: ignore[operator]
+            self._gather_pending = False
 
     def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The mcore engine has no LoRA adapters: always empty."""

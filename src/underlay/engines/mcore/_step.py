@@ -114,18 +114,27 @@ class MCoreStep(MCoreOptim):
         from megatron.core import parallel_state as ps
 
         lengths = host.attention_mask.sum(dim=1).tolist()
-        longest = max(max(sum(int(lengths[i]) for i in idx) for idx in plan), 1)
+        cp = self._layout.cp
+        if cp > 1:  # the count is per CP rank: each sequence's load-balanced share (local_token_count)
+            from underlay.engines.mcore.context_parallel import local_token_count
+
+            longest = max(local_token_count([int(lengths[i]) for i in idx] or [1], cp) for idx in plan)
+        else:
+            longest = max(max(sum(int(lengths[i]) for i in idx) for idx in plan), 1)
         agreed = torch.tensor([longest], dtype=torch.int64).to(self._torch_device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
         length = int(agreed.item())
         if self._tf_config.sequence_parallel:
             length = -(-length // self._layout.tp) * self._layout.tp
+        if cp > 1 and length % 2:  # CP shares come in pairs of equal chunks
+            length += self._layout.tp if self._tf_config.sequence_parallel else 1
         return [self._micro_batch(host, idx, length) for idx in plan]
 
     def _micro_batch(self, host: TokenBatch, idx: list[int], length: int | None = None) -> _MicroBatch:
         """Pack the rows ``idx`` of the host batch on the host (lengths, labels, ``cu_seqlens`` and the
         longest sequence are host values), then queue the packed tensors to the device; ``length``
-        pads the micro-batch to that many tokens with a masked padding sequence (virtual pipelines)."""
+        pads the micro-batch to that many tokens with a masked padding sequence (virtual pipelines;
+        under context parallelism ``length`` is this CP rank's token count after the split)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         from underlay.engines.mcore.layers import DEVICE_CU_ATTR
@@ -145,7 +154,9 @@ class MCoreStep(MCoreOptim):
         cu = packed.cu_seqlens.to(torch.int32)
         real = int(ids.numel())
         tp = self._layout.tp
-        if length is not None:  # a fixed token count (virtual pipelines): a masked padding sequence
+        if self._layout.cp > 1:  # the CP split pads (``length`` is then the per-rank count)
+            pad = 0
+        elif length is not None:  # a fixed token count (virtual pipelines): a masked padding sequence
             pad = length - real
         else:
             pad = (-real) % tp if self._tf_config.sequence_parallel else 0
@@ -165,6 +176,7 @@ class MCoreStep(MCoreOptim):
                 dev(cu),
                 real,
                 dev(torch.as_tensor(idx, dtype=torch.long)),
+                length,
             )
         if pad:
             ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
@@ -220,6 +232,7 @@ class MCoreStep(MCoreOptim):
         cu: torch.Tensor,
         real: int,
         rows: torch.Tensor,
+        local_length: int | None = None,
     ) -> _MicroBatch:
         """This CP rank's share of a packed micro-batch (``context_parallel.split_packed``): the
         load-balanced chunks of every sequence, global real and padded ``cu_seqlens`` for megatron's
@@ -231,7 +244,9 @@ class MCoreStep(MCoreOptim):
 
         multiple = self._layout.tp if self._tf_config.sequence_parallel else 1
         group = ps.get_context_parallel_group()
-        ids, pos, labels, split = split_packed(ids, pos, labels, cu, group=group, multiple=multiple)
+        ids, pos, labels, split = split_packed(
+            ids, pos, labels, cu, group=group, multiple=multiple, local_length=local_length
+        )
         params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=split.cu_real,
@@ -331,7 +346,13 @@ class MCoreStep(MCoreOptim):
         per-token-loss mode sums in its DDP; the reduction (``finalize_grads``) runs once per optimizer
         step, so several calls accumulate like one call over their concatenated micro-batches. Metrics reduce as declared over dp on the last
         stage and are broadcast over the pipeline so every rank returns the same ``StepResult``.
-        ``InvalidInput`` on a malformed batch or ``loss_fn`` before any compute.
+        ``InvalidInput`` on a malformed batch or ``loss_fn`` before any compute. When the ``loss_fn``
+        raises (or returns what ``checked_loss`` refuses: ``InvalidInput``) on a micro-batch, every
+        accumulated gradient (this call's and the earlier calls' since the last step) is dropped before
+        the exception leaves, as in fsdp2 (``docs/reliability.md`` §6): the next step equals a fresh
+        engine's. The loss_fn must fail on every rank of the micro-batch's model-parallel group alike;
+        with pp > 1 only the last stage runs it, and the other stages wait in megatron's pipeline
+        transfers (a failure inside a collective, not recovered).
 
         Host synchronisation: validation, planning and packing read host tensors (none for a host
         batch; one copy for a device batch); the global counts are one all-reduce before the first
@@ -345,6 +366,13 @@ class MCoreStep(MCoreOptim):
             raise InvalidInput(
                 "forward_backward: the accumulated gradients were already reduced over the ranks "
                 "(finalize_grads); call optimizer_step or zero_grad before the next forward_backward"
+            )
+        if self._grads == "local" and self._opts.overlap_grad_reduce:
+            raise InvalidInput(
+                "forward_backward: with MCoreOptions.overlap_grad_reduce=True each forward_backward starts "
+                "the gradient reduction during its last micro-batch, so it must be the only one before "
+                "optimizer_step or zero_grad; pass all micro-batches in one call or set "
+                "overlap_grad_reduce=False to accumulate over several calls"
             )
         dp_group = self._pg["dp"] if self._layout.dp > 1 else None
         counts = count_loss(host.loss_mask, dp_group, self._layout.dp, self._torch_device)
@@ -370,7 +398,13 @@ class MCoreStep(MCoreOptim):
         for c in self._chunks:
             c.train()
         self._grads = "local"
-        self._run_schedule(mbs, loss_func, forward_only=False)
+        try:
+            self._run_schedule(mbs, loss_func, forward_only=False)
+        except BaseException:
+            # a failed micro-batch (the loss_fn raised or returned a bad value) must not leak its
+            # partial gradients, nor the earlier calls', into the next step: dropped as fsdp2 does
+            self._drop_grads()
+            raise
         metrics = self._share_metrics(reducer, dp_group, ps.is_pipeline_last_stage(ignore_virtual=True))
         if report_nonfinite("forward_backward", metrics, reducer.local(), self._torch_device):
             self._skip_next = True

@@ -29,6 +29,7 @@ from underlay.interfaces import ConfigError
 __all__ = [
     "MCoreArch",
     "arch_of",
+    "check_expert_tp",
     "check_layout",
     "config_class",
     "padded_vocab_size",
@@ -458,8 +459,8 @@ def check_layout(
     ``tp * pp * cp``, heads or k/v heads are not divisible by ``tp`` (a vocabulary that is not is
     padded: ``with_padded_vocab``), sliding windows or multi-latent attention meet ``cp > 1``, layers by
     ``pp * vpp``, experts by ``ep``, ``ep * etp`` does not divide ``dp * cp * tp``, MoE under TP runs
-    without sequence parallelism, VPP is used without PP or with CP, or ``etp != tp`` (``etp`` is expert tensor
-    parallelism; megatron's default, and the only layout this engine accepts, is ``etp = tp``).
+    without sequence parallelism, VPP is used without PP, ``etp`` (expert tensor parallelism, megatron's default
+    ``etp = tp``) differs from ``tp`` on a dense model or exceeds ``tp``.
     ``stage_layers``: the layer counts of the first and last pipeline stage (megatron's
     ``num_layers_in_first/last_pipeline_stage``, ``None`` = even split); each must be a multiple of
     ``vpp`` and the other layers must split evenly over the other stages and virtual stages."""
@@ -490,13 +491,6 @@ def check_layout(
         )
     if vpp > 1 and pp == 1:
         raise ConfigError(f"mcore: vpp={vpp} needs pp > 1 (virtual stages interleave pipeline stages)")
-    if vpp > 1 and cp > 1:
-        # the interleaved schedule runs with one padded token count per step; the CP split gives each
-        # rank a share whose length the engine does not fix
-        raise ConfigError(
-            f"mcore: vpp={vpp} with cp={cp}: virtual pipelines and context parallelism are not combined "
-            "in the mcore engine; use vpp=1 or cp=1"
-        )
     if stage_layers != (None, None):
         _check_uneven(arch.num_layers, pp, vpp, stage_layers)
     elif arch.num_layers % (pp * vpp):
@@ -504,14 +498,7 @@ def check_layout(
             f"mcore: the model's {arch.num_layers} layers are not divisible by pp*vpp = {pp}*{vpp} = "
             f"{pp * vpp}; pick pp and vpp whose product divides the layer count"
         )
-    if etp != tp:
-        # megatron-core's default is etp = tp (ParallelConfig.etp=None); with etp < tp under sequence
-        # parallelism the expert gradients missed the other TP ranks' tokens in this engine's tests
-        # (forward equal to HF, gradients off by up to 100%), so only the default layout is accepted
-        raise ConfigError(
-            f"mcore: etp={etp} with tp={tp}: the mcore engine runs experts with expert tensor parallel "
-            f"size equal to tp (megatron's default); leave ParallelConfig.etp unset or set etp={tp}"
-        )
+    check_expert_tp(arch, tp=tp, etp=etp)
     if arch.is_moe:
         if arch.num_experts % ep:
             raise ConfigError(f"mcore: ep={ep} must divide the number of experts {arch.num_experts}")
@@ -529,6 +516,22 @@ def check_layout(
     if sequence_parallel and tp == 1:
         raise ConfigError("mcore: sequence_parallel=True needs tp > 1 (it splits the sequence over TP)")
     return dp
+
+
+def check_expert_tp(arch: MCoreArch, *, tp: int, etp: int) -> None:
+    """``ConfigError`` for an expert tensor-parallel size ``etp`` other than ``tp`` on a dense model,
+    or larger than ``tp``. ``etp < tp`` is supported: each expert is split over ``etp`` ranks and
+    replicated over ``tp / etp`` of the TP ranks, whose gradients megatron's DDP sums over the expert
+    data-parallel group (see ``_build._mark_expert_replicas``)."""
+    if etp != tp and not arch.is_moe:
+        raise ConfigError(f"mcore: etp={etp} with tp={tp} on a dense model (no experts); leave etp unset")
+    if etp > tp:
+        # megatron lays the expert groups out inside the tp x dp ranks; a wider expert TP than the
+        # dense one is not a layout this engine verifies
+        raise ConfigError(
+            f"mcore: etp={etp} > tp={tp}: expert tensor parallelism wider than tp is not supported by the "
+            "mcore engine; use etp <= tp (etp < tp replicates each expert over tp/etp ranks)"
+        )
 
 
 def _check_uneven(num_layers: int, pp: int, vpp: int, stage_layers: tuple[int | None, int | None]) -> None:

@@ -101,6 +101,14 @@ class CPSplit:
         return full.index_select(0, self.real_index)
 
 
+def local_token_count(lengths: list[int], cp: int) -> int:
+    """Tokens per CP rank of a packed micro-batch of sequences ``lengths`` before any padding
+    sequence: each sequence padded to a multiple of ``2 * cp``, the sum split over ``cp`` ranks
+    (always even)."""
+    unit = 2 * cp
+    return sum(-(-n // unit) * unit for n in lengths) // cp
+
+
 def split_packed(
     ids: torch.Tensor,
     pos: torch.Tensor,
@@ -110,13 +118,16 @@ def split_packed(
     group: Any,
     multiple: int = 1,
     cp_rank: tuple[int, int] | None = None,
+    local_length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, CPSplit]:
     """Split a packed micro-batch for CP rank ``rank`` of ``group`` (size ``cp >= 1``).
 
     ``ids``, ``pos``, ``labels``: ``[T]`` token ids, positions within their sequence, next-token labels
     (``IGNORE_INDEX`` where none); ``cu``: int ``[n + 1]`` cumulative real lengths (0 ... T).
     ``multiple``: the local token count is made a multiple of it (``tp`` under sequence parallelism)
-    by appending one all-padding sequence. ``cp_rank = (cp, rank)`` overrides the group's size and
+    by appending one all-padding sequence. ``local_length``: the local token count instead (virtual
+    pipelines run every micro-batch of a step at one shape): an even number at least
+    ``local_token_count(cu, cp)``, reached the same way. ``cp_rank = (cp, rank)`` overrides the group's size and
     rank (the split is pure; only ``CPSplit.gather`` communicates). Returns this rank's ``(ids, pos,
     labels)`` ``[T_local]`` (padding: id 0, label ``IGNORE_INDEX``, positions continuing the sequence)
     and the ``CPSplit``. ``InvalidInput`` for a malformed ``cu``."""
@@ -138,10 +149,18 @@ def split_packed(
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
     unit = 2 * cp
     padded = [-(-n // unit) * unit for n in lengths]
-    local = sum(padded) // cp
-    extra = (-local) % multiple
-    if extra % 2:  # local shares of a sequence come in pairs of equal chunks: keep it even
-        extra += multiple
+    local = local_token_count(lengths, cp)
+    if local_length is not None:
+        extra = local_length - local
+        if extra < 0 or extra % 2:
+            raise InvalidInput(
+                f"split_packed: local_length={local_length} must be even and >= this micro-batch's "
+                f"{local} local tokens"
+            )
+    else:
+        extra = (-local) % multiple
+        if extra % 2:  # local shares of a sequence come in pairs of equal chunks: keep it even
+            extra += multiple
     real_lengths = list(lengths)
     if extra:
         padded.append(extra * cp)

@@ -47,6 +47,7 @@ from underlay.engines.mcore._step import MCoreStep
 from underlay.engines.mcore.config import (
     MCoreArch,
     arch_of,
+    check_expert_tp,
     check_layout,
     config_class,
     transformer_config_keys,
@@ -83,7 +84,7 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA, ``etp != tp``, and ``batch_p2p_comm=True`` with virtual pipelines at ``pp=2``. Virtual
+    LoRA and ``batch_p2p_comm=True`` with virtual pipelines at ``pp=2``. Virtual
     pipelines run megatron's interleaved schedule over micro-batches padded to one token count per
     step; expert parallelism runs megatron's alltoall dispatcher."""
 
@@ -120,12 +121,6 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
                 "results); leave batch_p2p_comm unset (megatron's unbatched path keeps the directions "
                 "apart) or use pp > 2"
             )
-        if par.etp is not None and par.etp != par.tp:
-            raise ConfigError(
-                f"mcore: etp={par.etp} with tp={par.tp}: the mcore engine runs experts with expert tensor "
-                f"parallel size equal to tp (megatron's default); leave ParallelConfig.etp unset or set "
-                f"etp={par.tp}"
-            )
         if par.dp_replicate != 1:
             raise ConfigError(
                 f"mcore: dp_replicate={par.dp_replicate}; data parallelism is what tp*pp*cp leaves"
@@ -142,6 +137,7 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         # unknown or owned pass-through fields, before any state (the key set does not depend on sizes)
         passthrough.check_names(config_class(self._arch), opts, transformer_config_keys(self._arch))
         check_recompute_fields("none" if config.recompute == "auto" else config.recompute, opts.transformer)
+        check_expert_tp(self._arch, tp=par.tp, etp=par.etp if par.etp is not None else par.tp)
         if not device.is_accelerator and not _env.get_bool(CPU_FIXTURE_ENV):
             raise BackendUnavailable(
                 "engine",
@@ -238,10 +234,12 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         from underlay.engines.mcore.layers import have_te
 
         self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
-        chunks = self._build_chunks()
-        self._fill(chunks)
-        self._chunks = self._wrap_ddp(chunks)
-        self._build_weight_map()
+        self._build_weight_map()  # from the arch and layout alone; _fill checks files against it
+        self._chunks = self._wrap_ddp(self._build_chunks())
+        self._gather_pending = False  # read by copy_full_parameter, so set before the fill
+        # into megatron's DDP buffers (the parameters are views of them), before the optimizer takes
+        # its master copies
+        self._fill()
         self._build_optimizer()
         self._global_step = 0
         self._grads = "clean"  # "clean" | "local" (unreduced, accumulating) | "reduced"
@@ -253,6 +251,14 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         self._logprob_kernel = get_logprob_kernel()
 
     # ------------------------------------------------------------------------------- properties
+
+    def __repr__(self) -> str:
+        lay = self._layout
+        return (
+            f"MCoreEngine(world={lay.world_size}, tp={lay.tp}, pp={lay.pp}, vpp={lay.vpp}, cp={lay.cp}, "
+            f"ep={lay.ep}, device={self._device.device_type}, kind={self._config.model.kind!r}, "
+            f"training_randomness={self._config.model.training_randomness!r})"
+        )
 
     @property
     def name(self) -> str:

@@ -23,13 +23,14 @@ Megatron's fused layouts:
 - Dense layers of an MoE model (glm4_moe's first ``first_k_dense_replace``) map like a dense model's.
 
 A ``Rule`` names one engine parameter (its name inside a pipeline chunk, with the chunk-local layer and
-expert indices), the HF tensors it is built from, and how to cut this TP rank's piece out of them
-(``shard``) and how to rebuild the HF tensors from all TP ranks' pieces (``unshard``).
+expert indices), the HF tensors it is built from and its TP layout ``kind``; ``engine_rule`` turns it
+into the ``WeightRule`` under the global engine name (the shared conversions of
+``engines._weightmap``), which the engine's weight map, ``load_hf`` and export use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,13 +47,9 @@ __all__ = [
     "Rule",
     "checkpoint_names",
     "engine_rule",
-    "fuse_gate_up",
-    "fuse_qkv",
     "hf_shapes",
     "moe_names",
     "pad_rows",
-    "split_gate_up",
-    "split_qkv",
     "stage_rules",
 ]
 
@@ -97,41 +94,6 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], 0)
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """Megatron's ``linear_qkv`` (weight ``[rows, H]`` or bias ``[rows]``) from HF ``q``/``k``/``v``.
-
-    ``q`` has ``heads * d`` rows, ``k``/``v`` ``groups * d``; the result interleaves per query group:
-    ``[q heads of g; k head of g; v head of g]`` for ``g = 0..groups-1``."""
-    d = k.shape[0] // groups
-    rest = q.shape[1:]
-    qg = q.reshape(groups, -1, *rest)
-    kg = k.reshape(groups, d, *rest)
-    vg = v.reshape(groups, d, *rest)
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
-
-
-def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-    """Inverse of ``fuse_qkv`` for ``groups`` query groups (a TP shard: pass the shard's counts)."""
-    rest = fused.shape[1:]
-    per = heads // groups
-    g = fused.reshape(groups, (per + 2) * head_dim, *rest)
-    q = g[:, : per * head_dim].reshape(-1, *rest)
-    k = g[:, per * head_dim : (per + 1) * head_dim].reshape(-1, *rest)
-    v = g[:, (per + 1) * head_dim :].reshape(-1, *rest)
-    return q, k, v
-
-
-def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """TP rank ``rank``'s ``linear_fc1``: gate's ``rank``-th row chunk, then up's."""
-    return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
-
-
-def split_gate_up(pieces: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF ``(gate, up)`` from every TP rank's ``linear_fc1`` piece (rank order)."""
-    halves = [p.chunk(2, 0) for p in pieces]
-    return torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)
-
-
 @dataclass(frozen=True)
 class Rule:
     """One engine parameter: ``name`` inside its pipeline chunk, the HF tensors it comes from, and its
@@ -143,37 +105,6 @@ class Rule:
     kind: Kind
     arch: MCoreArch
     expert: bool = False
-
-    def shard(self, tensors: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
-        """This TP rank's piece from the full HF tensors (in ``hf`` order)."""
-        if self.kind == "replicated":
-            return tensors[0]
-        if self.kind == "column":
-            return tensors[0].chunk(size, 0)[rank]
-        if self.kind == "vocab":
-            return pad_rows(tensors[0], self.arch.vocab_rows).chunk(size, 0)[rank]
-        if self.kind == "row":
-            return tensors[0].chunk(size, 1)[rank]
-        if self.kind == "qkv":
-            q, k, v = tensors
-            return fuse_qkv(q, k, v, self.arch.num_query_groups).chunk(size, 0)[rank]
-        gate, up = tensors
-        return fuse_gate_up(gate, up, rank, size)
-
-    def unshard(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The full HF tensors (in ``hf`` order) from every TP rank's piece (rank order)."""
-        if self.kind == "replicated":
-            return [pieces[0]]
-        if self.kind == "column":
-            return [torch.cat(list(pieces), 0)]
-        if self.kind == "vocab":
-            return [torch.cat(list(pieces), 0)[: self.arch.vocab]]
-        if self.kind == "row":
-            return [torch.cat(list(pieces), 1)]
-        if self.kind == "qkv":
-            a = self.arch
-            return list(split_qkv(torch.cat(list(pieces), 0), a.heads, a.num_query_groups, a.head_dim))
-        return list(split_gate_up(pieces))
 
 
 def hf_shapes(arch: MCoreArch) -> dict[str, tuple[int, ...]]:

@@ -1,89 +1,32 @@
 """``MCoreWeightLoader``: Hugging Face safetensors <-> megatron-core shards through the weight map.
 
-Loading streams: each rank opens the safetensors files lazily and reads only the HF tensors its own
-parameters are built from, one engine parameter at a time (memory bounded by the largest fused
-parameter's inputs). Export gathers each tensor over TP/EP, broadcasts it from its pipeline stage, and
-rank 0 writes shards of at most ``max_shard_bytes``.
+Loading is the shared reader of every engine (``engines._hf_load.load_hf_files``): names, shapes and
+file headers are checked before any parameter changes, each rank reads about ``1/world`` of the bytes
+and broadcasts them, and each engine parameter is written into this rank's TP/PP/EP shard by
+``MCoreEngine.copy_full_parameter``. Export gathers each tensor over TP/EP, broadcasts it from its
+pipeline stage, and rank 0 writes shards of at most ``max_shard_bytes`` (``engines._core.export_hf_atomic``).
 """
 
 from __future__ import annotations
 
 import copy
-import fnmatch
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
+from underlay.engines._buckets import check_byte_count
+from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, TOKENIZER_FILES
+from underlay.engines._hf_load import DEFAULT_LOAD_BUCKET_BYTES, load_hf_files
+from underlay.interfaces import Device, InvalidInput, LoadReport, ParallelEngine
 
-__all__ = ["MCoreWeightLoader", "SafetensorsReader"]
-
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
-
-
-class SafetensorsReader:
-    """Lazy reader over every ``*.safetensors`` file of a directory: ``get(name)`` returns one full
-    tensor (cpu) or ``None``; ``names`` lists what the files hold. Use as a context manager."""
-
-    def __init__(self, path: Path) -> None:
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{path} has no *.safetensors files; give a Hugging Face model directory")
-        from safetensors import safe_open
-
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where: dict[str, Any] = {}
-        for h in self._handles:
-            for k in h.keys():  # type: ignore[no-untyped-call]  # noqa: SIM118 (handles are not iterable)
-                self._where[k] = h
-        self.bytes_read = 0
-
-    @property
-    def names(self) -> set[str]:
-        """Every tensor name in the files."""
-        return set(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        """The stored shape of ``name`` from the file header (no tensor data read), or ``None``."""
-        h = self._where.get(name)
-        if h is None:
-            return None
-        return tuple(int(x) for x in h.get_slice(name).get_shape())
-
-    def get(self, name: str) -> torch.Tensor | None:
-        """The full tensor ``name``, or ``None`` when no file holds it."""
-        h = self._where.get(name)
-        if h is None:
-            return None
-        t: torch.Tensor = h.get_tensor(name)
-        self.bytes_read += t.numel() * t.element_size()
-        return t
-
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._handles.clear()
-        self._where.clear()
+__all__ = ["MCoreWeightLoader"]
 
 
 def _engine(engine: ParallelEngine) -> Any:
-    if getattr(engine, "name", None) != "mcore" or not hasattr(engine, "load_tensors"):
+    if getattr(engine, "name", None) != "mcore" or not hasattr(engine, "chunks"):
         raise InvalidInput(
             f"MCoreWeightLoader needs an mcore engine, got {getattr(engine, 'name', type(engine))!r}"
         )
@@ -92,10 +35,14 @@ def _engine(engine: ParallelEngine) -> Any:
 
 class MCoreWeightLoader:
     """HF safetensors <-> an mcore engine's TP/PP/EP shards (fused q/k/v per query group, fused
-    gate/up, per-expert names on disk)."""
+    gate/up, per-expert names on disk). ``load_bucket_bytes``: the bytes broadcast per loading round
+    (``engines._hf_load.load_hf_files``)."""
 
-    def __init__(self, device: Device | None = None) -> None:
+    def __init__(
+        self, device: Device | None = None, *, load_bucket_bytes: int = DEFAULT_LOAD_BUCKET_BYTES
+    ) -> None:
         self._device = device
+        self._load_bucket_bytes = check_byte_count(load_bucket_bytes, "MCoreWeightLoader: load_bucket_bytes")
 
     @property
     def name(self) -> str:
@@ -103,48 +50,17 @@ class MCoreWeightLoader:
         return "mcore"
 
     def load_hf(self, engine: ParallelEngine, path: str | Path, *, strict: bool = True) -> LoadReport:
-        """Stream ``*.safetensors`` of ``path`` into the engine's shards. With ``strict``, missing or
-        unexpected names raise ``CheckpointError`` naming them before any parameter changes; shape
-        mismatches always raise. A value model loads a ``*ForTokenClassification`` checkpoint (its
-        ``score.*`` head included) or the backbone of a causal-LM checkpoint: a missing head is only
-        reported in ``missing`` (the parameters keep their values) and ``lm_head.weight`` is never
-        unexpected (the weight map's optional and ignored names). Collective (every rank reads its
-        own shards)."""
-        eng = _engine(engine)
-        from underlay.engines.mcore.weightmap import hf_shapes
-
-        expected = set(hf_shapes(eng.arch))
-        wmap = eng.weight_map
-        optional = {n for r in wmap.rules if r.optional for n in r.hf_names}
-        with SafetensorsReader(Path(path)) as reader:
-            names = reader.names
-            missing = sorted(expected - names)
-            unexpected = sorted(
-                n
-                for n in names - expected
-                if not any(fnmatch.fnmatchcase(n, pat) for pat in (*wmap.ignored, "*rotary_emb.inv_freq"))
-            )
-            if strict and ((set(missing) - optional) or unexpected):
-                raise CheckpointError(
-                    f"load_hf {path}: missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} "
-                    f"({len(unexpected)}); pass strict=False to load what matches"
-                )
-            shapes = hf_shapes(eng.arch)
-            for n in sorted(expected & names):
-                stored = reader.shape(n)
-                if stored != shapes[n]:
-                    raise CheckpointError(
-                        f"{n}: shape mismatch: {stored} in the files != {shapes[n]} of the model config; load a "
-                        "checkpoint of this architecture"
-                    )
-            from underlay.engines.mcore._chunks import unwrap as _unwrap
-
-            eng.load_tensors([_unwrap(c) for c in eng.chunks], reader.get)
-            # HF tensors of the files the model consumed (over all ranks: every rank reads its shards)
-            loaded = len(expected & names)
-            read = reader.bytes_read
-        dist.barrier()
-        return LoadReport(loaded, tuple(missing), tuple(unexpected), read)
+        """Load every HF tensor of ``path`` that the engine's weight map names into its shards through
+        the shared reader (``engines._hf_load.load_hf_files``, whose docstring is the contract): every
+        name, shape and file header is checked before any parameter changes; with ``strict`` missing
+        (except optional) or unexpected names raise ``CheckpointError``, a shape mismatch always does.
+        Per-expert MoE tensors (``experts.{e}.*``, as ``save_pretrained`` writes them) and buffers the
+        map carries (a routing bias) load like parameters. A value model loads a
+        ``*ForTokenClassification`` checkpoint (its ``score.*`` head included) or the backbone of a
+        causal-LM checkpoint: a missing head is only reported in ``missing`` (those parameters keep
+        their values) and ``lm_head.*`` is never unexpected. With bf16/fp16 parameters the optimizer's
+        fp32 master copies follow at the next step. Collective."""
+        return load_hf_files(_engine(engine), path, strict=strict, bucket_bytes=self._load_bucket_bytes)
 
     def iter_hf_tensors(self, engine: ParallelEngine) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors one at a time with HF names (fp32 as stored). Collective."""
@@ -165,7 +81,6 @@ class MCoreWeightLoader:
         export or what it held before. Collective; returns ``out_dir`` on rank 0, ``None`` elsewhere;
         ``CheckpointError`` on every rank when rank 0 fails."""
         from underlay.engines._core import export_hf_atomic
-        from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES
 
         eng = _engine(engine)
 
@@ -176,7 +91,7 @@ class MCoreWeightLoader:
             cfg.save_pretrained(str(out))
             src = eng.config.model.path
             if src is not None:
-                for f in _TOKENIZER_FILES:
+                for f in TOKENIZER_FILES:
                     if (Path(src) / f).is_file():
                         shutil.copyfile(Path(src) / f, out / f)
 
