@@ -1,6 +1,6 @@
 """The architecture matrix through the fsdp2 engine (public API, world size 1, one spawned process):
-every row of ``coverage.EXACT["fsdp2"]`` passes each check of ``_engine_matrix.CHECKS`` or is refused by
-name as reviewed in ``coverage.ENGINE_GAPS`` / ``coverage.value_refused``.
+every row of ``coverage.EXACT["fsdp2"]`` but ``coverage.ENGINE_MATRIX_PENDING`` passes each check of
+``_engine_matrix.CHECKS`` or is refused by name as reviewed in ``coverage.ENGINE_GAPS`` / ``coverage.value_refused``.
 
 CI runs a deterministic rotating sample: the rows are sorted and dealt into ``SHARDS`` shards; the
 shard of the day is ``date.today().toordinal() % SHARDS`` (``UNDERLAY_MATRIX_SHARD=<k>`` picks shard
@@ -24,7 +24,7 @@ from underlay.models import coverage
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-ROWS = sorted(coverage.EXACT["fsdp2"])
+ROWS = sorted(coverage.EXACT["fsdp2"] - coverage.ENGINE_MATRIX_PENDING)
 SHARDS = 16
 """4 rows per CI run (about 8 s of checks on an idle 2-core machine)."""
 

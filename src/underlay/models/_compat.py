@@ -205,6 +205,56 @@ def _refuse_layer_kinds(model: nn.Module, model_type: str, config: Any) -> None:
         )
 
 
+def _refuse_unrouted_features(
+    model: nn.Module, model_type: str, modules: list[tuple[str, nn.Module]], config: Any
+) -> None:
+    """Refuse what the packed causal route and the log-prob head do not compute: cross-attention
+    layers, key/value states from another model, dynamic attention masks and output-layer biases."""
+    cross = sorted({type(m).__name__ for _, m in modules if "CrossAttention" in type(m).__name__})
+    if cross:
+        raise _refuse(
+            model,
+            model_type,
+            f"cross-attention layers ({', '.join(cross)}: queries over another sequence's keys); the "
+            "attention route runs causal self-attention over packed sequences only",
+        )
+    loops = getattr(config, "n_recurrent_loops", None) or 1
+    if loops > 1:
+        raise _refuse(
+            model,
+            model_type,
+            f"depth-recurrent layers run {loops} times (config.n_recurrent_loops) whose attention keys span "
+            "the earlier loops (more keys than queries); the attention route runs one key per token",
+        )
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    layers = getattr(config, "num_hidden_layers", None) or 0
+    if shared and shared >= layers:
+        raise _refuse(
+            model,
+            model_type,
+            f"every layer reuses key/value states of another model (config.num_kv_shared_layers={shared} of "
+            f"num_hidden_layers={layers}: a speculative-decoding assistant); only self-contained models are routed",
+        )
+    keep = getattr(config, "keep_window_size", None)
+    if keep is not None:
+        raise _refuse(
+            model,
+            model_type,
+            f"dynamic mask attention (config.keep_window_size={keep}: a learned per-token 4-D mask); the "
+            "attention kernels take causal/sliding-window masks only",
+        )
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if isinstance(getattr(head, "bias", None), torch.Tensor):
+        raise _refuse(
+            model,
+            model_type,
+            f"an output-layer bias ({type(head).__name__}.bias on the lm_head), which the fused log-prob "
+            "kernels do not take (a checkpoint whose lm_head bias is all zeros can drop it and load with "
+            "a bias-free head)",
+        )
+
+
 def inspect_model(model: nn.Module) -> ModelCapabilities:
     """Check that underlay can run ``model`` (an unwrapped transformers causal-LM or token-classification
     model) and return what it needs.
@@ -213,7 +263,8 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
     vision-language model only with a Qwen-VL style backbone: ``.visual`` and ``get_rope_index``); attention modules that dispatch through ``transformers.AttentionInterface``; a
     backbone whose ``forward`` takes ``position_ids`` and passes attention keyword arguments on
     (``**kwargs``); layer types only ``full_attention`` / ``sliding_attention``; no extra logit scaling
-    other than Gemma's final softcap. MoE blocks, sinks, softcaps and latent attention are recorded.
+    other than Gemma's final softcap; no cross-attention layers, no dynamic (learned) attention masks, no
+    lm_head bias, no key/value states shared from another model. MoE blocks, sinks, softcaps and latent attention are recorded.
     Raises ``ConfigError`` naming the first missing capability.
     """
     config = getattr(model, "config", None)
@@ -261,6 +312,7 @@ def inspect_model(model: nn.Module) -> ModelCapabilities:
             f"{type(backbone).__name__}.forward does not pass attention keyword arguments on (no **kwargs), "
             "so packed sequence boundaries cannot reach the attention kernel",
         )
+    _refuse_unrouted_features(model, str(model_type), modules, text_config(config))
     config = text_config(config)
     layer_types = tuple(str(t) for t in (getattr(config, "layer_types", None) or ()))
     for attr in _LOGIT_SCALES:
