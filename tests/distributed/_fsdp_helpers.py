@@ -267,6 +267,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: every rank calls it), else ``t`` itself (the fsdp2
+    engine's world-size-1 path, ``options.single_device``, holds plain tensors)."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else t
+
+
 def max_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     """Largest absolute difference over common keys (inf when the key sets differ)."""
     if set(a) != set(b):

@@ -30,7 +30,7 @@ def _worker(rank: int, world: int, max_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in MODES:
         res = engine.forward_backward(local, ModeLoss(mode))
-        grads = {hf_name(n): p.grad.full_tensor() for n, p in engine.model.named_parameters()}
+        grads = {hf_name(n): H.full(p.grad) for n, p in engine.model.named_parameters()}
         engine.zero_grad()
         out[mode] = {
             "metrics": dict(res.metrics),
