@@ -3,7 +3,7 @@ every row of ``coverage.EXACT["fsdp2"]`` but ``coverage.ENGINE_MATRIX_PENDING`` 
 ``_engine_matrix.CHECKS`` or is refused by name as reviewed in ``coverage.ENGINE_GAPS`` / ``coverage.value_refused``.
 
 CI runs a deterministic rotating sample: the rows are sorted and dealt into ``SHARDS`` shards; the
-shard of the day is ``date.today().toordinal() % SHARDS`` (``UNDERLAY_MATRIX_SHARD=<k>`` picks shard
+shard of the day is ``date.today().toordinal() % SHARDS`` (``UNDERLAY_TEST_MATRIX_SHARD=<k>`` picks shard
 ``k``), so every row runs within ``SHARDS`` days. The whole matrix runs under the ``full_matrix`` marker,
 which only an explicit ``-m full_matrix`` selects (docs/model-matrix.md)."""
 
@@ -31,7 +31,7 @@ SHARDS = 16
 
 def shard_of_the_day() -> list[str]:
     """The rows CI checks today (see the module docstring)."""
-    k = int(os.environ.get("UNDERLAY_MATRIX_SHARD", datetime.date.today().toordinal())) % SHARDS
+    k = int(os.environ.get("UNDERLAY_TEST_MATRIX_SHARD", datetime.date.today().toordinal())) % SHARDS
     return ROWS[k::SHARDS]
 
 

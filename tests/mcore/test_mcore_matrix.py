@@ -9,7 +9,7 @@ in ``MCORE_GAPS``; every other row of the fsdp2 matrix is refused by the mcore e
 
 CI runs a deterministic rotating sample of the exact rows, as the fsdp2 matrix does
 (``test_engine_matrix.shard_of_the_day``: ``SHARDS`` shards of the sorted rows, the shard of the day
-``date.today().toordinal() % SHARDS``, ``UNDERLAY_MATRIX_SHARD=<k>`` picks one); all of them run under
+``date.today().toordinal() % SHARDS``, ``UNDERLAY_TEST_MATRIX_SHARD=<k>`` picks one); all of them run under
 ``-m full_matrix``."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ token-classification class for (``coverage.value_refused``)."""
 
 def shard_of_the_day() -> list[str]:
     """The exact rows CI checks today (see the module docstring)."""
-    k = int(os.environ.get("UNDERLAY_MATRIX_SHARD", datetime.date.today().toordinal())) % SHARDS
+    k = int(os.environ.get("UNDERLAY_TEST_MATRIX_SHARD", datetime.date.today().toordinal())) % SHARDS
     return ROWS[k::SHARDS]
 
 
