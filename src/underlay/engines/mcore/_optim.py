@@ -36,7 +36,7 @@ class MCoreOptim(MCoreParams):
         call started (megatron allows one outstanding per bucket; none is started here)."""
         if self._opts.overlap_grad_reduce and self._grads == "local":
             for c in self._chunks:
-                for group in [*c.bucket_groups, *c.expert_parallel_bucket_groups]:  # type: ignore[misc,union-attr]
+                for group in [*c.bucket_groups, *c.expert_parallel_bucket_groups]:  # type: ignore[misc]
                     handle = getattr(group, "grad_reduce_handle", None)
                     if handle is not None:
                         handle.wait()
