@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -47,20 +45,6 @@ def test_quality_on_grpo_lengths(n: int, k: int, equal_size: bool) -> None:
     kk, lpt = max(partition_loads(w, parts)), max(partition_loads(w, greedy_lpt(w, k, equal_size)))
     assert kk <= lpt
     assert kk / ideal - 1 < 1e-3  # exact balance is reachable: many small items
-
-
-def test_speed_8192_items_64_partitions() -> None:
-    w = _grpo_lengths(8192, seed=1)
-    karmarkar_karp(w[:256], 8)  # warm caches
-    best = min(_timed(lambda: karmarkar_karp(w, 64)) for _ in range(3))
-    # the target is < 50 ms on an idle CI core; this shared machine gets a margin (see benchmarks)
-    assert best < 0.25, f"karmarkar_karp 8192 -> 64 took {best * 1e3:.0f} ms"
-
-
-def _timed(fn: object) -> float:
-    start = time.perf_counter()
-    fn()  # type: ignore[operator]
-    return time.perf_counter() - start
 
 
 @settings(max_examples=40, deadline=None)
