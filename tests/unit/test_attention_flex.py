@@ -71,7 +71,7 @@ _PARAMS = [
     pytest.param(case, dtype, id=f"{case[0]}-{str(dtype)[6:]}")
     for case in _matrix()
     for dtype in (torch.float64, torch.float32)
-    if dtype == torch.float64 or int(case[0][1:]) % 2
+    if dtype == torch.float64 or case[0] in ("c1", "c2")  # fp32: MQA with S_q < S_k; MHA with Dv != D
 ]
 
 

@@ -54,6 +54,20 @@ def _positions(
     return doc.to(device, torch.int32), pos.to(device, torch.int32)
 
 
+_UNBOUNDED = 1 << 30
+"""An offset no sequence reaches: the bound of an unbounded window side."""
+
+
+def _band(left: int, right: int, shift: int, device: torch.device) -> torch.Tensor:
+    """``[lo, hi, shift]`` int32 on ``device``: a key at offset ``d = pos_q - pos_k`` is kept when
+    ``lo <= d <= hi`` (``lo = -right``, ``hi = left``; ``-1`` = unbounded). A tensor, not Python
+    constants, so that every window (Gemma 2's sliding and global layers) gives the same ``mask_mod``
+    code to the compiled flex, which then does not recompile per window."""
+    lo = -right if right >= 0 else -_UNBOUNDED
+    hi = left if left >= 0 else _UNBOUNDED
+    return torch.tensor([lo, hi, shift], dtype=torch.int32, device=device)
+
+
 def _varlen_block_mask(
     lens_q: tuple[int, ...], lens_k: tuple[int, ...], left: int, right: int, device: torch.device
 ) -> Any:
@@ -64,15 +78,11 @@ def _varlen_block_mask(
 
     doc_q, pos_q = _positions(lens_q, tuple(nk - nq for nq, nk in zip(lens_q, lens_k)), device)
     doc_k, pos_k = _positions(lens_k, (0,) * len(lens_k), device)
+    band = _band(left, right, 0, device)
 
     def mask_mod(b: Any, h: Any, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-        ok = doc_q[qi] == doc_k[ki]
         d = pos_q[qi] - pos_k[ki]
-        if left >= 0:
-            ok = ok & (d <= left)
-        if right >= 0:
-            ok = ok & (d >= -right)
-        return ok
+        return (doc_q[qi] == doc_k[ki]) & (d >= band[0]) & (d <= band[1])
 
     return create_block_mask(mask_mod, None, None, sum(lens_q), sum(lens_k), device=device)
 
@@ -80,22 +90,20 @@ def _varlen_block_mask(
 def _padded_block_mask(
     keep: torch.Tensor | None, batch: int, s_q: int, s_k: int, left: int, right: int, device: torch.device
 ) -> Any:
-    """The flex ``BlockMask`` ``[B, 1, S_q, S_k]`` of a padded batch: key ``j`` is visible from query
-    ``i`` when ``keep[b, j]`` (``None``: every key) and ``-right <= i + S_k - S_q - j <= left``."""
+    """The flex ``BlockMask`` ``[B, 1, S_q, S_k]`` of a padded batch (``[1, 1, S_q, S_k]`` without
+    ``keep``): key ``j`` is visible from query ``i`` when ``keep[b, j]`` (``None``: every key) and
+    ``-right <= i + S_k - S_q - j <= left``."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    shift = s_k - s_q
+    # (flex evaluates mask_mod with every batch index, also for a mask built for B = 1)
+    keys = (
+        keep if keep is not None else torch.ones(1, s_k, dtype=torch.bool, device=device).expand(batch, s_k)
+    )
+    band = _band(left, right, s_k - s_q, device)
 
     def mask_mod(b: Any, h: Any, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-        d = qi + shift - ki
-        ok = d == d  # all True, shaped like the index grid
-        if keep is not None:
-            ok = ok & keep[b, ki]
-        if left >= 0:
-            ok = ok & (d <= left)
-        if right >= 0:
-            ok = ok & (d >= -right)
-        return ok
+        d = qi + band[2] - ki
+        return keys[b, ki] & (d >= band[0]) & (d <= band[1])
 
     return create_block_mask(mask_mod, batch if keep is not None else None, None, s_q, s_k, device=device)
 
