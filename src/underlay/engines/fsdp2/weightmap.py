@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from underlay.engines._hf_conversion import hf_conversion
 from underlay.engines._weightmap import rename, stack_experts
 from underlay.engines.fsdp2._build import hf_name
 from underlay.interfaces import InvalidInput, RulePattern, WeightMap, WeightRule
@@ -202,13 +203,36 @@ def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return out
 
 
+def _tabled(hf_config: Any) -> bool:
+    """Whether the model type's checkpoint layout is one of this module's tables (which predate the
+    generic conversion of ``engines._hf_conversion``)."""
+    outer = getattr(hf_config, "model_type", None)
+    inner = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
+    return bool(
+        {outer, inner}
+        & (
+            PER_EXPERT_CHECKPOINTS
+            | MIXTRAL_CHECKPOINTS
+            | LEGACY_VL_CHECKPOINTS
+            | TRANSPOSED_EXPERT_CHECKPOINTS
+        )
+        or outer in RENAMED_CHECKPOINTS
+    )
+
+
 def fsdp2_weight_map(
-    named_params: Iterable[tuple[str, torch.Tensor]], hf_config: Any, kind: str
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    hf_config: Any,
+    kind: str,
+    model: torch.nn.Module | None = None,
 ) -> WeightMap:
     """The map of a model from ``model.named_parameters(remove_duplicate=False)`` (every alias, so ties
     are found) followed by its :func:`persistent_buffers` (so routing-bias buffers load and export), its
     ``hf_config`` and ``kind`` (``"causal_lm"`` or ``"value"``). Only names and shapes are read (meta
-    parameters are fine)."""
+    parameters are fine). ``model``: the HF model itself (peft and FSDP not applied yet): the tensors of
+    a model type outside this module's tables map through transformers' own conversion mapping
+    (``engines._hf_conversion``), i.e. under the names and in the layout ``save_pretrained`` writes;
+    ``ConfigError`` when that layout fuses several parameters into one file tensor."""
     model_type = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
     legacy_vl = getattr(hf_config, "model_type", None) in LEGACY_VL_CHECKPOINTS
     renames = RENAMED_CHECKPOINTS.get(str(getattr(hf_config, "model_type", None)), ())
@@ -220,16 +244,22 @@ def fsdp2_weight_map(
         return out
 
     first: dict[int, str] = {}
-    tied: dict[str, str] = {}
+    aliases: dict[str, str] = {}
     unique: list[tuple[str, tuple[int, ...]]] = []
     for name, param in named_params:
         key = id(param)
         if key in first:
             if not re.fullmatch(LORA_PATTERN, name):
-                tied[hf(name)] = hf(first[key])
+                aliases[hf_name(name)] = hf_name(first[key])
             continue
         first[key] = name
         unique.append((name, tuple(param.shape)))
+    conversion = None
+    if model is not None and not _tabled(hf_config):
+        conversion = hf_conversion(model, {hf_name(n): s for n, s in unique})
+    if conversion is not None:  # renamed as save_pretrained writes them (ties, the value head's ignore)
+        hf = lambda name: conversion.file_name(hf_name(name))  # noqa: E731
+    tied = {hf(a): hf(c) for a, c in aliases.items()}
     patterns = [RulePattern(LORA_PATTERN, skip=True)]
     if model_type in PER_EXPERT_CHECKPOINTS:
         patterns += [
@@ -259,6 +289,8 @@ def fsdp2_weight_map(
         ignored += (head.rsplit(".", 1)[0] + ".*",)
 
     def renamed(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+        if conversion is not None:
+            return conversion.rule(match.string, hf_name(match.string), shape)
         return rename(match.string, hf(match.string))
 
     patterns.append(RulePattern(r".*", renamed))
