@@ -107,3 +107,32 @@ def test_model_shape_takes_per_layer_mlp_widths() -> None:
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config)
     assert model_shape(model, config).ffn == 64
+
+
+def test_checkpoint_missing_an_expert_is_refused_before_any_change(tmp_path: Path) -> None:
+    """The load plan of a per-expert checkpoint lacking one expert's tensor (or holding a tensor the
+    model has not) raises ``CheckpointError`` naming it, before any parameter is read (issue 33)."""
+    from safetensors.torch import save_file
+
+    from underlay.engines._hf_load import gather_headers, plan_load
+    from underlay.interfaces import CheckpointError
+
+    model = _tiny("afmoe")
+    file = _saved(model, tmp_path / "full")
+    wmap = _map(model)
+    plan = plan_load(wmap, gather_headers(tmp_path / "full"), tmp_path / "full", True)  # type: ignore[arg-type]
+    assert not plan.missing and not plan.unexpected
+    gone = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert gone in file
+    for label, tensors, named in (
+        ("missing", {n: t for n, t in file.items() if n != gone}, gone),
+        (
+            "unexpected",
+            {**file, "model.layers.1.mlp.experts.9.up_proj.weight": file[gone].clone()},
+            "experts.9",
+        ),
+    ):
+        (tmp_path / label).mkdir()
+        save_file(tensors, str(tmp_path / label / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=f"{label} .*{named}"):
+            plan_load(wmap, gather_headers(tmp_path / label), tmp_path / label, True)  # type: ignore[arg-type]
