@@ -160,43 +160,13 @@ tests (tests/unit/models/test_model_coverage_matrix.py for every fsdp2 row, test
 tests/distributed/test_model_coverage.py,
 tests/mcore/test_mcore_models.py)."""
 
-ENGINE_MATRIX_PENDING: frozenset[str] = frozenset(
-    {
-        "afmoe",
-        "axk1",
-        "cohere_compass_text",
-        "deepseek_v2",
-        "dots1",
-        "emu3",
-        "ergo",
-        "ernie4_5_moe",
-        "exaone_moe",
-        "flint",
-        "gemma3n_text",
-        "gemma4",
-        "gemma4_text",
-        "gemma4_unified",
-        "glm4_moe_lite",
-        "helium",
-        "hunyuan_v1_moe",
-        "hy_v3",
-        "kolibri1",
-        "laguna",
-        "mellum",
-        "mimo_v2_flash",
-        "minicpm5_moe",
-        "param2moe",
-        "sarvam_mla",
-        "sarvam_moe",
-        "solar_open",
-    }
-)
+ENGINE_MATRIX_PENDING: frozenset[str] = frozenset()
 """fsdp2 rows whose model forward is exact (:data:`EXACT`) but that tests/distributed/test_engine_matrix.py
-does not take through the engine yet (it skips them). Its first run over them: load of transformers'
-``save_pretrained`` checkpoint fails for the MoE rows (fused ``experts.gate_up_proj``/``down_proj``
-missing, per-expert tensors unexpected; sarvam_moe and param2moe: every tensor missing under the
-checkpoint's names), and emu3 raises in the build (``Emu3TextConfig`` is no ``AutoModelForCausalLM``
-config); each needs a conversion or a reviewed :data:`ENGINE_GAPS` entry before it leaves this set."""
+does not take through the engine yet (it skips them): none. The 27 rows that were here (MoE
+``save_pretrained`` layouts: per-expert tensors, renamed routers, routing biases and attention
+tensors; emu3's text config; gemma3n's per-layer MLP widths) now pass every engine check or are
+refused by name (:data:`ENGINE_GAPS`): the fsdp2 weight map reads transformers' own conversion
+mapping (``underlay.engines._hf_conversion``). A row added here must name why in a comment."""
 
 
 NOT_EXACT: dict[str, str] = {
@@ -650,8 +620,10 @@ KNOWN: dict[str, tuple[str, str]] = {
 
 ENGINE_GAPS: dict[str, dict[str, str]] = {
     "biogpt": {"load": "found no decoder layers"},
-    "exaone": {"load": "missing ['model.embed_tokens.weight'"},
-    "hrm_text": {"load": "missing ['model.L_module.layers.0.self_attn.q_proj.weight'"},
+    "hrm_text": {"load": "builds one file tensor from several in-memory tensors"},
+    "emu3": {"load": "is no AutoModelForCausalLM config"},
+    "param2moe": {"load": "builds one file tensor from several in-memory tensors"},
+    "sarvam_moe": {"load": "builds one file tensor from several in-memory tensors"},
 }
 """Reviewed engine-level refusals of fsdp2 rows whose model forward is exact (:data:`EXACT`): per model
 type, the check of tests/distributed/test_engine_matrix.py that the fsdp2 engine refuses (an
@@ -662,9 +634,12 @@ else runs), ``infer`` (``infer`` log-probs == ``forward_backward``'s), ``export`
 fresh engine, same ``infer``), ``value`` (``ModelConfig(path, kind="value")`` loads head and backbone).
 Beyond this table, ``value`` is refused by name for every model type transformers has no
 token-classification class for (``value_refused``). Today's gaps: biogpt has no decoder-layer class
-for fsdp2 to shard; exaone's and hrm_text's checkpoints hold fused/renamed tensors the fsdp2 weight map
-does not convert. (The GPT-2 family, falcon and gpt_neox name their token-classification head
-``classifier``; the value path reads it: ``models.forward.value_head``.)"""
+for fsdp2 to shard; hrm_text's checkpoint fuses ``gqkv_proj`` from four parameters (see sarvam_moe
+below); emu3's ``save_pretrained`` writes an ``Emu3TextConfig``, which transformers'
+``AutoModelForCausalLM`` cannot build (nor read back); sarvam_moe and param2moe store
+``query_key_value`` fused on disk, built from three parameters (``q_proj``/``k_proj``/``v_proj``), which
+a one-rule-per-parameter weight map cannot express. (The GPT-2 family, falcon and gpt_neox name their
+token-classification head ``classifier``; the value path reads it: ``models.forward.value_head``.)"""
 
 
 def value_refused(model_type: str) -> bool:

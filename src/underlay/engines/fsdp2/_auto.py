@@ -73,7 +73,9 @@ def model_shape(
     heads = int(config_value(cfg, "num_attention_heads"))
     kv = int(config_value(cfg, "num_key_value_heads") or heads)
     head_dim = int(config_value(cfg, "head_dim") or hidden // heads)
-    ffn = int(config_value(cfg, "intermediate_size") or 4 * hidden)
+    ffn_given = config_value(cfg, "intermediate_size") or 4 * hidden
+    # a per-layer list (Gemma 3n: one width per layer): the widest layer's
+    ffn = int(max(ffn_given) if isinstance(ffn_given, (list, tuple)) else ffn_given)
     topk = config_value(cfg, "num_experts_per_tok")
     moe_width = config_value(cfg, "moe_intermediate_size")
     if topk and moe_width:

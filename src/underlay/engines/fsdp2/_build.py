@@ -94,7 +94,18 @@ def _auto_model(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
         hf_config.num_labels = 1
         model = AutoModelForTokenClassification.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     else:
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        except ValueError as exc:
+            if "Unrecognized configuration class" not in str(exc):
+                raise
+            # e.g. Emu3ForCausalLM saves an Emu3TextConfig, which transformers' auto classes do not map
+            raise ConfigError(
+                f"{type(hf_config).__name__} (model_type {getattr(hf_config, 'model_type', None)!r}) is no "
+                "AutoModelForCausalLM config: transformers' AutoModelForCausalLM cannot build it (nor "
+                "from_pretrained read its checkpoint), so underlay cannot either; use the checkpoint of the "
+                "composite model type (its config.json with the registered model_type)"
+            ) from exc
     return model  # type: ignore[no-any-return]
 
 

@@ -128,6 +128,9 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
                 "engine has no optimizer; leave optimizer_offload unset"
             )
         model = _build.build_model(config.model, self._hf_config, meta=True)
+        # the HF model before peft and FSDP wrap it: its checkpoint conversions are looked up by class
+        get_base = getattr(model, "get_base_model", None)
+        hf_model = get_base() if callable(get_base) else model
         if self._reference:  # the weights themselves in the compute dtype: no fp32 master copy
             _build.frozen_in_dtype(model, self._param_dtype)
         # the auto options (None) and recompute="auto" are decided once, here, and logged
@@ -172,6 +175,7 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
             [*model.named_parameters(remove_duplicate=False), *persistent_buffers(model)],
             self._hf_config,
             config.model.kind,
+            hf_model,
         )
         if options.single_device:
             to_empty_keeping_ties(model, self._torch_device)

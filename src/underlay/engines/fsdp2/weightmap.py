@@ -2,13 +2,14 @@
 
 fsdp2 shards the Hugging Face module itself, so almost every parameter is its HF tensor under the same
 name (``rename``): peft's ``base_model.model.`` prefix and ``.base_layer.`` segment are dropped, LoRA
-adapters get no rule (``named_full_parameters`` merges them into their base weights). Two exceptions:
+adapters get no rule (``named_full_parameters`` merges them into their base weights). Exceptions:
 
-- Mixture-of-experts models whose transformers 5 modules keep the experts fused in memory
-  (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) while their checkpoints hold
-  one tensor per expert (``experts.{e}.gate_proj.weight`` ...): ``stack_experts`` rules, for the model
-  types in ``PER_EXPERT_CHECKPOINTS`` and, with Mixtral's names (``block_sparse_moe.experts.{e}.w1``
-  ...), ``MIXTRAL_CHECKPOINTS`` (other model types map those tensors by name, as saved).
+- Tensors whose checkpoint name or layout differs from the module's (mixture-of-experts models whose
+  transformers 5 modules keep the experts fused, ``experts.gate_up_proj [E, 2I, H]``, while their
+  checkpoints hold ``experts.{e}.gate_proj.weight`` ..., Mixtral's ``block_sparse_moe.experts.{e}.w1``,
+  renamed routers, routing biases, sinks, norms, heads): transformers' own conversion mapping of the
+  model decides, through ``engines._hf_conversion`` (the layout ``save_pretrained`` writes and
+  ``from_pretrained`` reads; ``ConfigError`` for a file tensor fused from several parameters).
 - Persistent buffers (``persistent_buffers``: DeepSeek-V3's ``e_score_correction_bias``) map by name
   like parameters, so they load from and export to checkpoints.
 - Value models (``ModelConfig.kind == "value"``): the head (``score.*``, or ``classifier.*`` for
@@ -40,15 +41,13 @@ from typing import Any
 
 import torch
 
-from underlay.engines._weightmap import rename, stack_experts
+from underlay.engines._hf_conversion import hf_conversion
+from underlay.engines._weightmap import rename
 from underlay.engines.fsdp2._build import hf_name
 from underlay.interfaces import InvalidInput, RulePattern, WeightMap, WeightRule
 
 __all__ = [
     "LEGACY_VL_CHECKPOINTS",
-    "MIXTRAL_CHECKPOINTS",
-    "PER_EXPERT_CHECKPOINTS",
-    "RENAMED_CHECKPOINTS",
     "TRANSPOSED_EXPERT_CHECKPOINTS",
     "fsdp2_weight_map",
     "hf_name",
@@ -56,46 +55,10 @@ __all__ = [
     "persistent_buffers",
 ]
 
-PER_EXPERT_CHECKPOINTS = frozenset(
-    {"qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "olmoe", "flex_olmo"}
-)
-"""Model types whose checkpoints store ``experts.{e}.{gate,up,down}_proj.weight`` while transformers 5
-fuses them in memory (verified with transformers 5.25's ``save_pretrained`` for each)."""
-
-MIXTRAL_CHECKPOINTS = frozenset({"mixtral", "minimax_m2"})
-"""Model types whose checkpoints keep Mixtral's original layout: the sparse block under
-``block_sparse_moe.`` (module ``mlp.``) and per-expert ``experts.{e}.w1`` (gate), ``w3`` (up) and
-``w2`` (down) (transformers 5.25's ``save_pretrained`` writes them so)."""
-
 LEGACY_VL_CHECKPOINTS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 """Vision-language model types whose checkpoints hold ``visual.*`` and ``model.*`` for the modules
 ``model.visual.*`` and ``model.language_model.*`` (transformers 5.24's ``save_pretrained`` writes them so)."""
 
-
-RENAMED_CHECKPOINTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "gpt_neox": ((r"^lm_head\.", "embed_out."),),
-    "fuyu": (
-        (r"^lm_head\.", "language_model.lm_head."),
-        (r"^model\.language_model\.", "language_model.model."),
-        (r"^model\.vision_embed_tokens\.", "vision_embed_tokens."),
-    ),
-    "aria_text": (
-        (r"\.mlp\.experts\.gate_up_proj$", ".mlp.experts.fc1.weight"),
-        (r"\.mlp\.experts\.down_proj$", ".mlp.experts.fc2.weight"),
-    ),
-    **{
-        mt: (
-            (r"\.block_sparse_moe\.experts\.gate_up_proj$", ".block_sparse_moe.input_linear.weight"),
-            (r"\.block_sparse_moe\.experts\.down_proj$", ".block_sparse_moe.output_linear.weight"),
-            (r"\.block_sparse_moe\.router\.weight$", ".block_sparse_moe.router.layer.weight"),
-        )
-        for mt in ("granitemoe", "granitemoeshared")
-    },
-}
-"""Per model type, ``(module-name regex, checkpoint name)`` substitutions: the tensors whose checkpoint
-name differs from the module's only by name (transformers 5.25's conversion mapping renames them on
-load and its ``save_pretrained`` writes the checkpoint names; verified for each by
-tests/distributed/test_engine_matrix.py)."""
 
 TRANSPOSED_EXPERT_CHECKPOINTS = frozenset({"qwen3_vl_moe"})
 """Model types (``hf_config.model_type``) whose hub checkpoints hold ``experts.gate_up_proj`` and
@@ -159,39 +122,6 @@ def _optional(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
     return rename(match.string, hf_name(match.string), optional=True)
 
 
-def _gate_up(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    prefix = hf_name(match.string).rsplit(".", 1)[0]  # "...mlp.experts"
-    return stack_experts(
-        match.string,
-        (prefix + ".{e}.gate_proj.weight", prefix + ".{e}.up_proj.weight"),
-        shape[0],
-        cat_dim=0,
-    )
-
-
-def _down(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    prefix = hf_name(match.string).rsplit(".", 1)[0]
-    return stack_experts(match.string, (prefix + ".{e}.down_proj.weight",), shape[0])
-
-
-def _mixtral_name(name: str) -> str:
-    return hf_name(name).replace(".mlp.", ".block_sparse_moe.")
-
-
-def _mixtral(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    return rename(match.string, _mixtral_name(match.string))
-
-
-def _mixtral_gate_up(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    prefix = _mixtral_name(match.string).rsplit(".", 1)[0]  # "...block_sparse_moe.experts"
-    return stack_experts(match.string, (prefix + ".{e}.w1.weight", prefix + ".{e}.w3.weight"), shape[0])
-
-
-def _mixtral_down(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
-    prefix = _mixtral_name(match.string).rsplit(".", 1)[0]
-    return stack_experts(match.string, (prefix + ".{e}.w2.weight",), shape[0])
-
-
 def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers of ``model`` that its ``state_dict`` (and so ``save_pretrained``) holds, e.g. DeepSeek-V3's
     and GLM-4-MoE's routing bias ``mlp.gate.e_score_correction_bias``, by qualified name."""
@@ -203,46 +133,50 @@ def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return out
 
 
+def _tabled(hf_config: Any) -> bool:
+    """Whether the model type's hub layout is one of this module's tables (layouts transformers reads
+    but its ``save_pretrained`` no longer writes, so its reverse conversion cannot give them)."""
+    outer = getattr(hf_config, "model_type", None)
+    return outer in LEGACY_VL_CHECKPOINTS | TRANSPOSED_EXPERT_CHECKPOINTS
+
+
 def fsdp2_weight_map(
-    named_params: Iterable[tuple[str, torch.Tensor]], hf_config: Any, kind: str
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    hf_config: Any,
+    kind: str,
+    model: torch.nn.Module | None = None,
 ) -> WeightMap:
     """The map of a model from ``model.named_parameters(remove_duplicate=False)`` (every alias, so ties
     are found) followed by its :func:`persistent_buffers` (so routing-bias buffers load and export), its
     ``hf_config`` and ``kind`` (``"causal_lm"`` or ``"value"``). Only names and shapes are read (meta
-    parameters are fine)."""
-    model_type = getattr(getattr(hf_config, "text_config", None) or hf_config, "model_type", None)
+    parameters are fine). ``model``: the HF model itself (peft and FSDP not applied yet): the tensors of
+    a model type outside this module's hub-layout tables then map through transformers' own conversion
+    mapping (``engines._hf_conversion``), under the names and in the layout ``save_pretrained`` writes;
+    ``ConfigError`` when that layout fuses several parameters into one file tensor. Without ``model``
+    every tensor maps under its module name (the engine always passes it)."""
     legacy_vl = getattr(hf_config, "model_type", None) in LEGACY_VL_CHECKPOINTS
-    renames = RENAMED_CHECKPOINTS.get(str(getattr(hf_config, "model_type", None)), ())
 
     def hf(name: str) -> str:
-        out = _legacy_vl_name(hf_name(name)) if legacy_vl else hf_name(name)
-        for pattern, repl in renames:
-            out = re.sub(pattern, repl, out)
-        return out
+        return _legacy_vl_name(hf_name(name)) if legacy_vl else hf_name(name)
 
     first: dict[int, str] = {}
-    tied: dict[str, str] = {}
+    aliases: dict[str, str] = {}
     unique: list[tuple[str, tuple[int, ...]]] = []
     for name, param in named_params:
         key = id(param)
         if key in first:
             if not re.fullmatch(LORA_PATTERN, name):
-                tied[hf(name)] = hf(first[key])
+                aliases[hf_name(name)] = hf_name(first[key])
             continue
         first[key] = name
         unique.append((name, tuple(param.shape)))
+    conversion = None
+    if model is not None and not _tabled(hf_config):
+        conversion = hf_conversion(model, {hf_name(n): s for n, s in unique})
+    if conversion is not None:  # renamed as save_pretrained writes them (ties, the value head's ignore)
+        hf = lambda name: conversion.file_name(hf_name(name))  # noqa: E731
+    tied = {hf(a): hf(c) for a, c in aliases.items()}
     patterns = [RulePattern(LORA_PATTERN, skip=True)]
-    if model_type in PER_EXPERT_CHECKPOINTS:
-        patterns += [
-            RulePattern(r".*\.experts\.gate_up_proj", _gate_up),
-            RulePattern(r".*\.experts\.down_proj", _down),
-        ]
-    if model_type in MIXTRAL_CHECKPOINTS:
-        patterns += [
-            RulePattern(r".*\.mlp\.experts\.gate_up_proj", _mixtral_gate_up),
-            RulePattern(r".*\.mlp\.experts\.down_proj", _mixtral_down),
-            RulePattern(r".*\.mlp\..*", _mixtral),
-        ]
     ignored: tuple[str, ...] = ()
     if getattr(hf_config, "model_type", None) in TRANSPOSED_EXPERT_CHECKPOINTS:
 
@@ -262,6 +196,8 @@ def fsdp2_weight_map(
         ignored += (head.rsplit(".", 1)[0] + ".*",)
 
     def renamed(match: re.Match[str], shape: tuple[int, ...]) -> WeightRule:
+        if conversion is not None:
+            return conversion.rule(match.string, hf_name(match.string), shape)
         return rename(match.string, hf(match.string))
 
     patterns.append(RulePattern(r".*", renamed))
