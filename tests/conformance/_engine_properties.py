@@ -18,7 +18,7 @@ calls, so one pass checks at every layout:
   unexpected-tensor or truncated copy of the reference's ``save_pretrained`` files raises
   ``CheckpointError`` and leaves every weight bit-identical; the intact files then load exactly (the
   file's fp32 values, the float64 reference's weights);
-- ``failed_*`` (every layout with pp = 1): a ``loss_fn`` that raises, or returns a bad value
+- ``failed_*`` (every layout; at pp > 1 the ``loss_fn`` runs on the last stage and every rank raises): a ``loss_fn`` that raises, or returns a bad value
   (``InvalidInput``), on the second micro-batch of a call after an earlier call leaves no gradient at
   all (exactly zero) and no weight changed: the step that follows (``accum_*``) starts as a fresh
   engine's would, bit for bit;
@@ -269,8 +269,7 @@ def job_properties(
         out["fresh_optimizer"] = fresh_optimizer
         # gradient accumulation: two calls, one step, against the reference's step over both losses
         b1, b2 = H.global_batch(30 + 2 * i), H.global_batch(31 + 2 * i, n=4)
-        if engine.layout.pp == 1:
-            out.update(_failed_steps(loader, engine, H.shard(b1, dpi, dps), dpi, dps))
+        out.update(_failed_steps(loader, engine, H.shard(b1, dpi, dps), dpi, dps))
         engine.forward_backward(H.shard(b1, dpi, dps), H.pg_loss)
         engine.forward_backward(H.shard(b2, dpi, dps), H.pg_loss)
         st = engine.optimizer_step()
@@ -451,9 +450,9 @@ def check_properties(results: list[list[dict[str, Any]]], world: int, tol: float
     """What ``job_properties`` must show, per layout, on every rank."""
     assert len(results) == world
     for per_rank in results:
-        # every chain proves the file checks (its first layout) and failed-call cleanup (a pp = 1 layout)
+        # every chain proves the file checks (its first layout) and failed-call cleanup (every layout)
         assert "load_exact" in per_rank[0], per_rank[0]
-        assert any("failed_raise" in r for r in per_rank), [r["layout"] for r in per_rank]
+        assert all("failed_raise" in r for r in per_rank), [r["layout"] for r in per_rank]
         for r in per_rank:
             if "load_exact" in r:  # broken files refused with nothing changed; the intact ones exact
                 for case in ("missing", "shape", "unexpected", "truncated"):
