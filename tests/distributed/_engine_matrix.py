@@ -281,7 +281,8 @@ def check_row(model_type: str, root: Path, perturb: str = "", engine_name: str =
             return (
                 f"load_hf(causal LM) into the value model: missing {report.missing}, expected {sorted(head)}"
             )
-        body = {n: t for n, t in file.items() if not n.startswith("lm_head.")}
+        # the causal LM's vocabulary head, which a value model drops (gpt_neox names it embed_out)
+        body = {n: t for n, t in file.items() if not n.startswith(("lm_head.", "embed_out."))}
         own = {n: t for n, t in _weights(venv).items() if n not in head}
         diff = _differ(own, body)
         return f"value backbone from the causal-LM checkpoint: {diff}" if diff else ""

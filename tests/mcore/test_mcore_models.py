@@ -73,7 +73,6 @@ def test_refusals_name_the_missing_piece() -> None:
             tf.LlamaConfig(**common, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
             "yarn",
         ),
-        (tf.MixtralConfig(**common, router_jitter_noise=0.1), "router_jitter_noise"),
         (tf.Qwen2MoeConfig(**common, mlp_only_layers=[0]), "mlp_only_layers"),
     ]
     for cfg, needle in cases:

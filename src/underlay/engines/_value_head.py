@@ -36,6 +36,7 @@ def refuse_unread_tensors(path: str | Path, wmap: WeightMap, vocab_rows: int, en
             f"{engine}: value model from {path}: the checkpoint has no score head but holds tensors the "
             f"value model does not read: {dict(sorted(unread.items())[:5])} ({len(unread)} in all; an "
             f"lm_head counts when its first dimension is not the vocabulary's {vocab_rows}); a value head "
-            "saved under another name must be renamed to 'score.weight' (and 'score.bias'); remove "
+            "saved under another name must be renamed to the model's head, 'score.weight' (and "
+            "'score.bias'; 'classifier.*' for the GPT-2 family, Falcon and GPT-NeoX); remove "
             "the others, or load a causal-LM checkpoint to start the head from the seed"
         )

@@ -652,11 +652,6 @@ ENGINE_GAPS: dict[str, dict[str, str]] = {
     "biogpt": {"load": "found no decoder layers"},
     "exaone": {"load": "missing ['model.embed_tokens.weight'"},
     "hrm_text": {"load": "missing ['model.L_module.layers.0.self_attn.q_proj.weight'"},
-    "falcon": {"value": "nor a score head"},
-    "gpt-sw3": {"value": "nor a score head"},
-    "gpt2": {"value": "nor a score head"},
-    "gpt_bigcode": {"value": "nor a score head"},
-    "gpt_neox": {"value": "nor a score head"},
 }
 """Reviewed engine-level refusals of fsdp2 rows whose model forward is exact (:data:`EXACT`): per model
 type, the check of tests/distributed/test_engine_matrix.py that the fsdp2 engine refuses (an
@@ -668,8 +663,8 @@ fresh engine, same ``infer``), ``value`` (``ModelConfig(path, kind="value")`` lo
 Beyond this table, ``value`` is refused by name for every model type transformers has no
 token-classification class for (``value_refused``). Today's gaps: biogpt has no decoder-layer class
 for fsdp2 to shard; exaone's and hrm_text's checkpoints hold fused/renamed tensors the fsdp2 weight map
-does not convert; the GPT-2 family, falcon and gpt_neox name their token-classification head
-``classifier``, which the value path does not read."""
+does not convert. (The GPT-2 family, falcon and gpt_neox name their token-classification head
+``classifier``; the value path reads it: ``models.forward.value_head``.)"""
 
 
 def value_refused(model_type: str) -> bool:

@@ -28,11 +28,13 @@ from underlay.registry import get_logprob_kernel
 
 __all__ = [
     "MULTIMODAL_KEYS",
+    "VALUE_HEADS",
     "multimodal_position_ids",
     "next_token_labels",
     "packed_forward",
     "shift_to_tokens",
     "softcapped_logprobs",
+    "value_head",
 ]
 
 MULTIMODAL_KEYS = (
@@ -348,23 +350,45 @@ def _router_aux(inner: nn.Module, head: str) -> _RouterAux | None:
     return _RouterAux(fn, int(experts), int(top_k), float(coef))
 
 
+VALUE_HEADS = ("score", "classifier")
+"""Attribute names of transformers' token-classification heads: ``score`` (Llama, Qwen, Mistral, ...)
+and ``classifier`` (GPT-2, GPT-BigCode, GPT-NeoX, Falcon), each applied after the model's own
+``dropout`` module (when it has one) to the final hidden states."""
+
+
+def value_head(inner: nn.Module) -> nn.Module | None:
+    """The token-classification head of ``inner`` (``score`` or ``classifier``, see
+    :data:`VALUE_HEADS`), ``None`` for a model with neither. ``ConfigError`` when it has both (which
+    one scores is then not known) or when the head has another output count than 1 (``out_features``,
+    else ``config.num_labels``)."""
+    found = {n: m for n in VALUE_HEADS if isinstance(m := getattr(inner, n, None), nn.Module)}
+    if len(found) > 1:
+        raise ConfigError(
+            f"packed_forward: {type(inner).__name__} has both a 'score' and a 'classifier' module, so "
+            "its value head is ambiguous; use a model with one token-classification head"
+        )
+    if not found:
+        return None
+    ((name, head),) = found.items()  # nn.Linear, or peft's modules_to_save wrapper around it
+    outputs = getattr(head, "out_features", None) or getattr(inner.config, "num_labels", None)
+    if outputs != 1:
+        raise ConfigError(
+            f"packed_forward: the value head {type(inner).__name__}.{name} has {outputs} outputs; "
+            "build the value model with num_labels=1"
+        )
+    return head
+
+
 def _head_of(inner: nn.Module) -> str:
-    score = getattr(inner, "score", None)
-    if isinstance(score, nn.Module):  # nn.Linear, or peft's modules_to_save wrapper around it
-        outputs = getattr(score, "out_features", None) or getattr(inner.config, "num_labels", None)
-        if outputs != 1:
-            raise ConfigError(
-                f"packed_forward: the value head {type(inner).__name__}.score has {outputs} outputs; "
-                "build the value model with num_labels=1"
-            )
+    if value_head(inner) is not None:
         return "value"
     get_head = getattr(inner, "get_output_embeddings", None)
     lm_head = get_head() if callable(get_head) else None
     if not isinstance(lm_head, nn.Linear):
         raise ConfigError(
             f"packed_forward: {type(inner).__name__} has neither a plain nn.Linear lm_head (causal LM; "
-            f"got {type(lm_head).__name__}, e.g. LoRA on lm_head is not supported) nor a score head "
-            "(token classification); use AutoModelForCausalLM or AutoModelForTokenClassification"
+            f"got {type(lm_head).__name__}, e.g. LoRA on lm_head is not supported) nor a token-"
+            "classification head (score or classifier); use AutoModelForCausalLM or AutoModelForTokenClassification"
         )
     if lm_head.bias is not None:
         raise ConfigError(
@@ -426,7 +450,8 @@ def _packed_body(
         out = _split_after_embedding(backbone, group, ids[None], rope, {**multimodal, **kwargs})
     hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
     if head == "value":
-        score: nn.Module = inner.score  # type: ignore[assignment]
+        score = value_head(inner)
+        assert score is not None  # _head_of found it
         dropout = getattr(inner, "dropout", None)
         h = dropout(hidden) if isinstance(dropout, nn.Module) else hidden
         values = gather_seq(score(h).squeeze(-1).float(), group)[:total]

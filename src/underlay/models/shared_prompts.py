@@ -10,7 +10,7 @@ from torch import nn
 from underlay.interfaces import ConfigError, InvalidInput, LogprobKernel, TokenOutputs
 from underlay.models._compat import capabilities, unwrap_model
 from underlay.models.attention import ATTN_IMPLEMENTATION, SHARED_PROMPTS_KWARG
-from underlay.models.forward import _head_of, _router_aux, _routes, _run_inside
+from underlay.models.forward import _head_of, _router_aux, _routes, _run_inside, value_head
 from underlay.models.rope import length_dependent_rope
 from underlay.ops.prompt_sharing import SharedPrompts
 from underlay.registry import get_logprob_kernel
@@ -104,7 +104,8 @@ def _body(
         )
     hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
     if head == "value":
-        score: nn.Module = inner.score  # type: ignore[assignment]
+        score = value_head(inner)
+        assert score is not None  # _head_of found it
         dropout = getattr(inner, "dropout", None)
         h = dropout(hidden) if isinstance(dropout, nn.Module) else hidden
         values = score(h).squeeze(-1).float()

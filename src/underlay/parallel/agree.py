@@ -17,6 +17,7 @@ until the process-group timeout. The pattern is::
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from underlay.interfaces import UnderlayError
 
-__all__ = ["agree", "agreed", "collective_device", "describe"]
+__all__ = ["agree", "agreed", "collective_device", "describe", "shared_failure"]
 
 
 def describe(error: BaseException | None) -> str:
@@ -97,3 +98,58 @@ def agreed(
     except Exception as exc:
         error = exc
     agree(error is None, describe(error), what=what, group=group, error_type=error_type, cause=error)
+
+
+def shared_failure(
+    error: Exception | None, *, what: str, where: str = "", group: Any = None
+) -> Exception | None:
+    """After a phase that every rank of ``group`` (default: the world) ran to its end while holding any
+    ``Exception`` it caught (``error``, ``None`` when it had none): ``None`` when no rank failed (one
+    all-reduce of one int), else the exception this rank must raise, the same on every rank.
+
+    A failing rank gets its own ``error`` back (its traceback intact). Every other rank gets the first
+    failing rank's (lowest rank number) exception, sent pickled and rebuilt here, with a note naming
+    that rank and ``where`` it was (e.g. ``"pipeline stage 1 of 2"``, that rank's own value); if the
+    exception cannot be pickled or rebuilt (arguments its class cannot take back), an ``UnderlayError``
+    whose message holds its type and text. So ``except SomeType`` catches on every rank alike.
+
+    Collective over ``group`` (the same order as the ranks' other collectives); without an initialised
+    process group (or a group of one) it returns ``error``. The caller raises the result after
+    restoring its state (``raise result``)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return error
+    none = 1 << 62
+    first = torch.tensor(
+        [none if error is None else dist.get_rank()], dtype=torch.int64, device=collective_device(group)
+    )
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    src = int(first.item())
+    if src == none:
+        return None
+    box: list[Any] = [None]
+    if dist.get_rank() == src:
+        assert error is not None
+        try:
+            payload: bytes | None = pickle.dumps(error)
+        except Exception:  # an argument that does not pickle: the peers get the text
+            payload = None
+        box = [(payload, describe(error), where)]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if error is not None:
+        return error
+    payload, text, there = box[0]
+    place = f"rank {src}" + (f" ({there})" if there else "")
+    rebuilt: Exception | None = None
+    if payload is not None:
+        try:
+            got = pickle.loads(payload)
+            rebuilt = got if isinstance(got, Exception) else None
+        except Exception:  # a class whose __init__ does not take its args back
+            rebuilt = None
+    if rebuilt is None:
+        return UnderlayError(f"{what} failed on {place}: {text}; this rank raises it too")
+    # ``add_note`` (Python >= 3.11) shows in the traceback; the same list on 3.10
+    notes = list(getattr(rebuilt, "__notes__", []))
+    notes.append(f"{what}: raised on {place}, not on this rank; every rank raises it")
+    setattr(rebuilt, "__notes__", notes)  # noqa: B010 (no attribute of Exception on 3.10)
+    return rebuilt

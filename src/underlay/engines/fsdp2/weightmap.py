@@ -11,7 +11,8 @@ adapters get no rule (``named_full_parameters`` merges them into their base weig
   ...), ``MIXTRAL_CHECKPOINTS`` (other model types map those tensors by name, as saved).
 - Persistent buffers (``persistent_buffers``: DeepSeek-V3's ``e_score_correction_bias``) map by name
   like parameters, so they load from and export to checkpoints.
-- Value models (``ModelConfig.kind == "value"``): the head (``score.*``) is optional (a causal-LM
+- Value models (``ModelConfig.kind == "value"``): the head (``score.*``, or ``classifier.*`` for
+  the GPT-2 family, Falcon and GPT-NeoX) is optional (a causal-LM
   checkpoint lacks it; the engine initialises it from the seed) and a checkpoint's ``lm_head.*`` is
   ignored.
 - Qwen2-VL / Qwen2.5-VL (``LEGACY_VL_CHECKPOINTS``): transformers 5 nests the modules
@@ -252,7 +253,9 @@ def fsdp2_weight_map(
 
         patterns.append(RulePattern(r".*\.experts\.(gate_up_proj|down_proj)", experts))
     if kind == "value":
-        patterns.append(RulePattern(r"(.*\.)?score\.(weight|bias)", _optional))
+        # transformers' token-classification head: ``score``, or ``classifier`` (GPT-2 family, Falcon,
+        # GPT-NeoX); a model has one of them (``models.forward.value_head`` refuses both)
+        patterns.append(RulePattern(r"(.*\.)?(score|classifier)\.(weight|bias)", _optional))
         ignored = ("lm_head.*",)
     head = hf("lm_head.weight")
     if kind == "value" and head != "lm_head.weight":  # a causal-LM checkpoint's head, renamed

@@ -30,6 +30,7 @@ from underlay.interfaces import (
     TokenBatch,
     TokenOutputs,
 )
+from underlay.parallel.agree import shared_failure
 
 
 @dataclass
@@ -347,16 +348,22 @@ class MCoreStep(MCoreOptim):
         step, so several calls accumulate like one call over their concatenated micro-batches. Metrics reduce as declared over dp on the last
         stage and are broadcast over the pipeline so every rank returns the same ``StepResult``.
         ``InvalidInput`` on a malformed batch or ``loss_fn`` before any compute. When the ``loss_fn``
-        raises (or returns what ``checked_loss`` refuses: ``InvalidInput``) on a micro-batch, every
-        accumulated gradient (this call's and the earlier calls' since the last step) is dropped before
-        the exception leaves, as in fsdp2 (``docs/reliability.md`` §6): the next step equals a fresh
-        engine's. The loss_fn must fail on every rank of the micro-batch's model-parallel group alike;
-        with pp > 1 only the last stage runs it, and the other stages wait in megatron's pipeline
-        transfers (a failure inside a collective, not recovered).
+        raises an ``Exception`` (or returns what ``checked_loss`` refuses: ``InvalidInput``) on a
+        micro-batch of any rank, that rank holds the exception, skips the ``loss_fn`` for its remaining
+        micro-batches (a zero loss through the head keeps the schedule's transfers and the TP
+        collectives paired, so no rank waits: with pp > 1 only the last stage runs the ``loss_fn``),
+        and after the schedule every rank learns of it (``parallel.agree.shared_failure``), drops every
+        accumulated gradient (this call's and the earlier calls' since the last step) and raises: the
+        failing rank its own exception, every other rank the first failing rank's (same type and
+        message, a note naming that rank and its pipeline stage; ``UnderlayError`` with its text when
+        it does not pickle). The next step equals a fresh engine's (``docs/reliability.md`` §6).
+        A ``BaseException`` (``KeyboardInterrupt``) or a failure inside megatron's model or transfers
+        leaves at once on its rank, with this rank's gradients dropped (the others are not told).
 
         Host synchronisation: validation, planning and packing read host tensors (none for a host
         batch; one copy for a device batch); the global counts are one all-reduce before the first
-        micro-batch, the metrics one at the end, each read once."""
+        micro-batch, the failure flag one small all-reduce (world > 1) after the schedule, the
+        metrics one at the end, each read once."""
         from megatron.core import parallel_state as ps
 
         check_loss_fn(loss_fn)
@@ -386,14 +393,30 @@ class MCoreStep(MCoreOptim):
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
 
+        failed: list[Exception] = []  # this rank's first loss failure
+
         def loss_func(model: Any, mb: _MicroBatch, output: torch.Tensor) -> Any:
             no_tokens = torch.zeros((), dtype=torch.int, device=output.device)
             if mb.sub is None:
                 return output.sum() * 0.0, no_tokens, {}
-            outputs = self._head_outputs(model, output, mb, temperature, with_entropy)
-            loss, metrics = checked_loss(loss_fn(outputs, mb.sub, contexts[id(mb)]))
-            reducer.add(loss, metrics)
-            return loss, no_tokens, {}
+            try:  # the head's collectives (TP, CP) run on every micro-batch, also after a failure
+                outputs = self._head_outputs(model, output, mb, temperature, with_entropy)
+            except Exception as exc:
+                failed.append(exc)
+                return output.sum() * 0.0, no_tokens, {}
+            if not failed:
+                try:
+                    loss, metrics = checked_loss(loss_fn(outputs, mb.sub, contexts[id(mb)]))
+                except Exception as exc:
+                    failed.append(exc)
+                else:
+                    reducer.add(loss, metrics)
+                    return loss, no_tokens, {}
+            # after a failure the schedule still runs to its end (the other stages wait in its
+            # transfers) with a zero loss through the head, whose backward the TP peers share
+            got = outputs.values if self._value else outputs.log_probs
+            assert got is not None
+            return got.sum() * 0.0, no_tokens, {}
 
         for c in self._chunks:
             c.train()
@@ -401,10 +424,18 @@ class MCoreStep(MCoreOptim):
         try:
             self._run_schedule(mbs, loss_func, forward_only=False)
         except BaseException:
-            # a failed micro-batch (the loss_fn raised or returned a bad value) must not leak its
-            # partial gradients, nor the earlier calls', into the next step: dropped as fsdp2 does
             self._drop_grads()
             raise
+        failure = shared_failure(
+            failed[0] if failed else None,
+            what="forward_backward (loss_fn)",
+            where=f"pipeline stage {ps.get_pipeline_model_parallel_rank()} of {self._layout.pp}",
+        )
+        if failure is not None:
+            # a failed micro-batch (the loss_fn raised or returned a bad value) must not leak its
+            # partial gradients, nor the earlier calls', into the next step: dropped on every rank
+            self._drop_grads()
+            raise failure
         metrics = self._share_metrics(reducer, dp_group, ps.is_pipeline_last_stage(ignore_virtual=True))
         if report_nonfinite("forward_backward", metrics, reducer.local(), self._torch_device):
             self._skip_next = True

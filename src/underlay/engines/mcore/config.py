@@ -31,6 +31,7 @@ __all__ = [
     "arch_of",
     "check_expert_tp",
     "check_layout",
+    "check_training_randomness",
     "config_class",
     "padded_vocab_size",
     "transformer_config_keys",
@@ -253,11 +254,6 @@ def arch_of(hf_config: Any) -> MCoreArch:
         if int(getattr(cfg, "decoder_sparse_step", 1)) != 1:
             raise ConfigError(
                 f"mcore: {mt} decoder_sparse_step={cfg.decoder_sparse_step}: only 1 (every layer MoE)"
-            )
-        if float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0) != 0.0:
-            raise ConfigError(
-                f"mcore: router_jitter_noise={cfg.router_jitter_noise} (random router noise in "
-                "training) is not converted; set it to 0"
             )
         shared_ffn = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
         if shared_ffn and mt != "qwen2_moe":
@@ -531,6 +527,24 @@ def check_expert_tp(arch: MCoreArch, *, tp: int, etp: int) -> None:
         raise ConfigError(
             f"mcore: etp={etp} > tp={tp}: expert tensor parallelism wider than tp is not supported by the "
             "mcore engine; use etp <= tp (etp < tp replicates each expert over tp/etp ranks)"
+        )
+
+
+def check_training_randomness(hf_config: Any, randomness: str) -> None:
+    """``ConfigError`` for a training-mode randomness of ``hf_config`` that the converted model would
+    apply differently from transformers: MoE router jitter (``router_jitter_noise`` > 0) with
+    ``ModelConfig.training_randomness="keep"``. transformers scales the MoE block's input, which feeds
+    the router and the experts, by a uniform ``[1 - noise, 1 + noise]`` draw in training; megatron's
+    only jitter (``moe_input_jitter_eps``) scales the router's input alone. With ``"off"`` (the
+    default) transformers applies no jitter either, and the converted model (which has none) computes
+    the same forward, so any ``router_jitter_noise`` is accepted."""
+    noise = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
+    if randomness == "keep" and noise != 0.0:
+        raise ConfigError(
+            f"mcore: router_jitter_noise={noise} with training_randomness='keep': transformers jitters "
+            "the input of the router and the experts, megatron (moe_input_jitter_eps) the router's "
+            "only, so training would run another model; use training_randomness='off' (no jitter, the "
+            "default), router_jitter_noise=0, or the fsdp2 engine"
         )
 
 

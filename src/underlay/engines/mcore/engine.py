@@ -49,6 +49,7 @@ from underlay.engines.mcore.config import (
     arch_of,
     check_expert_tp,
     check_layout,
+    check_training_randomness,
     config_class,
     transformer_config_keys,
     transformer_config_kwargs,
@@ -131,6 +132,7 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         self._value = mc.kind == "value"
         self._hf_config = hf_config_of(mc)
         self._arch = arch_of(self._hf_config)
+        check_training_randomness(self._hf_config, mc.training_randomness)
         if self._value:
             self._hf_config = value_hf_config(self._hf_config)
             self._arch = value_arch(self._arch, self._hf_config)
