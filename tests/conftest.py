@@ -4,6 +4,7 @@ name, and keeps no example database; explore new examples with ``--hypothesis-pr
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Iterator
 
@@ -51,6 +52,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_npu)
         if "full_matrix" in item.keywords and not full_matrix:
             item.add_marker(skip_full)
+
+
+@functools.cache
+def _cpu_host() -> bool:
+    return not _has_cuda() and not _has_npu()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """On a host without an accelerator, a test (its fixtures' set-up and teardown included) computes
+    with one intra-op thread in the pytest process, as every rank of ``tests/_dist.py`` does: the
+    suite's tensors are tiny, and CI runs four pytest lanes on two cores, where a second OpenMP thread
+    per process spins waiting for a core (30 exact model rows took 58 s of CPU and 194 s of wall with
+    two threads on a loaded 2-core host, 6 s and 13 s with one). A test that changes the count gets the
+    previous one back. tests/distributed keeps the inherited count (it tests how ranks pick theirs)."""
+    if not _cpu_host() or item.nodeid.startswith("tests/distributed/"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

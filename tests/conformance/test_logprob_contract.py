@@ -60,6 +60,14 @@ def _sizes(dev: torch.device) -> tuple[int, int, int]:
     return (37, 40, 131) if dev.type == "cpu" else (1500, 320, 33_001)
 
 
+def _chunk_rows(dev: torch.device) -> tuple[int, ...]:
+    """Batch sizes of the row-independence check: around 16-row tiles, 2-tile groups and more tiles than
+    the interpreter's 3 persistent programs on the CPU (Triton's interpreter runs 16-row tiles, the
+    torch kernel keeps such batches in one chunk); around the 64- and 128-row tiles of GPU kernels
+    elsewhere."""
+    return (1, 15, 16, 17, 31, 32, 33, 49) if dev.type == "cpu" else (1, 15, 16, 17, 63, 64, 65, 129)
+
+
 def _inputs(
     seed: str, n: int, h: int, v: int, dtype: torch.dtype, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -195,7 +203,7 @@ def check_chunk_boundaries(kernel: LogprobKernel, name: str, dev: torch.device) 
     """Rows are independent: any batch equals its rows computed in pieces, at sizes around the usual
     tile/chunk boundaries; ``with_entropy=False`` gives the same log-probs and ``entropy=None``."""
     h, v = 16, 67
-    for n in (1, 15, 16, 17, 63, 64, 65, 129):
+    for n in _chunk_rows(dev):
         hidden, weight, labels = _inputs(f"chunks/{name}/{n}", n, h, v, torch.float32, dev)
         full = kernel(hidden, weight, labels)
         cut = max(1, n // 3)

@@ -18,47 +18,6 @@ from underlay.interfaces import ConfigError, InvalidInput, LossContext, TokenBat
 from underlay.tracking import read_jsonl
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "out"
-    argv = ["demo", "--steps", "2", "--world-size", "2", "--prompts-per-step", "2"]
-    argv += ["--responses-per-prompt", "2", "--max-new-tokens", "4", "--out-dir", str(out), "--no-progress"]
-    assert cli.main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "-> identical" in printed and "tokenizer round trip ok" in printed
-
-    rows = read_jsonl(out / "demo" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1]
-    for r in rows:
-        for key in ("loss", "reward/mean", "grad_norm", "tokens_per_s", "timing/gen", "timing/update"):
-            assert isinstance(r[key], float), (key, r)
-        assert 0.0 <= r["reward/mean"] <= 1.0 and r["grad_norm"] >= 0 and r["tokens"] > 0
-    # a step whose groups all scored equally has zero advantages and so a zero gradient (GRPO);
-    # with 2 responses per prompt that happens, but not on every step of this seed
-    assert any(r["grad_norm"] > 0 for r in rows)
-    assert list((out / "demo" / "tensorboard").glob("events.out.tfevents.*"))
-
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["engine"] == "fsdp2"
-    # resume: step 1 redone after reloading the checkpoint taken before it gives the same numbers
-    res = summary["resume"]
-    assert res["identical"] and res["same_prompts"] and res["step"] == 1
-    assert res["loss"] == res["loss_after_reload"] == rows[1]["loss"]
-    assert res["grad_norm"] == res["grad_norm_after_reload"] == rows[1]["grad_norm"]
-    assert latest(out / "checkpoints") == Path(res["checkpoint"])  # complete (marker written)
-    # export: reloaded with transformers, logits equal to the rollout copy synced from the engine
-    exp = summary["export"]
-    assert exp["max_abs_logit_diff"] <= 1e-5 and exp["max_abs_logprob_diff_vs_engine"] <= 1e-4
-    assert (Path(exp["path"]) / "config.json").exists() and (Path(exp["path"]) / "tokenizer.json").exists()
-    # profiler: one chrome trace of the profiled step (step 0 with 2 steps), with the demo's ranges
-    (trace,) = summary["traces"]
-    events = json.loads(Path(trace).read_text())["traceEvents"]
-    names = {e.get("name") for e in events}
-    assert {"gen", "update", "sync"} <= names
-
-
 def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert cli.main(["demo", "--steps", "1", "--out-dir", str(tmp_path)]) == 2
     assert "--steps=1" in capsys.readouterr().err
@@ -165,17 +124,80 @@ def test_progress_bar_and_console_lines(
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_demo_default_run_learns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The default run (2 gloo ranks, echo task from a jsonl file, locally trained BPE tokenizer)
-    at least doubles the mean reward between its first and last steps."""
+def test_demo_default_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One default run (2 gloo ranks, echo task from a jsonl file, locally trained BPE tokenizer) serves
+    every end-to-end property: it at least doubles the mean reward between its first and last steps,
+    writes metrics, TensorBoard events and a trace, redoes its last step identically after a checkpoint
+    reload, and its HF export reloads with transformers. (One run instead of a short run plus this one:
+    the process start, export and profiler dominate a run's cost; the flags are covered by
+    test_demo_flags_reach_the_config.)"""
     out = tmp_path / "out"
     assert cli.main(["demo", "--out-dir", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "learning: mean reward" in printed and "-> identical" in printed
+    assert "tokenizer round trip ok" in printed
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"] == DemoConfig(out_dir=str(out), progress=False).to_dict()
     learn = summary["learning"]
     assert learn["window"] == 5 and learn["reward_last"] >= 2 * learn["reward_first"] > 0, learn
-    assert summary["resume"]["same_prompts"] and summary["resume"]["identical"]
     assert Path(summary["data"]["path"]).is_file() and summary["data"]["vocab_size"] < 100
+
     rows = read_jsonl(out / "demo" / "metrics.jsonl")
-    assert len(rows) == DemoConfig().steps
+    assert [r["step"] for r in rows] == list(range(DemoConfig().steps))
+    for r in rows:
+        for key in ("loss", "reward/mean", "grad_norm", "tokens_per_s", "timing/gen", "timing/update"):
+            assert isinstance(r[key], float), (key, r)
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["grad_norm"] >= 0 and r["tokens"] > 0
+    assert any(r["grad_norm"] > 0 for r in rows)
+    assert list((out / "demo" / "tensorboard").glob("events.out.tfevents.*"))
+
+    assert summary["world_size"] == 2 and summary["engine"] == "fsdp2"
+    # resume: the last step redone after reloading the checkpoint taken before it gives the same numbers
+    res = summary["resume"]
+    assert res["identical"] and res["same_prompts"] and res["step"] == len(rows) - 1
+    assert res["loss"] == res["loss_after_reload"] == rows[-1]["loss"]
+    assert res["grad_norm"] == res["grad_norm_after_reload"] == rows[-1]["grad_norm"]
+    assert latest(out / "checkpoints") == Path(res["checkpoint"])  # complete (marker written)
+    # export: reloaded with transformers, logits equal to the rollout copy synced from the engine
+    exp = summary["export"]
+    assert exp["max_abs_logit_diff"] <= 1e-5 and exp["max_abs_logprob_diff_vs_engine"] <= 1e-4
+    assert (Path(exp["path"]) / "config.json").exists() and (Path(exp["path"]) / "tokenizer.json").exists()
+    # profiler: one chrome trace of the profiled step (step 1 by default), with the demo's ranges
+    (trace,) = summary["traces"]
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"gen", "update", "sync"} <= names
+
+
+class _Launched(Exception):
+    """Raised by the stand-in launcher of test_demo_flags_reach_the_config with what it was given."""
+
+
+def test_demo_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every ``underlay demo`` flag sets its DemoConfig field (the launcher is replaced by one that only
+    records its arguments: the run itself is test_demo_default_run_end_to_end's)."""
+    import underlay.demo
+
+    def record(cfg: DemoConfig, launcher: str) -> dict[str, object]:
+        raise _Launched(cfg, launcher)
+
+    monkeypatch.setattr(underlay.demo, "run_demo", record)
+    argv = ["demo", "--steps", "3", "--model-size", "small", "--out-dir", str(tmp_path), "--seed", "5"]
+    argv += ["--world-size", "4", "--prompts-per-step", "4", "--responses-per-prompt", "3"]
+    argv += ["--max-new-tokens", "6", "--lr", "0.5", "--launcher", "ray", "--no-progress"]
+    with pytest.raises(_Launched) as got:
+        cli.main(argv)
+    cfg, launcher = got.value.args
+    assert launcher == "ray"
+    assert cfg == DemoConfig(
+        steps=3,
+        model_size="small",
+        out_dir=str(tmp_path),
+        seed=5,
+        world_size=4,
+        prompts_per_step=4,
+        responses_per_prompt=3,
+        max_new_tokens=6,
+        lr=0.5,
+        progress=False,
+    )

@@ -17,8 +17,10 @@ import underlay; t2 = time.perf_counter()
 heavy = [m for m in ("torch_npu", "megatron", "triton", "ray", "transformers", "flash_attn") if m in sys.modules]
 dev = underlay.get_device("cpu")
 after_select = [m for m in ("torch_npu", "megatron", "triton", "ray", "transformers") if m in sys.modules]
+import underlay.models
+after_models = [m for m in sys.modules if m.startswith("transformers")]
 print(json.dumps({"torch": t1 - t0, "underlay": t2 - t1, "heavy": heavy, "after_select": after_select,
-                  "cuda_init": bool(torch.cuda.is_initialized())}))
+                  "after_models": after_models, "cuda_init": bool(torch.cuda.is_initialized())}))
 """
 
 
@@ -28,13 +30,19 @@ def _measure() -> dict[str, object]:
 
 
 def test_import_underlay_is_light() -> None:
-    runs = [_measure() for _ in range(3)]
-    for r in runs:
-        assert r["heavy"] == [], r
-        assert r["after_select"] == [], r
-        assert r["cuda_init"] is False
-    best = min(float(r["underlay"]) for r in runs)  # type: ignore[arg-type]
-    assert best < 0.3, f"import underlay adds {best:.3f}s to import torch"
+    """One fresh interpreter: ``import underlay`` loads no heavy package, selecting the CPU device loads
+    none either, ``import underlay.models`` does not import transformers, nothing initialises CUDA; and
+    ``import underlay`` adds < 0.3 s to ``import torch`` in the best of up to 3 interpreters (a loaded
+    machine slows one; later interpreters start only while the time is over)."""
+    r = _measure()
+    assert r["heavy"] == [], r
+    assert r["after_select"] == [], r
+    assert r["after_models"] == [], r
+    assert r["cuda_init"] is False
+    times = [float(r["underlay"])]  # type: ignore[arg-type]
+    while min(times) >= 0.3 and len(times) < 3:
+        times.append(float(_measure()["underlay"]))  # type: ignore[arg-type]
+    assert min(times) < 0.3, f"import underlay adds {min(times):.3f}s to import torch (runs: {times})"
 
 
 def _is_torch_accel_attr(node: ast.Attribute) -> bool:

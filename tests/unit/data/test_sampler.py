@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import join_group, rendezvous_store, run_distributed
+from tests._dist import START_METHOD, join_group, rendezvous_store, run_distributed
 from underlay.data.sampler import ResumableSampler
 from underlay.interfaces import CheckpointError, ConfigError
 
@@ -104,6 +104,8 @@ def _train(rank: int, world: int, run_dir: str, steps: int, kill_after: int | No
 
 
 def _killed_run(world: int, run_dir: Path, kill_after: int) -> None:
+    """``world`` ranks started as ``tests/_dist.py`` starts them (forked from the preloaded server on a
+    CPU host: no fresh interpreter per rank) run until they SIGKILL themselves."""
     import importlib
 
     spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
@@ -113,7 +115,7 @@ def _killed_run(world: int, run_dir: Path, kill_after: int) -> None:
             _killed_entry,
             args=(world, str(run_dir), store.port, kill_after),
             nprocs=world,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
 
 

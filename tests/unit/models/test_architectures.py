@@ -288,6 +288,12 @@ def test_vl_packed_forward_with_images_matches_padded_reference(arch: str) -> No
     from tests.unit.models._tiny import tiny_vl_model, vl_batch
     from underlay.models import multimodal_position_ids
 
+    if arch == "qwen2_5_vl":
+        # The fp32 gradient tolerances were set with two intra-op threads; with the one thread the suite
+        # runs on a CPU host (tests/conftest.py), the other summation order moves 2 of the 384
+        # patch-embedding gradients 3.8e-5 from the padded forward's (also at OMP_NUM_THREADS=1 before
+        # that hook). Kept at two threads until the tolerance is derived (reported to the lead).
+        torch.set_num_threads(max(2, torch.get_num_threads()))
     ref = tiny_vl_model(arch)
     caps = inspect_model(ref)
     assert caps.multimodal_rope and len(caps.attention_modules) == 4  # 2 vision blocks + 2 text layers
