@@ -12,6 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Python writes the bytecode of what it imports: scripts/setup.sh's environments hold none (uv does not
+# compile at install) and a PYTHONDONTWRITEBYTECODE inherited from the shell would make every process of
+# the suite (the pytest lanes, their forkservers, each Ray actor, each subprocess) compile torch and
+# transformers from source again: about 9 CPU seconds more per process that imports them.
+unset PYTHONDONTWRITEBYTECODE
 venv="${UNDERLAY_VENV:-.venv}"
 verl_venv="${UNDERLAY_VERL_VENV:-.venv-verl}"
 echo "== ruff"; "$venv"/bin/ruff check src tests benchmarks examples
