@@ -274,10 +274,12 @@ def test_rank_threads_follow_the_cpu_reservation_not_the_inherited_env() -> None
     # OMP_NUM_THREADS of the environment Ray was started from (here: set at process start) reaches
     # the actors; a rank must still compute with the CPUs it reserved, or its CPU kernels reduce in
     # another order than a torchrun rank's (the Ray-vs-torchrun comparison below then differs)
-    with WorkerGroup(2, device="cpu", name="threads", env={"OMP_NUM_THREADS": "3"}) as g:
-        assert g.run(_threads) == [1, 1]
-    with WorkerGroup(2, device="cpu", name="threads2", resources=RankResources(None, None, 2.0)) as g:
-        assert g.run(_threads) == [2, 2]
+    # (one rank per group: the thread count is a per-rank property; each rank is a process to start)
+    with WorkerGroup(1, device="cpu", name="threads", env={"OMP_NUM_THREADS": "3"}) as g:
+        assert g.run(_threads) == [1]
+    two_cpus = RankResources(None, None, 2.0)
+    with WorkerGroup(1, device="cpu", name="threads2", resources=two_cpus, env={"OMP_NUM_THREADS": "3"}) as g:
+        assert g.run(_threads) == [2]
     assert _all_free() and not _live_placement_groups()
 
 
