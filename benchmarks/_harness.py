@@ -27,7 +27,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "environment", "out_dir", "parser", "profile_step", "ratio", "report", "sync", "timeit"]
+__all__ = [
+    "Timing",
+    "environment",
+    "out_dir",
+    "parser",
+    "profile_step",
+    "ratio",
+    "report",
+    "report_comparison",
+    "row_ratios",
+    "sync",
+    "timeit",
+]
 
 
 def parser(description: str | None) -> argparse.ArgumentParser:
@@ -134,6 +146,36 @@ def report(name: str, result: dict[str, Any], summary: str, out: Path) -> Path:
     path.write_text(json.dumps(record, indent=1, default=_jsonable))
     print(f"{name}: {summary} -> {path}", flush=True)
     return path
+
+
+def row_ratios(
+    rows: dict[str, dict[str, Any]], new: str, base: str, fields: dict[str, str]
+) -> dict[str, float]:
+    """``{"<label> <new> / <base>": ratio(rows[new][field], rows[base][field])}`` for each ``label: field``
+    of ``fields``: the ratios of two measured variants (``base`` measured in the same run)."""
+    return {f"{label} {new} / {base}": ratio(rows[new][f], rows[base][f]) for label, f in fields.items()}
+
+
+def report_comparison(
+    name: str,
+    args: argparse.Namespace,
+    rows: dict[str, dict[str, Any]],
+    ratios: dict[str, float],
+    summary: str,
+    logprob_diff: float,
+    diff_key: str,
+    diff_note: str,
+) -> Path:
+    """The end of a benchmark that compares two variants of one model: print each ratio
+    (``<key>: <value>x``) and the largest log-prob difference between the variants
+    (``largest log-prob difference <diff_note>: <diff>``), then :func:`report` the record
+    ``{"config": vars(args), "rows", "ratios", diff_key: logprob_diff}`` under ``name`` in
+    ``out_dir(args)``. Returns the JSON path."""
+    for key, value in ratios.items():
+        print(f"{key}: {value:.3f}x", flush=True)
+    print(f"largest log-prob difference {diff_note}: {logprob_diff:.3e}", flush=True)
+    result = {"config": vars(args), "rows": rows, "ratios": ratios, diff_key: logprob_diff}
+    return report(name, result, summary, out_dir(args))
 
 
 def _jsonable(obj: Any) -> Any:

@@ -56,19 +56,31 @@ import torch
 
 from benchmarks import _harness as harness
 
-# name: (transformers config class, public shape); the keys are the config's own
-SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+_COLUMNS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# name: transformers config class, the public shape in ``_COLUMNS`` order (head_dim None: the config's
+# own), and the keys only that family has
+_TABLE: dict[str, tuple[str, tuple[Any, ...], dict[str, Any]]] = {
     "gemma-2-2b": (
         "Gemma2Config",
+        (2304, 26, 8, 4, 256, 9216, 256000, True),
         dict(
-            hidden_size=2304,
-            num_hidden_layers=26,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=256,
-            intermediate_size=9216,
-            vocab_size=256000,
-            tie_word_embeddings=True,
             sliding_window=4096,
             final_logit_softcapping=30.0,
             attn_logit_softcapping=50.0,
@@ -77,109 +89,29 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gemma-3-4b": (
         "Gemma3TextConfig",
-        dict(
-            hidden_size=2560,
-            num_hidden_layers=34,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=256,
-            intermediate_size=10240,
-            vocab_size=262208,
-            tie_word_embeddings=True,
-            sliding_window=1024,
-            query_pre_attn_scalar=256,
-        ),
+        (2560, 34, 8, 4, 256, 10240, 262208, True),
+        dict(sliding_window=1024, query_pre_attn_scalar=256),
     ),
-    "phi-3-mini": (
-        "Phi3Config",
-        dict(
-            hidden_size=3072,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            intermediate_size=8192,
-            vocab_size=32064,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "phi-3-mini": ("Phi3Config", (3072, 32, 32, 32, None, 8192, 32064, False), {}),
     "mixtral-s": (
         "MixtralConfig",
-        dict(
-            hidden_size=2048,
-            num_hidden_layers=12,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=5632,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            vocab_size=32000,
-            tie_word_embeddings=False,
-        ),
+        (2048, 12, 16, 8, 128, 5632, 32000, False),
+        dict(num_local_experts=8, num_experts_per_tok=2),
     ),
-    "qwen3-4b": (
-        "Qwen3Config",
-        dict(
-            hidden_size=2560,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=9728,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-            rope_theta=1_000_000.0,
-        ),
-    ),
+    "qwen3-4b": ("Qwen3Config", (2560, 36, 32, 8, 128, 9728, 151936, True), dict(rope_theta=1_000_000.0)),
     "llama-3.2-3b": (
         "LlamaConfig",
-        dict(
-            hidden_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=24,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=8192,
-            vocab_size=128256,
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500_000.0,
-                "factor": 32.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-        ),
+        (3072, 28, 24, 8, 128, 8192, 128256, True),
+        dict(rope_parameters=_LLAMA3_ROPE),
     ),
-    "qwen2-7b": (
-        "Qwen2Config",
-        dict(
-            hidden_size=3584,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            head_dim=128,
-            intermediate_size=18944,
-            vocab_size=152064,
-            tie_word_embeddings=False,
-            rope_theta=1_000_000.0,
-        ),
-    ),
-    "qwen3-8b": (
-        "Qwen3Config",
-        dict(
-            hidden_size=4096,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=12288,
-            vocab_size=151936,
-            tie_word_embeddings=False,
-            rope_theta=1_000_000.0,
-        ),
-    ),
+    "qwen2-7b": ("Qwen2Config", (3584, 28, 28, 4, 128, 18944, 152064, False), dict(rope_theta=1_000_000.0)),
+    "qwen3-8b": ("Qwen3Config", (4096, 36, 32, 8, 128, 12288, 151936, False), dict(rope_theta=1_000_000.0)),
+}
+
+# name: (transformers config class, public shape); the keys are the config's own
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    name: (cls, {**{k: v for k, v in zip(_COLUMNS, row, strict=True) if v is not None}, **own})
+    for name, (cls, row, own) in _TABLE.items()
 }
 
 # the sizes of a --quick (CPU smoke) model; every other key of the shape (softcaps, windows, experts,

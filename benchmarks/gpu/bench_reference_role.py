@@ -132,24 +132,24 @@ def main() -> int:
     for role in ("trainable", "reference"):
         rows[role], firsts[role] = measure(dataclasses.replace(ec, role=role), batch, args, dev)
     ref, train = rows["reference"], rows["trainable"]
-    ratios = {
-        "held memory reference / trainable": harness.ratio(ref["held_gib"], train["held_gib"]),
-        "infer peak reference / trainable": harness.ratio(ref["infer_peak_gib"], train["infer_peak_gib"]),
-        "infer time reference / trainable": harness.ratio(ref["infer_s"], train["infer_s"]),
-    }
+    ratios = harness.row_ratios(
+        rows,
+        "reference",
+        "trainable",
+        {"held memory": "held_gib", "infer peak": "infer_peak_gib", "infer time": "infer_s"},
+    )
     mask = batch.attention_mask.bool()
     diff = float((firsts["reference"] - firsts["trainable"])[mask].abs().max())
-    for key, value in ratios.items():
-        print(f"{key}: {value:.3f}x", flush=True)
-    print(f"largest log-prob difference of the first infer (same seed): {diff:.3e}", flush=True)
-    result = {"config": vars(args), "rows": rows, "ratios": ratios, "first_infer_max_diff": diff}
     summary = (
         f"{args.model if not args.quick else 'tiny'}: held {ref['held_gib']:.2f} vs {train['held_gib']:.2f} GiB "
         f"({ratios['held memory reference / trainable']:.2f}x), infer peak "
         f"{ratios['infer peak reference / trainable']:.2f}x, infer time "
         f"{ratios['infer time reference / trainable']:.2f}x, first-infer diff {diff:.1e}"
     )
-    harness.report("reference_role", result, summary, harness.out_dir(args))
+    note = "of the first infer (same seed)"
+    harness.report_comparison(
+        "reference_role", args, rows, ratios, summary, diff, "first_infer_max_diff", note
+    )
     return 0
 
 

@@ -166,32 +166,26 @@ def main() -> int:
             f"{real:.0f} tokens, peak {r['peak_gib']:.2f} GiB",
             flush=True,
         )
-    ratios = {
-        "train tokens/s shared / unshared": harness.ratio(
-            rows["shared"]["tokens_per_s"], rows["unshared"]["tokens_per_s"]
-        ),
-        "infer tokens/s shared / unshared": harness.ratio(
-            rows["shared"]["infer_tokens_per_s"], rows["unshared"]["infer_tokens_per_s"]
-        ),
-        "peak memory shared / unshared": harness.ratio(
-            rows["shared"]["peak_gib"], rows["unshared"]["peak_gib"]
-        ),
-    }
+    ratios = harness.row_ratios(
+        rows,
+        "shared",
+        "unshared",
+        {"train tokens/s": "tokens_per_s", "infer tokens/s": "infer_tokens_per_s", "peak memory": "peak_gib"},
+    )
     max_diff = float((logp["shared"] - logp["unshared"]).abs().max())
-    for key, value in ratios.items():
-        print(f"{key}: {value:.3f}x", flush=True)
-    print(f"largest log-prob difference shared vs unshared (same weights): {max_diff:.3e}", flush=True)
     lengths = (
         f"{args.groups} x {args.n} rows, prompts {args.prompt_min}-{args.prompt_max}, "
         f"responses {args.resp_min}-{args.resp_max}"
     )
-    result = {"config": vars(args), "rows": rows, "ratios": ratios, "max_logprob_diff": max_diff}
     summary = (
         f"{lengths}: train {ratios['train tokens/s shared / unshared']:.2f}x tokens/s "
         f"({rows['shared']['tokens_per_s']:.0f} vs {rows['unshared']['tokens_per_s']:.0f}), infer "
         f"{ratios['infer tokens/s shared / unshared']:.2f}x, peak {ratios['peak memory shared / unshared']:.2f}x"
     )
-    harness.report("shared_prompt", result, summary, harness.out_dir(args))
+    note = "shared vs unshared (same weights)"
+    harness.report_comparison(
+        "shared_prompt", args, rows, ratios, summary, max_diff, "max_logprob_diff", note
+    )
     return 0
 
 

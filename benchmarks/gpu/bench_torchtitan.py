@@ -264,8 +264,13 @@ def run_underlay(args: Any, batches: Any, device: torch.device, hf_dir: Path) ->
     from underlay.interfaces import EngineConfig, ModelConfig, OptimConfig, TokenBatch
     from underlay.ops import aggregate_loss
 
+    attention: Any = None  # the registry's choice
+    if args.attention_dense_uniform:  # the torch kernel's opt-in batched SDPA for equal-length rows
+        from underlay.backends.portable.attention import TorchAttention
+
+        attention = TorchAttention(underlay.get_device(), dense_uniform=True)
     cfg = EngineConfig(
-        model=ModelConfig(path=str(hf_dir)),
+        model=ModelConfig(path=str(hf_dir), attention=attention),
         optim=OptimConfig(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0),
         micro_batch_max_tokens=args.micro_batch_tokens,
         recompute=args.recompute,
@@ -325,6 +330,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the last warm-up step of each run")
     ap.add_argument("--recompute", default="auto", help="underlay's EngineConfig.recompute")
     ap.add_argument("--underlay-options", default="{}", help="underlay's EngineConfig.options, as JSON")
+    ap.add_argument(
+        "--attention-dense-uniform",
+        action="store_true",
+        help="underlay's attention: TorchAttention(device, dense_uniform=True) as ModelConfig.attention "
+        "(equal-length packed rows as one batched SDPA call)",
+    )
     ap.add_argument("--trainers", default="torchtitan,underlay")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (variants into one --out)")
     args = ap.parse_args()
@@ -341,6 +352,7 @@ def main() -> None:
         "device": str(device),
         "underlay_recompute": args.recompute,
         "underlay_options": json.loads(args.underlay_options),
+        "underlay_attention_dense_uniform": args.attention_dense_uniform,
     }
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)

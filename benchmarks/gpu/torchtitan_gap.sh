@@ -19,5 +19,7 @@ timeout 100 $B --shape 1b --cases full --steps 8 --warmup 5 --trainers underlay 
   --underlay-options '{"compile": "layer"}' --tag _compile_layer --out "$OUT/1b" 2>&1 | quiet
 timeout 100 $B --shape 1b --cases full --steps 8 --warmup 5 --trainers underlay --profile \
   --underlay-options '{"reshard_after_forward": true}' --tag _reshard --out "$OUT/1b" 2>&1 | quiet
+timeout 100 $B --shape 1b --cases full --steps 8 --warmup 5 --trainers underlay --attention-dense-uniform \
+  --tag _dense_uniform --out "$OUT/1b" 2>&1 | quiet
 timeout 300 $B --shape 8b --cases full,rl --rows 1 --steps 8 --warmup 4 --out "$OUT/8b" 2>&1 | quiet
 rm -f "$OUT"/*/*_trace.json "$OUT"/*/hf_*/*.safetensors

@@ -196,6 +196,16 @@ def _probe_flash_attn2() -> ProbeResult:
     )
 
 
+def _probe_flex() -> ProbeResult:
+    """This torch ships ``torch.nn.attention.flex_attention`` (torch >= 2.5)."""
+    if _package_dir_with("torch", "nn/attention/flex_attention.py"):
+        return ProbeResult.ok()
+    return ProbeResult.fail(
+        f"torch {torch.__version__} has no torch.nn.attention.flex_attention",
+        "install torch >= 2.5 for the flex attention kernel",
+    )
+
+
 def _probe_fa4() -> ProbeResult:
     """flash-attn-4 installed (``flash_attn/cute/interface.py``) and a torch whose flash-attention
     kernels can be replaced (``torch/nn/attention/_registry.py``: ``register_flash_attention_impl``).
@@ -331,6 +341,15 @@ def _builtin_specs() -> list[BackendSpec]:
             20,
             "torch varlen_attn / SDPA / per-sequence SDPA",
             devices=("cuda", "cpu"),
+        ),
+        BackendSpec(
+            "attention",
+            "flex",
+            f"{b}.portable.flex_attention:FlexAttention",
+            10,
+            "torch flex_attention (compiled, block masks): softcap and windows where torch's kernels have none",
+            _probe_flex,
+            ("cuda",),
         ),
         BackendSpec(
             "attention",

@@ -1,6 +1,7 @@
-"""``UNDERLAY_ATTENTION_DENSE_UNIFORM``: the torch attention backend's batched causal SDPA for packed
-batches of equal-length sequences equals the varlen path (float64, outputs and gradients), and only
-runs when every sequence has the same length."""
+"""``TorchAttention(device, dense_uniform=True)``: the torch attention backend's batched causal SDPA for
+packed batches of equal-length sequences equals the varlen path (float64, outputs and gradients), only
+runs when every sequence has the same length, and reaches a model (and so an engine) as
+``ModelConfig.attention`` / ``prepare_model(attention=kernel)``."""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ def _run(kernel: Any, q: Any, k: Any, v: Any, cu: Any, mx: int) -> tuple[torch.T
     return (out.detach(), *grads)
 
 
-def test_dense_equals_varlen_on_equal_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = A.TorchAttention(get_device("cpu"))
+def _count_dense(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = A.dense_causal
 
@@ -38,21 +38,27 @@ def test_dense_equals_varlen_on_equal_lengths(monkeypatch: pytest.MonkeyPatch) -
         return real(*args, **kwargs)
 
     monkeypatch.setattr(A, "dense_causal", counted)
+    return calls
+
+
+def test_dense_equals_varlen_on_equal_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = get_device("cpu")
+    plain, dense = A.TorchAttention(dev), A.TorchAttention(dev, dense_uniform=True)
+    assert not plain.dense_uniform and dense.dense_uniform
+    calls = _count_dense(monkeypatch)
     for lens in ([7, 7, 7], [5], [9, 9]):
         args = _packed(lens, seed=len(lens))
-        monkeypatch.setenv("UNDERLAY_ATTENTION_DENSE_UNIFORM", "0")
-        ref = _run(kernel, *args)
-        monkeypatch.setenv("UNDERLAY_ATTENTION_DENSE_UNIFORM", "1")
-        n = len(calls)
-        got = _run(kernel, *args)
-        assert len(calls) == n + 1, "equal lengths must take the dense path"
+        ref = _run(plain, *args)
+        assert not calls, "the default kernel must keep the varlen path"
+        got = _run(dense, *args)
+        assert len(calls) == 1, "equal lengths must take the dense path"
+        calls.clear()
         for a, b in zip(got, ref, strict=True):
             assert float((a - b).abs().max()) < 1e-12, lens
 
 
 def test_unequal_lengths_keep_the_varlen_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = A.TorchAttention(get_device("cpu"))
-    monkeypatch.setenv("UNDERLAY_ATTENTION_DENSE_UNIFORM", "1")
+    kernel = A.TorchAttention(get_device("cpu"), dense_uniform=True)
     monkeypatch.setattr(A, "dense_causal", lambda *a, **k: pytest.fail("dense path on unequal lengths"))
     q, k, v, cu, mx = _packed([7, 3, 7])
     kernel.varlen(q, k, v, cu, cu, mx, mx, causal=True)
@@ -73,6 +79,52 @@ def test_traced_function_dispatches_on_shapes() -> None:
         q, k, v, cu, mx = _packed(lens)
         out = A._traced_dense_or_varlen(varlen_ref, False, True, q, k, v, cu, mx, True, None, None)
         ref = kernel.varlen(q, k, v, cu, cu, mx, mx, causal=True)
-        assert float((out - ref).abs().max()) < 1e-12
+        assert float((out - ref).detach().abs().max()) < 1e-12
         assert (len(seen) == 0) == dense
         seen.clear()
+
+
+def test_bad_option_and_config_values_are_refused() -> None:
+    from transformers import LlamaConfig
+
+    from underlay.interfaces import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="dense_uniform=1"):
+        A.TorchAttention(get_device("cpu"), dense_uniform=1)  # type: ignore[arg-type]
+    hf = LlamaConfig()
+    kernel = A.TorchAttention(get_device("cpu"), dense_uniform=True)
+    assert ModelConfig(hf_config=hf, attention=kernel).attention is kernel
+    for bad in ("", object()):
+        with pytest.raises(ConfigError, match="ModelConfig.attention"):
+            ModelConfig(hf_config=hf, attention=bad)  # type: ignore[arg-type]
+
+
+def test_given_kernel_routes_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model prepared with a built kernel (what the engines do with ``ModelConfig.attention``) runs it
+    in every layer: equal-length rows take the dense path and give the log-probs of the registry's
+    ``torch`` kernel (float64); a case the given kernel cannot run is refused by name."""
+    import copy
+
+    from tests.unit.models._f64 import f64_model
+    from underlay.interfaces import AttentionSpec, BackendUnavailable
+    from underlay.models import packed_forward, prepare_model
+    from underlay.models.attention import ROUTE_ATTR
+    from underlay.ops.packing import unpad
+
+    base = f64_model("llama")
+    kernel = A.TorchAttention(get_device("cpu"), dense_uniform=True)
+    by_name = prepare_model(copy.deepcopy(base), attention="torch")
+    given = prepare_model(copy.deepcopy(base), attention=kernel)
+    ids = torch.randint(0, 96, (3, 8), generator=torch.Generator().manual_seed(2))
+    batch = unpad(ids, torch.ones_like(ids, dtype=torch.bool))
+    calls = _count_dense(monkeypatch)
+    with torch.no_grad():
+        ref = packed_forward(by_name, batch).log_probs
+        assert not calls
+        got = packed_forward(given, batch).log_probs
+    assert len(calls) == base.config.num_hidden_layers, "every layer must run the given kernel's dense path"
+    assert float((got - ref).abs().max()) < 1e-12
+    route = getattr(given.model.layers[0].self_attn, ROUTE_ATTR)
+    soft = AttentionSpec(torch.float64, 8, 4, 2, "cpu", "varlen", True, None, 30.0, 8, False, False)
+    with pytest.raises(BackendUnavailable, match="softcap"):
+        route.kernel(soft)

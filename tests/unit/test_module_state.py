@@ -30,7 +30,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("underlay/models/vision.py", "_VALUE_CLASSES"): "the value-model class made once per backbone class",
     ("underlay/engines/mcore/layers.py", "CoreAttention"): "megatron's CoreAttention subclass, built on "
     "first use because megatron is imported lazily (a functools.cache would do the same)",
-    ("underlay/ops/prompt_sharing.py", "_FLEX"): "torch.compile(flex_attention), compiled once on first "
+    ("underlay/ops/flex.py", "_FLEX"): "torch.compile(flex_attention), compiled once on first "
     "use (a compiled function, not a setting)",
 }
 """``(path under src/, module-level name)`` -> why the mutation is a cache, not a setting."""

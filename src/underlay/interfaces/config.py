@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from underlay.interfaces.errors import ConfigError
+from underlay.interfaces.kernels import AttentionKernel
 from underlay.interfaces.types import RecomputePolicy
 
 __all__ = [
@@ -175,6 +176,12 @@ class ModelConfig:
     change parameter shapes while loading from ``path``, and not have a field of their own here
     (``attention``, ``kind``) or in ``EngineConfig`` (``param_dtype``): ``ConfigError`` otherwise.
 
+    ``attention``: the attention kernel of every attention layer: a registry name (``"torch"``,
+    ``"eager"``, ...; ``None``: ``UNDERLAY_ATTENTION`` or ``auto``, chosen per call's ``AttentionSpec``),
+    or a kernel built by the caller, which is how a kernel's constructor options reach the engine
+    (``TorchAttention(device, dense_uniform=True)``); a given kernel that cannot run a layer's case raises
+    ``BackendUnavailable`` at that layer's first call.
+
     ``training_randomness``: ``"off"`` (default) runs training forwards without any of the model's
     training-mode randomness (no dropout of any kind, LoRA's ``LoraConfig.dropout`` included, no MoE
     router jitter, in every module), so
@@ -188,7 +195,7 @@ class ModelConfig:
     kind: Literal["causal_lm", "value"] = "causal_lm"
     load_weights: bool = True
     seed: int = 0
-    attention: str | None = None
+    attention: str | AttentionKernel | None = None
     remove_padding: bool = True
     fused_head: bool = True
     tiled_mlp_tiles: int | None = None
@@ -219,10 +226,14 @@ class ModelConfig:
         if self.tiled_mlp_tiles is not None:
             _int("ModelConfig", "tiled_mlp_tiles", self.tiled_mlp_tiles, 1, " or None")
         _int("ModelConfig", "seed", self.seed, 0)
-        if self.attention is not None and (not isinstance(self.attention, str) or not self.attention):
+        if self.attention is not None and not (
+            (isinstance(self.attention, str) and self.attention)
+            or (not isinstance(self.attention, str) and isinstance(self.attention, AttentionKernel))
+        ):
             raise ConfigError(
                 f"ModelConfig.attention={self.attention!r}: name a registered attention backend "
-                "(underlay.list_attention()) or leave None to select one"
+                "(underlay.list_attention()), give a built AttentionKernel (e.g. "
+                "TorchAttention(device, dense_uniform=True)) or leave None to select one"
             )
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from underlay.interfaces import (
     AttentionKernel,
     AttentionSpec,
+    BackendUnavailable,
     ConfigError,
     InvalidInput,
     UnsupportedOperation,
@@ -54,7 +55,7 @@ from underlay.parallel.ulysses import (
     sp_world_size,
     validate_sp,
 )
-from underlay.registry import get_attention
+from underlay.registry import backends, get_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -91,11 +92,14 @@ class AttentionRoute:
 
     ``kernel_name`` is an attention backend name (``None``: the registry's selection, i.e.
     ``UNDERLAY_ATTENTION`` or ``auto``), resolved lazily per :class:`AttentionSpec` and cached.
-    ``sp_group`` is the Ulysses process group (``None``: no sequence parallelism).
+    ``sp_group`` is the Ulysses process group (``None``: no sequence parallelism). ``given`` is a kernel
+    built by the caller (``ModelConfig.attention`` as an object): every call uses it and ``kernel_name``
+    is ignored.
     """
 
     kernel_name: str | None = None
     sp_group: Any | None = None
+    given: AttentionKernel | None = None
     _kernels: dict[AttentionSpec, AttentionKernel] = field(default_factory=dict, repr=False)
     _cu_cache: tuple[torch.Tensor, torch.Tensor, int] | None = field(default=None, repr=False)
     _traceable: dict[tuple[Any, ...], Callable[..., torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -103,13 +107,25 @@ class AttentionRoute:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AttentionRoute:
         # a copied model shares the process group and kernels (neither can be copied); caches reset
-        return AttentionRoute(self.kernel_name, self.sp_group)
+        return AttentionRoute(self.kernel_name, self.sp_group, self.given)
 
     def kernel(self, spec: AttentionSpec) -> AttentionKernel:
-        """The kernel for ``spec`` (``BackendUnavailable`` when the named kernel cannot run it)."""
+        """The kernel for ``spec`` (``BackendUnavailable`` when the named or given kernel cannot run it)."""
         found = self._kernels.get(spec)
         if found is None:
-            found = get_attention(self.kernel_name, spec=spec)
+            if self.given is None:
+                found = get_attention(self.kernel_name, spec=spec)
+            elif reasons := self.given.supports(spec):
+                raise BackendUnavailable(
+                    "attention",
+                    self.given.name,
+                    f"the kernel given as ModelConfig.attention ({type(self.given).__name__}) cannot run "
+                    f"{spec}: {'; '.join(reasons)}",
+                    [b.name for b in backends("attention")],
+                    "give a kernel that supports this case, or a registry name / None to select one",
+                )
+            else:
+                found = self.given
             self._kernels[spec] = found
         return found
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from underlay.interfaces import ConfigError
+from underlay.interfaces import AttentionKernel, ConfigError
 from underlay.models._compat import (
     capabilities,
     check_architecture,
@@ -64,7 +64,7 @@ def _set_implementation(inner: nn.Module, config: Any) -> None:
 def prepare_model(
     model: M,
     *,
-    attention: str | None = None,
+    attention: str | AttentionKernel | None = None,
     sp_group: Any | None = None,
     tiled_mlp_tiles: int | None = None,
 ) -> M:
@@ -73,7 +73,8 @@ def prepare_model(
     - Registers ``"underlay"`` with ``transformers.AttentionInterface`` and switches the model to it
       (``set_attn_implementation``), so every attention layer calls the underlay AttentionKernel
       ``attention`` (a registry name such as ``"eager"``, ``"torch"``, ``"flash_attn"``; ``None`` =
-      ``UNDERLAY_ATTENTION`` or ``auto``): packed input (batch 1, position ids restarting at 0) goes to
+      ``UNDERLAY_ATTENTION`` or ``auto``; or a kernel object the caller built, e.g. with constructor
+      options such as ``TorchAttention(device, dense_uniform=True)``, used for every call): packed input (batch 1, position ids restarting at 0) goes to
       ``kernel.varlen``, padded input with an attention mask to ``kernel.padded``; each layer's scaling,
       sliding window, softcap, sinks and causality are those the layer passes to the attention function
       (never the module's attributes). Use :func:`underlay.models.packed_forward` to run it.
@@ -106,7 +107,15 @@ def prepare_model(
     config = check_architecture(inner)
     # resolved now, also when only UNDERLAY_ATTENTION names it: a bad name fails at build, not at the
     # first forward
-    resolve("attention", attention)
+    kernel_name = attention if attention is None or isinstance(attention, str) else None
+    given = None if attention is None or isinstance(attention, str) else attention
+    if given is None:
+        resolve("attention", kernel_name)
+    elif not isinstance(given, AttentionKernel):
+        raise ConfigError(
+            f"prepare_model(attention={attention!r}): give an attention backend name, an AttentionKernel "
+            "object or None"
+        )
     text = text_config(config)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -137,7 +146,7 @@ def prepare_model(
     _set_implementation(inner, config)
     for name in caps.attention_modules:  # the vision tower sees whole images on every rank: no sp
         group = None if name.startswith(vision) else sp_group
-        setattr(named[name], ROUTE_ATTR, AttentionRoute(attention, group))
+        setattr(named[name], ROUTE_ATTR, AttentionRoute(kernel_name, group, given))
     tower = named.get(vision.rstrip("."))
     if tower is not None:
         _vision_varlen(tower)

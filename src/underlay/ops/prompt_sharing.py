@@ -16,7 +16,6 @@ such a layout is :func:`shared_prefix_attention` (an SDPA call with a boolean bl
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from underlay.interfaces import InvalidInput, PackedBatch
+from underlay.ops.flex import flex_attention_fn
 from underlay.ops.packing import unpad
 
 __all__ = [
@@ -262,9 +262,6 @@ def _sdpa(
     return torch.cat(outs)
 
 
-_FLEX: dict[str, Callable[..., Any]] = {}
-
-
 def _flex(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -273,7 +270,7 @@ def _flex(
     scale: float | None,
     window: tuple[int, int] | None,
 ) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     seg, parent, position = layout.segment, layout.parent, layout.position_ids
     left = -1 if window is None else int(window[0])
@@ -291,9 +288,7 @@ def _flex(
     if block is None:
         block = create_block_mask(mask_mod, None, None, n, n, device=q.device)
         layout.calls.block_masks[key] = block
-    fn = flex_attention
-    if q.device.type != "cpu":  # compiled: the fused kernel (eager flex materialises the scores)
-        fn = _FLEX.get("compiled") or _FLEX.setdefault("compiled", torch.compile(flex_attention))
+    fn = flex_attention_fn(q.device.type)  # compiled off the cpu (eager flex materialises the scores)
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
     gqa = int(q.shape[1]) != int(k.shape[1])
     out = fn(qh, kh, vh, block_mask=block, scale=scale, enable_gqa=gqa)

@@ -19,7 +19,8 @@ launcher prepares a process (``os.environ.update(...)``, ``os.environ.setdefault
 libraries that read them, they do not decide anything in underlay.
 
 Tuning switches that only a benchmark or a test needs are constructor options of the kernel or engine
-(e.g. ``TritonLogprobKernel(device, mode=..., tma=...)``, ``TritonFp8Quantizer(device, autotune=...)``),
+(e.g. ``TritonLogprobKernel(device, mode=..., tma=...)``, ``TritonFp8Quantizer(device, autotune=...)``,
+``TorchAttention(device, dense_uniform=...)`` given to an engine as ``ModelConfig.attention``),
 not variables here.
 """
 
@@ -67,13 +68,6 @@ ENV_VARS: dict[str, EnvVar] = {
             "auto, fa4, flash_attn, npu, torch, eager",
             "auto",
             "the AttentionKernel (auto: the fastest that supports the case)",
-        ),
-        EnvVar(
-            "UNDERLAY_ATTENTION_DENSE_UNIFORM",
-            "1, 0",
-            "0",
-            "torch attention backend: a packed causal self-attention whose sequences all have the same "
-            "length runs as one batched SDPA call (torch picks cuDNN/flash) instead of varlen_attn",
         ),
         EnvVar(
             "UNDERLAY_LOGPROB_KERNEL",

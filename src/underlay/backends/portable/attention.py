@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from underlay.interfaces import AttentionSpec, Device
+from underlay.interfaces import AttentionSpec, ConfigError, Device
 from underlay.ops.attention import (
     FLOAT_DTYPES,
     allowed_mask,
@@ -309,12 +309,6 @@ def dense_causal(
     return out.transpose(1, 2).reshape(t, hq, v.shape[-1])
 
 
-def _dense_uniform_on() -> bool:
-    from underlay.utils import env
-
-    return env.get_bool("UNDERLAY_ATTENTION_DENSE_UNIFORM")
-
-
 def _traced_dense_or_varlen(
     fn: Callable[..., torch.Tensor],
     has_window: bool,
@@ -329,7 +323,7 @@ def _traced_dense_or_varlen(
     scale: float | None,
 ) -> torch.Tensor:
     """``_traced_varlen``, except that a causal batch of equal-length sequences runs ``dense_causal``
-    (``UNDERLAY_ATTENTION_DENSE_UNIFORM=1``)."""
+    (``TorchAttention(device, dense_uniform=True)``)."""
     rows = uniform_rows(q.shape[0], cu_seqlens, max_seqlen) if causal and window is None else None
     if rows is not None:
         return dense_causal(q, k, v, rows, scale)
@@ -344,15 +338,29 @@ class TorchAttention:
       and bottom-right causal alignment when ``S_q != S_k``.
     - varlen: ``torch.nn.attention.varlen.varlen_attn`` (flash) on CUDA for bf16/fp16 when the installed
       torch has it and the case fits (see :meth:`varlen_path`); otherwise one SDPA call per sequence.
-      With ``UNDERLAY_ATTENTION_DENSE_UNIFORM=1`` a causal self-attention batch whose sequences all
-      have the same length (full-length training rows) runs as one batched causal SDPA call instead
-      (``dense_causal``; cuDNN or flash as torch picks), on any device.
+      With ``dense_uniform=True`` (a constructor option, off by default) a causal self-attention batch
+      whose sequences all have the same length (full-length training rows) runs as one batched causal
+      SDPA call instead (``dense_causal``; cuDNN or flash as torch picks), on any device; it equals the
+      varlen path. An engine uses such a kernel when it is given as ``ModelConfig.attention``.
 
     ``softcap`` and ``sinks`` are not available in these kernels: ``supports`` reports them.
     """
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, *, dense_uniform: bool = False) -> None:
+        """``device``: the Device the kernel runs on; ``dense_uniform``: see the class docstring.
+        Raises ``ConfigError`` when ``dense_uniform`` is not a bool."""
+        if not isinstance(dense_uniform, bool):
+            raise ConfigError(
+                f"{type(self).__name__}(dense_uniform={dense_uniform!r}): give True (equal-length packed "
+                "causal batches run as one batched SDPA call) or False (always the varlen path)"
+            )
         self._device = device
+        self._dense_uniform = dense_uniform
+
+    @property
+    def dense_uniform(self) -> bool:
+        """Whether packed causal batches of equal-length sequences run as one batched SDPA call."""
+        return self._dense_uniform
 
     @property
     def name(self) -> str:
@@ -444,7 +452,7 @@ class TorchAttention:
         )
         self._require(call.spec)
         window, lens_q, lens_k = call.window, call.lens_q, call.lens_k
-        if causal and window is None and cu_seqlens_k is cu_seqlens_q and _dense_uniform_on():
+        if causal and window is None and cu_seqlens_k is cu_seqlens_q and self._dense_uniform:
             rows = uniform_rows(int(q.shape[0]), cu_seqlens_q, max_seqlen_q)
             if rows is not None:
                 return dense_causal(q, k, v, rows, scale)
@@ -491,7 +499,7 @@ class TorchAttention:
             return None
         fn, params = _varlen_api()
         assert fn is not None
-        traced = _traced_dense_or_varlen if _dense_uniform_on() else _traced_varlen
+        traced = _traced_dense_or_varlen if self._dense_uniform else _traced_varlen
         return partial(traced, fn, "window_size" in params, "enable_gqa" in params)
 
     def padded(

@@ -42,13 +42,14 @@ class FA4Attention(TorchAttention):
     ``8 <= D, Dv <= 256``; on 10.x ``D, Dv <= 128`` or ``(D, Dv)`` in ``{(192, 128), (256, 256)}``; both
     multiples of 8. No softcap, sinks or dropout (as ``torch``).
 
-    Raises ``BackendUnavailable`` at construction when the device is not a CUDA GPU of compute
+    ``dense_uniform``: as ``TorchAttention``'s (equal-length packed causal batches through one batched
+    SDPA call). Raises ``BackendUnavailable`` at construction when the device is not a CUDA GPU of compute
     capability 9.x or 10.x or flash-attn-4 cannot be imported, and at first use when this torch cannot
     register a flash-attention implementation (the registry's probe checks both packages first).
     """
 
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
+    def __init__(self, device: Device, *, dense_uniform: bool = False) -> None:
+        super().__init__(device, dense_uniform=dense_uniform)
         cap = device.capability() if device.name == "cuda" else None
         if cap is None or cap[0] not in (9, 10):
             raise BackendUnavailable(

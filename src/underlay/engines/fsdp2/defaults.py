@@ -37,9 +37,10 @@ heads x head_dim, ``kv`` = kv heads x head_dim, ``f`` ffn width):
 - compiled at a budget above 0.9 (torch's own default is 1.0): 0.66 x eager (Qwen2-1.5B: 59.55 GiB
   peak, 75 KiB per token and layer);
 - full recomputation: the layer input (``2h``) per layer plus one layer's activations;
-- attention on the eager kernel (a spec no installed fused kernel runs, e.g. Gemma 2's attention
-  softcap without flash-attn): ``[heads, S, S]`` fp32 scores per layer, counted apart
-  (``eager_attention_bytes``) because they grow with the square of the longest sequence.
+- attention on the eager kernel (a spec no installed fused kernel runs, e.g. attention sinks on cuda
+  without flash-attn, or Gemma 2's attention softcap on a cpu): ``[heads, S, S]`` fp32 scores per layer,
+  counted apart (``eager_attention_bytes``) because they grow with the square of the longest sequence.
+  The fused kernels, ``flex`` included (Gemma 2's softcap on cuda), are ``O(T)`` and count nothing here.
 
 ``tests/unit/test_fsdp2_defaults.py`` holds the recorded peaks and the tolerance (15%).
 """

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from underlay.interfaces import ConfigError, InvalidInput
+from underlay.interfaces import AttentionKernel, ConfigError, InvalidInput
 
 __all__ = [
     "DEVICE_CU_ATTR",
@@ -179,7 +179,7 @@ def _core_attention_class() -> type:
             softmax_scale: float | None = None,
             cp_comm_type: str | None = None,
             pg_collection: Any = None,
-            kernel: str | None = None,
+            kernel: str | AttentionKernel | None = None,
             rotary_base: float | None = None,
             fused_rope: bool = False,
             inv_freq: tuple[float, ...] | None = None,
@@ -191,8 +191,9 @@ def _core_attention_class() -> type:
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
             self.fused_rope = bool(fused_rope)
-            self.kernel_name = kernel
-            self._kernel: Any = None
+            # a registry name (None: the registry's choice), or a kernel the caller built
+            self.kernel_name = kernel if kernel is None or isinstance(kernel, str) else None
+            self._kernel: Any = None if kernel is None or isinstance(kernel, str) else kernel
             cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
             if cp_group is None and int(getattr(config, "context_parallel_size", 1)) > 1:
                 from megatron.core import parallel_state
@@ -424,12 +425,17 @@ def position_embedding_type() -> str:
 
 
 def block_spec(
-    arch: Any, config: Any, *, attention: str | None, vp_stage: int | None, fused_elementwise: bool = False
+    arch: Any,
+    config: Any,
+    *,
+    attention: str | AttentionKernel | None,
+    vp_stage: int | None,
+    fused_elementwise: bool = False,
 ) -> Any:
     """The decoder block spec of one pipeline chunk: Transformer Engine's GPT layer spec when TE is
-    installed, else megatron's local spec with ``RMSNorm`` and ``CoreAttention`` (kernel ``attention``,
-    ``None`` = the registry's choice) plugged in, and ``RMSNorm`` as the final norm.
-    ``fused_elementwise``: the norms and the RoPE rotation run as compiled kernels (``fused``)."""
+    installed, else megatron's local spec with ``RMSNorm`` and ``CoreAttention`` (kernel ``attention``: a
+    registry name, ``None`` = the registry's choice, or a kernel object the caller built) plugged in, and
+    ``RMSNorm`` as the final norm. ``fused_elementwise``: the norms and the RoPE rotation run as compiled kernels (``fused``)."""
     global CoreAttention
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec

@@ -1,0 +1,57 @@
+"""``torch.nn.attention.flex_attention`` helpers shared by the kernels that use it (the ``flex``
+attention backend and the shared-prompt attention of :mod:`underlay.ops.prompt_sharing`).
+
+:func:`flex_attention_fn` returns the function to call on a device: the one process-wide
+``torch.compile(flex_attention)`` off the cpu (the documented way to get the fused Triton kernel; eager
+flex materialises the ``[S_q, S_k]`` scores), plain ``flex_attention`` on the cpu (forward only:
+torch has no cpu backward for it). :func:`softcap_score_mod` is the Gemma-2 style score modification,
+one function object per cap so a compiled flex does not recompile for a new closure.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any, cast
+
+import torch
+
+__all__ = ["flex_attention_fn", "softcap_score_mod"]
+
+_FLEX: dict[str, Callable[..., Any]] = {}
+"""``"compiled"`` -> ``torch.compile(flex_attention)``, built on first use (a compiled function)."""
+
+
+def _eager_flex(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """Uncompiled ``flex_attention`` without its "called without torch.compile" warning (on the cpu
+    the unfused path is the only one, and the caller chose it)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without torch.compile.*")
+        return cast(torch.Tensor, flex_attention(*args, **kwargs))
+
+
+def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
+    """The ``flex_attention`` callable for tensors on ``device_type``: compiled once per process for an
+    accelerator, eager for ``"cpu"``. Same signature as ``torch.nn.attention.flex_attention``."""
+    if device_type == "cpu":
+        return _eager_flex
+    found = _FLEX.get("compiled")
+    if found is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        found = _FLEX.setdefault("compiled", torch.compile(flex_attention))
+    return cast(Callable[..., torch.Tensor], found)
+
+
+@lru_cache(maxsize=64)
+def softcap_score_mod(cap: float) -> Callable[..., torch.Tensor]:
+    """``score -> cap * tanh(score / cap)`` as a flex ``score_mod`` (applied after the scale, as in
+    Gemma 2 and in ``eager_attention``). The same object for the same ``cap``."""
+
+    def score_mod(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
