@@ -2,16 +2,23 @@
 # Lint, type-check, import contracts and the test suite, as CI runs them. Exits non-zero on any failure
 # (pytest's "no tests collected", exit 5, included).
 #
-# Without arguments: ruff first (seconds; a lint error stops here), then four jobs at once so both
-# cores stay busy to the end: mypy --strict + lint-imports, and three pytest lanes (the megatron-core
-# group followed by the verl group in .venv-verl; tests/distributed; everything else). Each job's log,
-# exit code and wall time are printed when all are done. The verl group (tests/integrations/verl;
-# verl 0.9.1's pins conflict with the main lock, so scripts/setup.sh verl builds .venv-verl, setup.sh dev
-# too) fails, not skips, when verl is missing there. UNDERLAY_TEST_GROUPS=1 runs one pytest instead.
+# Without arguments: ruff first (seconds; a lint error stops here), then five jobs at once so both
+# cores stay busy to the end: mypy --strict + lint-imports, and four pytest lanes (the megatron-core
+# group followed by the verl group in .venv-verl; tests/distributed without Ray; the Ray launcher tests,
+# whose ranks spend much of their time starting actors and waiting, so they overlap with the others;
+# everything else). Each job's log, exit code and wall time are printed when all are done. The verl
+# group (tests/integrations/verl; verl 0.9.1's pins conflict with the main lock, so scripts/setup.sh
+# verl builds .venv-verl, setup.sh dev too) fails, not skips, when verl is missing there.
+# UNDERLAY_TEST_GROUPS=1 runs one pytest instead.
 # Arguments go to a single pytest (e.g. scripts/test.sh tests/unit -x), after the lint steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Python writes the bytecode of what it imports: scripts/setup.sh's environments hold none (uv does not
+# compile at install) and a PYTHONDONTWRITEBYTECODE inherited from the shell would make every process of
+# the suite (the pytest lanes, their forkservers, each Ray actor, each subprocess) compile torch and
+# transformers from source again: about 9 CPU seconds more per process that imports them.
+unset PYTHONDONTWRITEBYTECODE
 venv="${UNDERLAY_VENV:-.venv}"
 verl_venv="${UNDERLAY_VERL_VENV:-.venv-verl}"
 echo "== ruff"; "$venv"/bin/ruff check src tests benchmarks examples
@@ -48,7 +55,8 @@ group_verl() {
     return 1
   fi
 }
-group_distributed() { "${pytest_cmd[@]}" -m "not mcore" tests/distributed; }
+group_distributed() { "${pytest_cmd[@]}" -m "not mcore and not ray" tests/distributed; }
+group_ray() { "${pytest_cmd[@]}" -m "ray and not mcore" tests/distributed; }
 group_rest() { "${pytest_cmd[@]}" -m "not mcore" tests --ignore=tests/distributed; }
 group_lint() { lint; }
 
@@ -63,7 +71,7 @@ run_lane() {
     echo $((SECONDS - t0)) > "$logs/$g.s"
   done
 }
-lanes=("mcore verl" "distributed" "rest" "lint")
+lanes=("mcore verl" "distributed" "ray" "rest" "lint")
 echo "== mypy + import contracts and pytest (lanes: ${lanes[*]/%/;}) at once; logs in $logs"
 start=$SECONDS
 set +e
@@ -76,7 +84,7 @@ done
 wait "${pids[@]}"
 set -e
 ok=0
-for g in lint distributed rest mcore verl; do
+for g in lint distributed ray rest mcore verl; do
   rc=$(cat "$logs/$g.rc" 2>/dev/null || echo 1)
   echo "== $g (rc $rc, $(cat "$logs/$g.s" 2>/dev/null || echo '?') s)"
   cat "$logs/$g.log"
@@ -87,5 +95,5 @@ for g in lint distributed rest mcore verl; do
   fi
 done
 echo "== wall time of the jobs: $((SECONDS - start)) s" \
-  "($(for g in lint distributed rest mcore verl; do printf '%s %s s, ' "$g" "$(cat "$logs/$g.s" 2>/dev/null)"; done))"
+  "($(for g in lint distributed ray rest mcore verl; do printf '%s %s s, ' "$g" "$(cat "$logs/$g.s" 2>/dev/null)"; done))"
 exit "$ok"

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests._dist import free_port
+from tests._dist import START_METHOD, free_port
 from underlay.interfaces import ConfigError
 from underlay.parallel.distributed import read_env
 
@@ -39,7 +40,18 @@ def _child(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_two_process_group_from_env(tmp_path: pytest.TempPathFactory) -> None:
-    mp.spawn(_child, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    # the ranks start as run_distributed's do (forked from the preloaded forkserver on a CPU host), not
+    # as fresh interpreters that import torch again; bounded, naming the ranks still running
+    procs = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+        _child, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False, start_method=START_METHOD
+    )
+    deadline = time.monotonic() + 120
+    while not procs.join(timeout=0.5):  # a rank that fails raises here, naming its rank
+        if time.monotonic() > deadline:
+            alive = [r for r, p in enumerate(procs.processes) if p.is_alive()]
+            for p in procs.processes:
+                p.kill()
+            pytest.fail(f"ranks {alive} of 2 still running 120 s after the start")
     for r in range(2):
         got = torch.load(f"{tmp_path}/r{r}.pt", weights_only=True)
         assert got == {"rank": r, "sum": 3.0}

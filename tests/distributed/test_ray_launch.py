@@ -274,31 +274,60 @@ def test_rank_threads_follow_the_cpu_reservation_not_the_inherited_env() -> None
     # OMP_NUM_THREADS of the environment Ray was started from (here: set at process start) reaches
     # the actors; a rank must still compute with the CPUs it reserved, or its CPU kernels reduce in
     # another order than a torchrun rank's (the Ray-vs-torchrun comparison below then differs)
-    with WorkerGroup(2, device="cpu", name="threads", env={"OMP_NUM_THREADS": "3"}) as g:
-        assert g.run(_threads) == [1, 1]
-    with WorkerGroup(2, device="cpu", name="threads2", resources=RankResources(None, None, 2.0)) as g:
-        assert g.run(_threads) == [2, 2]
+    # (one rank per group: the thread count is a per-rank property; each rank is a process to start)
+    with WorkerGroup(1, device="cpu", name="threads", env={"OMP_NUM_THREADS": "3"}) as g:
+        assert g.run(_threads) == [1]
+    two_cpus = RankResources(None, None, 2.0)
+    with WorkerGroup(1, device="cpu", name="threads2", resources=two_cpus, env={"OMP_NUM_THREADS": "3"}) as g:
+        assert g.run(_threads) == [2]
     assert _all_free() and not _live_placement_groups()
+
+
+@pytest.fixture(scope="module")
+def pool_step() -> dict[str, Any]:
+    """An actor and a reference engine group sharing one 2-bundle pool (share 0.5 each), taking turns:
+    the reference infers, the actor steps and infers (its turn), the reference infers again (its turn).
+    Run once for the two tests below: its ranks are the only engine-building Ray actors of the pair of
+    tests (each such actor imports the engine stack, most of what these tests cost)."""
+    batch = global_batch(seed=11, n=STEP_ROWS)
+    cfg = engine_config(llama_config())
+    out: dict[str, Any] = {}
+    with ResourcePool(2, device="cpu", name="shared") as pool:
+        actor_g = WorkerGroup(2, device="cpu", pool=pool, share=0.5, name="actor", engines={"actor": cfg})
+        ref_g = WorkerGroup(2, device="cpu", pool=pool, share=0.5, name="ref", engines={"reference": cfg})
+        actor, ref = actor_g.engine("actor"), ref_g.engine("reference")
+        out["layout"] = (actor.layout.world_size, actor.layout.dp)
+        out["before"] = ref.infer(batch)
+        with pool.colocated(actor):
+            out["res"] = actor.forward_backward(batch, pg_loss)
+            out["opt"] = actor.optimizer_step()
+            out["out"] = actor.infer(batch, with_entropy=True)
+        out["ref_log_after_actor_turn"] = ref_g.call_log()[-1][:2]
+        out["actor_turns"] = [m for r, m, _ in actor_g.call_log() if m in ("offload", "onload")]
+        with pool.colocated(ref):
+            out["after"] = ref.infer(batch)
+        with pool.colocated(ref):  # a second turn of the same role moves nothing
+            pass
+        out["turns"] = [
+            (r, m) for r, m, _ in actor_g.call_log() + ref_g.call_log() if m in ("offload", "onload")
+        ]
+    out["released"] = _all_free() and not _live_placement_groups()
+    return out
 
 
 @pytest.mark.slow
-def test_fsdp2_step_through_ray_equals_torchrun_processes() -> None:
+def test_fsdp2_step_through_ray_equals_torchrun_processes(pool_step: dict[str, Any]) -> None:
     # both sides compute with one intra-op thread per rank (run_distributed sets 1; a Ray rank takes
-    # its one reserved CPU), so the comparison is exact
+    # the one CPU of its half bundle), so the comparison is exact
     ref = _torchrun_reference()
-    batch = global_batch(seed=11, n=STEP_ROWS)
-    with WorkerGroup(2, device="cpu", engines={"actor": engine_config(llama_config())}) as g:
-        actor = g.engine("actor")
-        assert actor.layout.world_size == 2 and actor.layout.dp == 2
-        res = actor.forward_backward(batch, pg_loss)
-        opt = actor.optimizer_step()
-        out = actor.infer(batch, with_entropy=True)
+    res, opt, out = pool_step["res"], pool_step["opt"], pool_step["out"]
+    assert pool_step["layout"] == (2, 2)
     assert res.metrics == ref[0]["metrics"] and opt.grad_norm == ref[0]["grad_norm"]
     want_lp = torch.cat([ref[0]["log_probs"], ref[1]["log_probs"]])
     want_ent = torch.cat([ref[0]["entropy"], ref[1]["entropy"]])
-    assert out.log_probs.shape == (STEP_ROWS, batch.input_ids.shape[1])
+    assert out.log_probs.shape == (STEP_ROWS, global_batch(seed=11, n=STEP_ROWS).input_ids.shape[1])
     assert torch.equal(out.log_probs, want_lp) and torch.equal(out.entropy, want_ent)
-    assert _all_free() and not _live_placement_groups()
+    assert pool_step["released"]
 
 
 # ------------------------------------------------------------------------------- failures
@@ -483,32 +512,19 @@ def test_pool_splits_and_shares_bundles_and_refuses_overcommit_before_starting()
 
 
 @pytest.mark.slow
-def test_actor_and_reference_share_one_pool_and_take_turns() -> None:
+def test_actor_and_reference_share_one_pool_and_take_turns(pool_step: dict[str, Any]) -> None:
     want = _torchrun_reference()[0]
-    batch = global_batch(seed=11, n=STEP_ROWS)
-    cfg = engine_config(llama_config())
-    with ResourcePool(2, device="cpu", name="shared") as pool:
-        actor_g = WorkerGroup(2, device="cpu", pool=pool, share=0.5, name="actor", engines={"actor": cfg})
-        ref_g = WorkerGroup(2, device="cpu", pool=pool, share=0.5, name="ref", engines={"reference": cfg})
-        actor, ref = actor_g.engine("actor"), ref_g.engine("reference")
-        before = ref.infer(batch)
-        with pool.colocated(actor):
-            res = actor.forward_backward(batch, pg_loss)
-            opt = actor.optimizer_step()
-        assert ref_g.call_log()[-1][:2] == ("reference", "offload")
-        assert [m for r, m, _ in actor_g.call_log() if m in ("offload", "onload")] == []
-        with pool.colocated(ref):
-            after = ref.infer(batch)
-        with pool.colocated(ref):  # a second turn of the same role moves nothing
-            pass
-        turns = [(r, m) for r, m, _ in actor_g.call_log() + ref_g.call_log() if m in ("offload", "onload")]
-        assert turns == [("actor", "offload"), ("reference", "offload"), ("reference", "onload")]
-        # actor's step equals the torchrun processes' (one thread per rank on both sides: exact);
-        # the reference, offloaded and back, did not change
-        assert res.metrics == want["metrics"] and opt.grad_norm == want["grad_norm"]
-        assert before.log_probs is not None and after.log_probs is not None
-        assert torch.equal(before.log_probs, after.log_probs)
-    assert _all_free() and not _live_placement_groups()
+    assert pool_step["ref_log_after_actor_turn"] == ("reference", "offload")
+    assert pool_step["actor_turns"] == []
+    assert pool_step["turns"] == [("actor", "offload"), ("reference", "offload"), ("reference", "onload")]
+    # actor's step equals the torchrun processes' (one thread per rank on both sides: exact);
+    # the reference, offloaded and back, did not change
+    res, opt = pool_step["res"], pool_step["opt"]
+    assert res.metrics == want["metrics"] and opt.grad_norm == want["grad_norm"]
+    before, after = pool_step["before"], pool_step["after"]
+    assert before.log_probs is not None and after.log_probs is not None
+    assert torch.equal(before.log_probs, after.log_probs)
+    assert pool_step["released"]
 
 
 DRIVER = """

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._dist import free_port, run_distributed
+from tests._dist import START_METHOD, free_port, run_distributed
 from tests.distributed import _fsdp_helpers as H
 from underlay.interfaces import LoraConfig
 
@@ -118,7 +118,10 @@ def _trainer(rank: int, world: int, port: int, out: str) -> dict[str, Any]:
 
 
 def _spawn(target: Any, *args: Any) -> tuple[Any, Any]:
-    ctx = multiprocessing.get_context("spawn")
+    """Start ``target(*args, queue)`` in a process of its own, as the trainer ranks start (forked from
+    the forkserver that already imported torch and transformers; a fresh interpreter on a CUDA host):
+    a fresh interpreter would import them again, several CPU seconds per receiver."""
+    ctx = multiprocessing.get_context(START_METHOD)
     queue = ctx.SimpleQueue()
     proc = ctx.Process(target=target, args=(*args, queue), daemon=True)
     proc.start()
