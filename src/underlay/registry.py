@@ -346,8 +346,10 @@ def _builtin_specs() -> list[BackendSpec]:
             "attention",
             "flex",
             f"{b}.portable.flex_attention:FlexAttention",
-            10,
-            "torch flex_attention (compiled, block masks): softcap and windows where torch's kernels have none",
+            # below eager: named only (UNDERLAY_ATTENTION=flex) until the GPU suite has run its cuda
+            # path (tests/gpu/test_flex_attention_cuda.py); auto keeps the verified eager kernel
+            -10,
+            "torch flex_attention (compiled, block masks): softcap and windows in O(T) memory; named only",
             _probe_flex,
             ("cuda",),
         ),

@@ -1,12 +1,13 @@
-"""The ``flex`` attention kernel on cuda: soft-capped, windowed attention (Gemma 2) runs fused by default.
+"""The ``flex`` attention kernel on cuda: soft-capped, windowed attention (Gemma 2) runs fused when named.
 
-- ``auto`` picks ``flex`` for Gemma 2's attention (softcap) and ``torch`` for a plain or windowed case;
-  the fsdp2 memory estimate of the Gemma-2-2B shape then books no ``[S, S]`` attention scores.
+- ``flex`` is named only (``UNDERLAY_ATTENTION=flex``): ``auto`` keeps ``eager`` for Gemma 2's softcap
+  (or flash-attn 2 where installed) and ``torch`` for a plain or windowed case; with ``flex`` named, the
+  fsdp2 memory estimate of the Gemma-2-2B shape books no ``[S, S]`` attention scores.
 - At the Gemma-2-2B attention shape (8 heads, 4 kv heads, head dim 256, softcap 50, window 4096) on
   mixed packed lengths up to 4096, bf16 flex output and q/k/v gradients match the float64 eager
   reference within bf16 tolerance, with a fraction of eager's peak memory.
 - A tiny Gemma 2 model (windows of 16 tokens, softcaps) through ``prepare_model`` + ``packed_forward``
-  in bf16: log-probs and parameter gradients with ``flex`` are as close to the fp32 reference as the
+  in bf16: log-probs and parameter gradients with ``flex`` (named) are as close to the fp32 reference as the
   bf16 ``eager`` kernel's (forward + backward), and every attention layer ran on ``flex``.
 
 Run on the GPU host: ``bash scripts/test_gpu.sh -k flex``.
@@ -38,12 +39,13 @@ def _gemma2_spec(**kw: Any) -> AttentionSpec:
 
 
 def _softcap_kernel() -> str:
-    """The kernel ``auto`` should pick for a softcap: flex, unless flash-attn 2 (which has one) is
-    installed."""
-    return "flash_attn" if registry.probe("attention", "flash_attn").available else "flex"
+    """The kernel ``auto`` picks for a softcap: eager (flex is named only), unless flash-attn 2 (which
+    has one) is installed."""
+    return "flash_attn" if registry.probe("attention", "flash_attn").available else "eager"
 
 
-def test_auto_picks_flex_for_softcap_and_torch_otherwise() -> None:
+def test_auto_keeps_flex_named_only_and_torch_otherwise() -> None:
+    assert registry.get_attention("flex", spec=_gemma2_spec()).name == "flex"
     assert registry.get_attention(spec=_gemma2_spec()).name == _softcap_kernel()
     assert registry.get_attention(spec=_gemma2_spec(window=(4095, 0))).name == _softcap_kernel()
     plain = registry.get_attention(spec=_gemma2_spec(softcap=None)).name
@@ -52,13 +54,14 @@ def test_auto_picks_flex_for_softcap_and_torch_otherwise() -> None:
     assert windowed not in ("flex", "eager"), windowed
 
 
-def test_gemma2_2b_memory_estimate_books_no_eager_scores() -> None:
+def test_gemma2_2b_memory_estimate_books_no_eager_scores(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import Gemma2Config
 
     from underlay.engines.fsdp2 import _build
     from underlay.engines.fsdp2._auto import model_shape
     from underlay.interfaces import ModelConfig
 
+    monkeypatch.setenv("UNDERLAY_ATTENTION", "flex")
     cfg = Gemma2Config(attention_dropout=0.0)  # the 2B shape
     model = _build.build_model(ModelConfig(hf_config=cfg), cfg, meta=True)
     assert model_shape(model, cfg, device_type="cuda").eager_attention_layers == 0
@@ -135,7 +138,7 @@ def test_gemma2_tiny_model_flex_vs_eager_bf16() -> None:
 
     ref_lp, ref_g, _ = run(copy.deepcopy(ref), "eager")
     eager_lp, eager_g, _ = run(copy.deepcopy(ref).to(torch.bfloat16), "eager")
-    flex_lp, flex_g, flex_model = run(copy.deepcopy(ref).to(torch.bfloat16), None)  # auto
+    flex_lp, flex_g, flex_model = run(copy.deepcopy(ref).to(torch.bfloat16), "flex")
 
     names = {
         k.name
@@ -143,7 +146,7 @@ def test_gemma2_tiny_model_flex_vs_eager_bf16() -> None:
         if (route := getattr(m, ROUTE_ATTR, None)) is not None
         for k in route._kernels.values()
     }
-    assert names == {_softcap_kernel()}, names
+    assert names == {"flex"}, names
     flex_max, flex_mean = errs(flex_lp, ref_lp, keep)
     eager_max, eager_mean = errs(eager_lp, ref_lp, keep)
     assert flex_mean <= 1.5 * eager_mean + 2e-3, (flex_mean, eager_mean)
