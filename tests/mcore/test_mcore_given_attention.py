@@ -5,10 +5,11 @@ kernel's constructor options (``TorchAttention(device, dense_uniform=True)``) re
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
+
+from tests._attention import count_dense_calls
 
 pytest.importorskip("megatron.core")
 
@@ -20,14 +21,7 @@ def test_core_attention_runs_the_given_kernel(monkeypatch: pytest.MonkeyPatch) -
     from underlay.engines.mcore.layers import _core_attention_class
     from underlay.registry import get_device
 
-    calls: list[int] = []
-    real = A.dense_causal
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(A, "dense_causal", counted)
+    calls = count_dense_calls(monkeypatch)
     cls = _core_attention_class()
     config = SimpleNamespace(kv_channels=8, use_cpu_initialization=True, context_parallel_size=1)
     kernel = A.TorchAttention(get_device("cpu"), dense_uniform=True)

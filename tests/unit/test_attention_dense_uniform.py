@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._attention import count_dense_calls
 from underlay.backends.portable import attention as A
 from underlay.registry import get_device
 
@@ -29,23 +30,11 @@ def _run(kernel: Any, q: Any, k: Any, v: Any, cu: Any, mx: int) -> tuple[torch.T
     return (out.detach(), *grads)
 
 
-def _count_dense(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    real = A.dense_causal
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(A, "dense_causal", counted)
-    return calls
-
-
 def test_dense_equals_varlen_on_equal_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = get_device("cpu")
     plain, dense = A.TorchAttention(dev), A.TorchAttention(dev, dense_uniform=True)
     assert not plain.dense_uniform and dense.dense_uniform
-    calls = _count_dense(monkeypatch)
+    calls = count_dense_calls(monkeypatch)
     for lens in ([7, 7, 7], [5], [9, 9]):
         args = _packed(lens, seed=len(lens))
         ref = _run(plain, *args)
@@ -117,7 +106,7 @@ def test_given_kernel_routes_every_layer(monkeypatch: pytest.MonkeyPatch) -> Non
     given = prepare_model(copy.deepcopy(base), attention=kernel)
     ids = torch.randint(0, 96, (3, 8), generator=torch.Generator().manual_seed(2))
     batch = unpad(ids, torch.ones_like(ids, dtype=torch.bool))
-    calls = _count_dense(monkeypatch)
+    calls = count_dense_calls(monkeypatch)
     with torch.no_grad():
         ref = packed_forward(by_name, batch).log_probs
         assert not calls
