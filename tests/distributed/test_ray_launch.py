@@ -266,20 +266,23 @@ def _torchrun_reference() -> list[dict[str, Any]]:
     return list(_REFERENCE)
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
+def _threads_and_niceness() -> tuple[int, int]:
+    return torch.get_num_threads(), os.nice(0)
 
 
-def test_rank_threads_follow_the_cpu_reservation_not_the_inherited_env() -> None:
+def test_rank_threads_follow_the_cpu_reservation_and_ranks_are_not_niced() -> None:
     # OMP_NUM_THREADS of the environment Ray was started from (here: set at process start) reaches
     # the actors; a rank must still compute with the CPUs it reserved, or its CPU kernels reduce in
-    # another order than a torchrun rank's (the Ray-vs-torchrun comparison below then differs)
-    # (one rank per group: the thread count is a per-rank property; each rank is a process to start)
+    # another order than a torchrun rank's (the Ray-vs-torchrun comparison below then differs).
+    # Ray starts its workers at niceness 15: a rank runs at 0, or any busy process of the host starves
+    # it (each other lane of this suite did, about 30 to 1). Negative control, run once: a group with
+    # env={"RAY_worker_niceness": "15"} reads 15 here (and takes minutes to start beside the other lanes).
+    # (one rank per group: both are per-rank properties; each rank is a process to start)
     with WorkerGroup(1, device="cpu", name="threads", env={"OMP_NUM_THREADS": "3"}) as g:
-        assert g.run(_threads) == [1]
+        assert g.run(_threads_and_niceness) == [(1, 0)]
     two_cpus = RankResources(None, None, 2.0)
     with WorkerGroup(1, device="cpu", name="threads2", resources=two_cpus, env={"OMP_NUM_THREADS": "3"}) as g:
-        assert g.run(_threads) == [2]
+        assert g.run(_threads_and_niceness) == [(2, 0)]
     assert _all_free() and not _live_placement_groups()
 
 

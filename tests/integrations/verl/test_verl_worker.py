@@ -140,6 +140,9 @@ def _worker_step(policy: str) -> dict[str, Any]:
         "VERL_USE_EXTERNAL_MODULES": "underlay.integrations.verl",  # imported by `import verl` in each worker
         "PYTHONPATH": os.pathsep.join(p for p in paths if p),
         "OMP_NUM_THREADS": "1",
+        # Ray starts workers at niceness 15: beside the suite's other lanes the worker would get about a
+        # thirtieth of a core (underlay's own WorkerGroup sets this for its ranks; verl's does not)
+        "RAY_worker_niceness": "0",
     }
     _ray_init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
