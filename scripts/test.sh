@@ -2,13 +2,14 @@
 # Lint, type-check, import contracts and the test suite, as CI runs them. Exits non-zero on any failure
 # (pytest's "no tests collected", exit 5, included).
 #
-# Without arguments: ruff first (seconds; a lint error stops here), then five jobs at once so both
-# cores stay busy to the end: mypy --strict + lint-imports, and four pytest lanes (the megatron-core
-# group followed by the verl group in .venv-verl; tests/distributed without Ray; the Ray launcher tests,
-# whose ranks spend much of their time starting actors and waiting, so they overlap with the others;
-# everything else). Each job's log, exit code and wall time are printed when all are done. The verl
-# group (tests/integrations/verl; verl 0.9.1's pins conflict with the main lock, so scripts/setup.sh
-# verl builds .venv-verl, setup.sh dev too) fails, not skips, when verl is missing there.
+# Without arguments: ruff first (seconds; a lint error stops here), then five lanes at once so both
+# cores stay busy to the end: mypy --strict + lint-imports followed by tests/conformance; the
+# megatron-core group followed by the verl group in .venv-verl; tests/distributed without Ray; the Ray
+# launcher tests; everything else. A lane ending early leaves a core idle while the last one finishes,
+# so the lanes are cut to take about the same time. Each group's log, exit code and wall time are
+# printed when all are done. The verl group (tests/integrations/verl; verl 0.9.1's pins conflict with
+# the main lock, so scripts/setup.sh verl builds .venv-verl, setup.sh dev too) fails, not skips, when
+# verl is missing there.
 # UNDERLAY_TEST_GROUPS=1 runs one pytest instead.
 # Arguments go to a single pytest (e.g. scripts/test.sh tests/unit -x), after the lint steps.
 set -euo pipefail
@@ -57,7 +58,8 @@ group_verl() {
 }
 group_distributed() { "${pytest_cmd[@]}" -m "not mcore and not ray" tests/distributed; }
 group_ray() { "${pytest_cmd[@]}" -m "ray and not mcore" tests/distributed; }
-group_rest() { "${pytest_cmd[@]}" -m "not mcore" tests --ignore=tests/distributed; }
+group_conformance() { "${pytest_cmd[@]}" -m "not mcore" tests/conformance; }
+group_rest() { "${pytest_cmd[@]}" -m "not mcore" tests --ignore=tests/distributed --ignore=tests/conformance; }
 group_lint() { lint; }
 
 logs=$(mktemp -d)
@@ -71,7 +73,7 @@ run_lane() {
     echo $((SECONDS - t0)) > "$logs/$g.s"
   done
 }
-lanes=("mcore verl" "distributed" "ray" "rest" "lint")
+lanes=("mcore verl" "distributed" "ray" "rest" "lint conformance")
 echo "== mypy + import contracts and pytest (lanes: ${lanes[*]/%/;}) at once; logs in $logs"
 start=$SECONDS
 set +e
@@ -84,7 +86,7 @@ done
 wait "${pids[@]}"
 set -e
 ok=0
-for g in lint distributed ray rest mcore verl; do
+for g in lint conformance distributed ray rest mcore verl; do
   rc=$(cat "$logs/$g.rc" 2>/dev/null || echo 1)
   echo "== $g (rc $rc, $(cat "$logs/$g.s" 2>/dev/null || echo '?') s)"
   cat "$logs/$g.log"

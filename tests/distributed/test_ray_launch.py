@@ -381,17 +381,15 @@ def test_failures_surface_within_bounded_time_and_group_restarts() -> None:
     assert not g.alive
     assert _all_free() and not _live_placement_groups()
 
-    # an exception on one rank while the other waits in a collective (600 s collective timeout)
-    g = WorkerGroup(2, device="cpu", name="raise", collective_timeout_s=600)
+    # a new group in the same driver works; then an exception on one of its ranks while the other
+    # waits in a collective (600 s collective timeout) surfaces within seconds
+    g = WorkerGroup(2, device="cpu", name="again", collective_timeout_s=600)
+    assert g.run(_all_reduce_ranks) == [3.0, 3.0]
     t0 = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank 1 of 2 on .* ValueError: bad advantages on rank one"):
         g.run(_raise_on_rank_one)
     assert time.monotonic() - t0 < 30
-    assert _all_free() and not _live_placement_groups()
-
-    # a new group in the same driver works
-    with WorkerGroup(2, device="cpu", name="again") as g:
-        assert g.run(_all_reduce_ranks) == [3.0, 3.0]
+    assert not g.alive
     assert _all_free() and not _live_placement_groups()
 
 
