@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,6 +36,11 @@ def check_forward_grads(
 ) -> dict[str, float]:
     """Log-probs (infer), loss and gradients of one forward_backward against the float64 HF model;
     ``sizes`` are further ``ParallelConfig`` sizes (``etp``, ``vpp``, ``cp``)."""
+    if opts.get("fused_elementwise") and not torch.cuda.is_available():
+        # the fused graphs traced by dynamo and autograd (aot_eager) without inductor's C++ build, which
+        # is no production path (fused_elementwise defaults on with cuda only, where it runs inductor)
+        # and cost about a minute of CPU here
+        os.environ.setdefault("UNDERLAY_COMPILE_BACKEND", "aot_eager")
     cfg = H.tiny_config(family)
     eng = H.make_engine(H.engine_config(cfg, tp=tp, pp=pp, ep=ep, **(sizes or {}), **opts))
     dp = eng.layout.dp_shard

@@ -106,7 +106,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "UNDERLAY_COMPILE_BACKEND",
             "a torch.compile backend",
             "inductor",
-            "backend of the fsdp2 engine option compile",
+            "backend of every graph an engine compiles (fsdp2 option compile, mcore fused_elementwise)",
         ),
         EnvVar(
             "UNDERLAY_LOG_LEVEL",

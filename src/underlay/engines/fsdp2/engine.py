@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from underlay.engines._inductor import compile_backend
 from underlay.engines.fsdp2 import _auto, _build
 from underlay.engines.fsdp2._checkpoint import FSDP2Checkpoint
 from underlay.engines.fsdp2._checkpoint import signature_diff as signature_diff
@@ -157,7 +158,7 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
         if compile_opt:
             compile_layer_parts(
                 model,
-                backend=_compile_backend(),
+                backend=compile_backend(),
                 scope="layer_parts" if compile_opt is True else str(compile_opt),
                 dynamic=True if self._recompute == "full" else None,
             )
@@ -237,19 +238,3 @@ class FSDP2Engine(FSDP2Step, FSDP2Checkpoint):
         for name, param in self._model.named_parameters():
             if fill is None or "lora_" in name or name in fill:
                 _build.copy_into_param(param, full[name], name)
-
-
-def _compile_backend() -> str:
-    """``UNDERLAY_COMPILE_BACKEND`` (default ``inductor``), checked against torch's registered
-    backends when the engine is built, not at the first compiled forward."""
-    import torch._dynamo
-
-    from underlay.utils import env
-
-    name = env.get("UNDERLAY_COMPILE_BACKEND")
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if name not in known:
-        raise ConfigError(
-            f"UNDERLAY_COMPILE_BACKEND={name!r} is not a torch.compile backend; use one of {known}"
-        )
-    return name

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from underlay.engines._inductor import inductor_ok
+from underlay.engines._inductor import compile_backend, inductor_ok
 from underlay.engines.mcore import passthrough
 from underlay.engines.mcore._build import _compat_shims, _megatron_optimizer, _process_groups
 from underlay.engines.mcore._checkpoint import MCoreCheckpoint
@@ -182,6 +182,8 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
             if opts.fused_elementwise is None
             else bool(opts.fused_elementwise)
         )
+        if self._fused_elementwise:
+            compile_backend()  # a bad UNDERLAY_COMPILE_BACKEND is refused here, not at the first forward
         self._param_dtype = _DTYPES[config.param_dtype]
         gloo = dist.get_backend() == "gloo"
         # off on gloo (wrong interleaved results there) and for the interleaved schedule at pp=2 (see

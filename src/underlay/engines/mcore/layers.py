@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from underlay.interfaces import AttentionKernel, ConfigError, InvalidInput
+from underlay.utils import env
 
 __all__ = [
     "DEVICE_CU_ATTR",
@@ -57,13 +58,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-@functools.cache
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled once per process with ``torch.compile(dynamic=True)`` (one graph for every
-    token count; the elementwise chain becomes one kernel forward and one or two backward). Used by the
-    layers when the engine enables ``fused_elementwise``; the numbers are ``fn``'s up to reassociation
-    inside the fused kernel."""
-    compiled: Callable[..., Any] = torch.compile(fn, dynamic=True)
+    """``fn`` compiled with ``torch.compile(dynamic=True)`` (one graph for every token count; the
+    elementwise chain becomes one kernel forward and one or two backward), once per process and
+    backend (``UNDERLAY_COMPILE_BACKEND``, the engines' compile backend; the engine checks it when it
+    is built). Used by the layers when the engine enables ``fused_elementwise``; the numbers are
+    ``fn``'s up to reassociation inside the fused kernel."""
+    return _compiled(fn, env.get("UNDERLAY_COMPILE_BACKEND"))
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    compiled: Callable[..., Any] = torch.compile(fn, dynamic=True, backend=backend)
     return compiled
 
 
