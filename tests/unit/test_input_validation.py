@@ -198,13 +198,13 @@ def test_environment_values_are_validated(
 
 
 def test_compile_backend_env_is_checked_at_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    from underlay.engines.fsdp2.engine import _compile_backend
+    from underlay.engines._inductor import compile_backend
 
     monkeypatch.setenv("UNDERLAY_COMPILE_BACKEND", "bogus")
     with pytest.raises(ConfigError, match="UNDERLAY_COMPILE_BACKEND='bogus'"):
-        _compile_backend()
+        compile_backend()
     monkeypatch.setenv("UNDERLAY_COMPILE_BACKEND", "eager")
-    assert _compile_backend() == "eager"
+    assert compile_backend() == "eager"
 
 
 def test_schedule_and_profiler_counts() -> None:
