@@ -283,6 +283,12 @@ def test_rank_threads_follow_the_cpu_reservation_and_ranks_are_not_niced() -> No
     two_cpus = RankResources(None, None, 2.0)
     with WorkerGroup(1, device="cpu", name="threads2", resources=two_cpus, env={"OMP_NUM_THREADS": "3"}) as g:
         assert g.run(_threads_and_niceness) == [(2, 0)]
+        # a call past its timeout names the rank and this host's load (starved or stuck?)
+        with pytest.raises(
+            RankFailure, match=r"rank 0 of 1 .* no answer within 0.5 s \(this host: load average"
+        ):
+            g.get(g.submit(time.sleep, 30), timeout_s=0.5, what="a sleep")
+        assert not g.alive
     assert _all_free() and not _live_placement_groups()
 
 

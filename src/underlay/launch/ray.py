@@ -745,6 +745,16 @@ def remove_detached(name: str) -> None:
     WorkerGroup.attach(name).shutdown()
 
 
+def _host_load() -> str:
+    """`` (this host: load average L over N CPUs)`` for a timeout's message: a rank that answers late
+    on an overloaded host is starved, not stuck. Empty where the platform has no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return ""
+    return f" (this host: load average {load:.1f} over {os.cpu_count() or 1} CPUs)"
+
+
 # Ray's variable for the niceness of a worker process (read by the worker when it starts)
 _RAY_NICENESS = "RAY_worker_niceness"
 
@@ -1054,7 +1064,7 @@ class WorkerGroup:
                 if failures:  # the grace period is over
                     break
                 r = min(rank_of[p] for p in pending)
-                self._fail(r, what, f"no answer within {timeout_s:g} s", "timeout", {})
+                self._fail(r, what, f"no answer within {timeout_s:g} s{_host_load()}", "timeout", {})
         if failures:
             rank = self._root_cause(failures)
             others = {r: _cause(e) for r, e in failures.items() if r != rank}
