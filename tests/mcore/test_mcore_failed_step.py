@@ -4,8 +4,10 @@ the next good step equals, bit for bit, the step of an engine that never failed.
 
 One gloo process group runs its layouts in turn (megatron's parallel state is torn down
 between engines); each layout builds a reference engine (one good step) and then the engine under test
-(a good call, a call whose ``loss_fn`` raises on its second micro-batch, a call whose ``loss_fn``
-returns a Python float there, then the same good step as the reference)."""
+(a good call before each failing call: a call whose ``loss_fn`` raises on its second micro-batch, one
+whose ``loss_fn`` returns a Python float there, one whose model forward raises there on the first
+pipeline stage (a forward pre-hook on its first decoder layer), one whose model forward raises there
+on the last stage (its last decoder layer); then the same good step as the reference)."""
 
 from __future__ import annotations
 
@@ -62,6 +64,40 @@ def _failing(bad_return: bool, only_dp_rank: int | None, failed: list[bool]) -> 
     return loss_fn
 
 
+def _failing_layer(eng: Any, stage: int, only_dp_rank: int | None, failed: list[bool]) -> Any:
+    """On the ranks of pipeline ``stage`` (and data-parallel rank ``only_dp_rank``, or every one), a
+    forward pre-hook on the stage's first decoder layer (stage 0) or its last one (last stage) that
+    raises ``RuntimeError`` on the layer's second call (micro-batch 1: one call per micro-batch) and
+    appends to ``failed``; the hook's handle, ``None`` on the other ranks."""
+    from megatron.core import parallel_state as ps
+
+    from underlay.engines.mcore._chunks import unwrap
+
+    here = only_dp_rank is None or ps.get_data_parallel_rank() == only_dp_rank
+    if ps.get_pipeline_model_parallel_rank() != stage or not here:
+        return None
+    layers = unwrap(eng._chunks[0 if stage == 0 else -1]).decoder.layers
+    layer = layers[0 if stage == 0 else -1]
+    calls = [0]
+
+    def hook(module: Any, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            failed.append(True)
+            raise RuntimeError(f"injected model failure on stage {stage}")
+
+    return layer.register_forward_pre_hook(hook)
+
+
+# case -> (the pipeline stage where it fails, the start of the exception every rank raises)
+CASES = {
+    "raise": (1, "RuntimeError: injected loss_fn failure"),
+    "bad_return": (1, "InvalidInput"),
+    "model_first": (0, "RuntimeError: injected model failure on stage 0"),
+    "model_last": (1, "RuntimeError: injected model failure on stage 1"),
+}
+
+
 def _grad_abs_max(eng: Any) -> float:
     worst = 0.0
     for p in eng.model.parameters():
@@ -102,18 +138,26 @@ def job_failed_step(rank: int, world: int, layouts: list[dict[str, Any]], skip_d
             "stage": ps.get_pipeline_model_parallel_rank(),
             "fails_here": only is None or ps.get_data_parallel_rank() == only,
         }
-        for case, bad_return in (("raise", False), ("bad_return", True)):
+        for case in CASES:
             eng.forward_backward(_mine(eng, H.make_batch(3, b=4)), H.pg_loss)  # to be dropped too
             out[f"{case}_before"] = _grad_abs_max(eng)
             start = time.monotonic()
             here: list[bool] = []
+            loss_fn, hook = H.pg_loss, None
+            if case.startswith("model_"):
+                hook = _failing_layer(eng, CASES[case][0], only, here)
+            else:
+                loss_fn = _failing(case == "bad_return", only, here)
             try:
                 rows = _mine(eng, _full_rows(5, 4 * eng.layout.dp))
-                eng.forward_backward(rows, _failing(bad_return, only, here))
+                eng.forward_backward(rows, loss_fn)
                 out[case] = "no error"
             except Exception as exc:
                 notes = " ".join(getattr(exc, "__notes__", []))
                 out[case] = f"{type(exc).__name__}: {exc} {notes}"
+            finally:
+                if hook is not None:
+                    hook.remove()
             out[f"{case}_seconds"] = time.monotonic() - start
             out[f"{case}_here"] = bool(here)
             out[f"{case}_grads"] = _grad_abs_max(eng)
@@ -131,30 +175,31 @@ def job_failed_step(rank: int, world: int, layouts: list[dict[str, Any]], skip_d
 def _check(results: list[list[dict[str, Any]]]) -> None:
     for per_rank in results:
         for r in per_rank:
-            assert r["raise_before"] > 0.0 and r["bad_return_before"] > 0.0, r
-            # every rank raises the loss_fn's exception; the ranks that did not run it are told who did
-            assert r["raise"].startswith("RuntimeError: injected loss_fn failure"), r
-            assert r["bad_return"].startswith("InvalidInput"), r
-            # the schedule ran to its end: far below the group timeout (300 s)
-            assert r["raise_seconds"] < 60 and r["bad_return_seconds"] < 60, r
-            assert r["raise_grads"] == 0.0 and r["bad_return_grads"] == 0.0, r
+            for case, (_, error) in CASES.items():
+                assert r[f"{case}_before"] > 0.0, (case, r)
+                # every rank raises the failing rank's exception; the others are told who raised it
+                assert r[case].startswith(error), (case, r)
+                # the schedule ran to its end: far below the group timeout (300 s)
+                assert r[f"{case}_seconds"] < 60, (case, r)
+                assert r[f"{case}_grads"] == 0.0, (case, r)
             assert r["norm_equal"] and r["params_equal"], r
     for i in range(len(results[0])):  # per layout
         rows = [per_rank[i] for per_rank in results]
         assert {r["stage"] for r in rows} == {0, 1}, rows
-        for r in rows:  # a rank whose loss_fn did not fail is told which rank's did
-            for case in ("raise", "bad_return"):
-                told = "(pipeline stage 1 of 2), not on this rank" in r[case]
+        for r in rows:  # a rank that did not fail is told which rank and stage did
+            for case, (stage, _) in CASES.items():
+                told = f"(pipeline stage {stage} of 2), not on this rank" in r[case]
                 assert told != r[f"{case}_here"], (case, r)
-                assert r[f"{case}_here"] == (r["stage"] == 1 and r["fails_here"]), (case, r)
+                assert r[f"{case}_here"] == (r["stage"] == stage and r["fails_here"]), (case, r)
 
 
 def test_mcore_failed_step_pp2() -> None:
-    """4 ranks: tp2 x pp2 (the loss_fn fails on both TP ranks of the last stage) and pp2 x vpp2 x dp2
-    (interleaved schedule; the loss_fn fails on data-parallel rank 1 only). Every rank raises the
-    loss_fn's exception promptly, keeps no gradient, and the next step is bit-equal to a fresh
-    engine's. Negative controls: ``job_failed_step(..., skip_drop=True)`` (no gradient dropped) fails
-    ``_check`` (gradients left, unequal step); on the code before the fix, the ranks of stage 0 wait
-    in the pipeline transfers until the group timeout."""
+    """4 ranks: tp2 x pp2 (the loss_fn, or the model forward of one stage, fails on both TP ranks of
+    the stage) and pp2 x vpp2 x dp2 (interleaved schedule, fixed shapes; the failures on data-parallel
+    rank 1 only). Every rank raises the failing rank's exception promptly, keeps no gradient, and the
+    next step is bit-equal to a fresh engine's. Negative controls: ``job_failed_step(...,
+    skip_drop=True)`` (no gradient dropped) fails ``_check`` (gradients left, unequal step); on the
+    code before the fix, the ranks of the stages whose loss_fn or model did not fail wait in the
+    pipeline transfers until the group timeout."""
     layouts = [{"tp": 2, "pp": 2}, {"pp": 2, "vpp": 2, "only_dp_rank": 1}]
     _check(fixture_launcher(job_failed_step, 4, layouts, False))

@@ -309,17 +309,71 @@ class MCoreStep(MCoreOptim):
 
         return TokenOutputs(align(out.log_probs), align(out.entropy), None)
 
-    def _run_schedule(self, mbs: list[_MicroBatch], loss_func: Any, forward_only: bool) -> None:
+    def _stand_in(self, model: Any, mb: _MicroBatch) -> torch.Tensor:
+        """A zero output of the chunk ``model`` for ``mb`` in the place of a forward that raised, shaped
+        as megatron's ``GPTModel`` stage output so the schedule's transfers stay paired: ``[b=1, T',
+        hidden]`` (``[1, T', 1]`` for a value model) on the last stage, whose output layer returns the
+        hidden states gathered over sequence parallelism (``T'`` = ``mb``'s tokens on this CP rank,
+        transposed by ``GPTModel``'s post-process); the received input's shape and dtype ``[s_local, 1,
+        hidden]`` on a stage that receives one (megatron's ``set_input_tensor`` puts it in
+        ``decoder.input_tensor``); ``[T' / tp under sequence parallelism, 1, hidden]`` in
+        ``pipeline_dtype`` on the first stage. Not a view (megatron's ``deallocate_output_tensor``
+        refuses views). It depends on the received input (the backward then gives the previous stage
+        a zero ``input_tensor.grad`` to send upstream instead of ``None``) and on every trainable
+        parameter of the chunk through a zero factor: backward has a graph on every stage, and with
+        ``overlap_grad_reduce`` every gradient bucket becomes ready on this rank as on its
+        data-parallel peers, whose bucket reductions would otherwise wait for this rank."""
+        inner = _unwrap(model)
+        cfg = self._tf_config
+        received = getattr(getattr(inner, "decoder", None), "input_tensor", None)
+        tokens = int(mb.input_ids.shape[1])
+        if inner.post_process:
+            shape: tuple[int, ...] = (1, tokens, 1 if self._value else cfg.hidden_size)
+            dtype = cfg.params_dtype
+        elif received is not None:
+            shape, dtype = tuple(received.shape), received.dtype
+        else:
+            local = tokens // self._layout.tp if cfg.sequence_parallel else tokens
+            shape, dtype = (local, 1, cfg.hidden_size), cfg.pipeline_dtype
+        out = torch.zeros(shape, dtype=dtype, device=self._torch_device)
+        links = [p.reshape(-1)[:1].sum().float() for p in model.parameters() if p.requires_grad]
+        if received is not None and received.requires_grad:
+            links.append(received.sum().float())
+        if links:
+            out = out + (torch.stack(links).sum() * 0.0).to(dtype)
+        return out
+
+    def _run_schedule(
+        self,
+        mbs: list[_MicroBatch],
+        loss_func: Any,
+        forward_only: bool,
+        failed: list[Exception] | None = None,
+    ) -> None:
+        """Run megatron's schedule over ``mbs``. With ``failed`` given, an ``Exception`` raised by the
+        model forward of a micro-batch is appended to ``failed`` (the caller raises the first after
+        the schedule) and the forward returns ``_stand_in`` instead, so the other stages' transfers
+        are answered; ``loss_func`` sees ``failed`` non-empty and takes its failed path."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Any, model: Any) -> Any:
             mb = next(data_iterator)
-            out = model(
-                input_ids=mb.input_ids,
-                position_ids=mb.position_ids,
-                attention_mask=None,
-                packed_seq_params=mb.params,
-            )
+            try:
+                # after a failure the later micro-batches still run the model, as after a loss_fn
+                # failure: a TP peer whose forward did not raise (a failure past the forward's last
+                # TP collective, or none on that rank) runs its next forwards, whose TP collectives
+                # this rank must answer; a deterministic failure raises again and is substituted again
+                out = model(
+                    input_ids=mb.input_ids,
+                    position_ids=mb.position_ids,
+                    attention_mask=None,
+                    packed_seq_params=mb.params,
+                )
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed.append(exc)
+                out = self._stand_in(model, mb)
             return out, partial(loss_func, model, mb)
 
         fb = get_forward_backward_func()
@@ -357,8 +411,19 @@ class MCoreStep(MCoreOptim):
         failing rank its own exception, every other rank the first failing rank's (same type and
         message, a note naming that rank and its pipeline stage; ``UnderlayError`` with its text when
         it does not pickle). The next step equals a fresh engine's (``docs/reliability.md`` §6).
-        A ``BaseException`` (``KeyboardInterrupt``) or a failure inside megatron's model or transfers
-        leaves at once on its rank, with this rank's gradients dropped (the others are not told).
+        An ``Exception`` raised by the model forward of a micro-batch on any pipeline stage is held
+        the same way (the first failure of the rank, model or ``loss_fn``, is the one raised): the
+        forward returns a zero stand-in of the stage's output shape (``_stand_in``) so the next
+        stage receives its tensor and the backward sends a zero gradient upstream; the last stage's
+        ``loss_fn`` is skipped from then on; the later micro-batches run the model again.
+        Not covered (the rank leaves at once with its gradients dropped, or its peers wait until the
+        collective timeout): a ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``), never
+        caught; a model failure on some ranks only of a TP, CP or EP group whose peers then wait in
+        a collective of the same forward (the tensor-parallel all-reduces, the context-parallel
+        attention exchange, the expert all-to-all): covered only when every rank of those groups
+        raises at the same point (a failure determined by the micro-batch, as a bad input); a failure
+        inside megatron's pipeline transfers or its schedule itself (outside the model forward and
+        the ``loss_fn``).
 
         Host synchronisation: validation, planning and packing read host tensors (none for a host
         batch; one copy for a device batch); the global counts are one all-reduce before the first
@@ -393,7 +458,7 @@ class MCoreStep(MCoreOptim):
         temperature = self._config.temperature
         with_entropy = self._config.with_entropy
 
-        failed: list[Exception] = []  # this rank's first loss failure
+        failed: list[Exception] = []  # this rank's failures (model forward or loss_fn); the first wins
 
         def loss_func(model: Any, mb: _MicroBatch, output: torch.Tensor) -> Any:
             no_tokens = torch.zeros((), dtype=torch.int, device=output.device)
@@ -422,13 +487,13 @@ class MCoreStep(MCoreOptim):
             c.train()
         self._grads = "local"
         try:
-            self._run_schedule(mbs, loss_func, forward_only=False)
+            self._run_schedule(mbs, loss_func, forward_only=False, failed=failed)
         except BaseException:
             self._drop_grads()
             raise
         failure = shared_failure(
             failed[0] if failed else None,
-            what="forward_backward (loss_fn)",
+            what="forward_backward",
             where=f"pipeline stage {ps.get_pipeline_model_parallel_rank()} of {self._layout.pp}",
         )
         if failure is not None:
