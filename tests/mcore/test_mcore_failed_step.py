@@ -161,6 +161,21 @@ def job_failed_step(rank: int, world: int, layouts: list[dict[str, Any]], skip_d
             out[f"{case}_seconds"] = time.monotonic() - start
             out[f"{case}_here"] = bool(here)
             out[f"{case}_grads"] = _grad_abs_max(eng)
+        # infer: the model forward raises on the first stage (no gradient involved)
+        here_infer: list[bool] = []
+        hook = _failing_layer(eng, 0, only, here_infer)
+        start = time.monotonic()
+        try:
+            eng.infer(_mine(eng, _full_rows(5, 4 * eng.layout.dp)))
+            out["infer"] = "no error"
+        except Exception as exc:
+            notes = " ".join(getattr(exc, "__notes__", []))
+            out["infer"] = f"{type(exc).__name__}: {exc} {notes}"
+        finally:
+            if hook is not None:
+                hook.remove()
+        out["infer_seconds"] = time.monotonic() - start
+        out["infer_here"] = bool(here_infer)
         norm, params = _step(eng, 7)
         out["norm_equal"] = norm == ref_norm
         out["params_equal"] = len(params) == len(ref_params) and all(
@@ -182,6 +197,8 @@ def _check(results: list[list[dict[str, Any]]]) -> None:
                 # the schedule ran to its end: far below the group timeout (300 s)
                 assert r[f"{case}_seconds"] < 60, (case, r)
                 assert r[f"{case}_grads"] == 0.0, (case, r)
+            assert r["infer"].startswith("RuntimeError: injected model failure on stage 0"), r
+            assert r["infer_seconds"] < 60, r
             assert r["norm_equal"] and r["params_equal"], r
     for i in range(len(results[0])):  # per layout
         rows = [per_rank[i] for per_rank in results]
@@ -191,15 +208,22 @@ def _check(results: list[list[dict[str, Any]]]) -> None:
                 told = f"(pipeline stage {stage} of 2), not on this rank" in r[case]
                 assert told != r[f"{case}_here"], (case, r)
                 assert r[f"{case}_here"] == (r["stage"] == stage and r["fails_here"]), (case, r)
+            told = "infer: raised on rank" in r["infer"] and "(pipeline stage 0 of 2)" in r["infer"]
+            assert told != r["infer_here"], r
+            assert r["infer_here"] == (r["stage"] == 0 and r["fails_here"]), r
 
 
 def test_mcore_failed_step_pp2() -> None:
-    """4 ranks: tp2 x pp2 (the loss_fn, or the model forward of one stage, fails on both TP ranks of
-    the stage) and pp2 x vpp2 x dp2 (interleaved schedule, fixed shapes; the failures on data-parallel
+    """4 ranks: tp2 x pp2 with sequence parallelism (the loss_fn, or the model forward of one stage,
+    fails on both TP ranks of the stage) and pp2 x vpp2 x dp2 (interleaved schedule, fixed shapes; the failures on data-parallel
     rank 1 only). Every rank raises the failing rank's exception promptly, keeps no gradient, and the
     next step is bit-equal to a fresh engine's. Negative controls: ``job_failed_step(...,
     skip_drop=True)`` (no gradient dropped) fails ``_check`` (gradients left, unequal step); on the
     code before the fix, the ranks of the stages whose loss_fn or model did not fail wait in the
     pipeline transfers until the group timeout."""
-    layouts = [{"tp": 2, "pp": 2}, {"pp": 2, "vpp": 2, "only_dp_rank": 1}]
+    # sequence parallelism at tp2: the first stage's stand-in holds T'/tp tokens
+    layouts = [
+        {"tp": 2, "pp": 2, "options": {"sequence_parallel": True}},
+        {"pp": 2, "vpp": 2, "only_dp_rank": 1},
+    ]
     _check(fixture_launcher(job_failed_step, 4, layouts, False))

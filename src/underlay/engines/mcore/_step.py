@@ -522,7 +522,14 @@ class MCoreStep(MCoreOptim):
     ) -> TokenOutputs:
         """Per-token log-probs (and entropy when ``with_entropy``), or ``values`` for a value model,
         ``[B, S]`` fp32 on the device, rows in the order of ``batch``, 0 at padding (log-probs and
-        entropy also at position 0), on every rank (broadcast from the last pipeline stage)."""
+        entropy also at position 0), on every rank (broadcast from the last pipeline stage).
+
+        At pp > 1 an ``Exception`` raised by the model forward of a micro-batch on any stage is held
+        as in ``forward_backward`` (a zero stand-in keeps the schedule's transfers paired) and, after
+        the schedule, raised on every rank (``parallel.agree.shared_failure``: one small all-reduce
+        and one host read per call at pp > 1); at pp = 1 it leaves at once (no stage waits for this
+        one). Not covered, as there: ``BaseException``, a failure on some ranks only of a TP, CP or EP
+        group inside a collective of the same forward, a failure in megatron's transfers."""
         from megatron.core import parallel_state as ps
 
         host = self._check_batch(batch)
@@ -550,7 +557,16 @@ class MCoreStep(MCoreOptim):
 
         for c in self._chunks:
             c.eval()
-        self._run_schedule(mbs, loss_func, forward_only=True)
+        failed: list[Exception] | None = [] if self._layout.pp > 1 else None
+        self._run_schedule(mbs, loss_func, forward_only=True, failed=failed)
+        if failed is not None:
+            failure = shared_failure(
+                failed[0] if failed else None,
+                what="infer",
+                where=f"pipeline stage {ps.get_pipeline_model_parallel_rank()} of {self._layout.pp}",
+            )
+            if failure is not None:
+                raise failure
         if self._layout.pp > 1:
             src = ps.get_pipeline_model_parallel_last_rank()
             dist.broadcast(main, src=src, group=self._pg["pp"])
