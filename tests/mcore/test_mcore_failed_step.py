@@ -5,9 +5,10 @@ the next good step equals, bit for bit, the step of an engine that never failed.
 One gloo process group runs its layouts in turn (megatron's parallel state is torn down
 between engines); each layout builds a reference engine (one good step) and then the engine under test
 (a good call before each failing call: a call whose ``loss_fn`` raises on its second micro-batch, one
-whose ``loss_fn`` returns a Python float there, one whose model forward raises there on the first
-pipeline stage (a forward pre-hook on its first decoder layer), one whose model forward raises there
-on the last stage (its last decoder layer); then the same good step as the reference)."""
+whose ``loss_fn`` returns a Python float there, three whose model forward raises there (a forward
+pre-hook on a decoder layer, ``SITES``: the first stage's first layer, the last stage's first chunk,
+its last layer); then an ``infer`` whose first stage's model raises, and the same good step as the
+reference)."""
 
 from __future__ import annotations
 
@@ -64,20 +65,20 @@ def _failing(bad_return: bool, only_dp_rank: int | None, failed: list[bool]) -> 
     return loss_fn
 
 
-def _failing_layer(eng: Any, stage: int, only_dp_rank: int | None, failed: list[bool]) -> Any:
-    """On the ranks of pipeline ``stage`` (and data-parallel rank ``only_dp_rank``, or every one), a
-    forward pre-hook on the stage's first decoder layer (stage 0) or its last one (last stage) that
-    raises ``RuntimeError`` on the layer's second call (micro-batch 1: one call per micro-batch) and
-    appends to ``failed``; the hook's handle, ``None`` on the other ranks."""
+def _failing_layer(eng: Any, case: str, only_dp_rank: int | None, failed: list[bool]) -> Any:
+    """On the ranks of the pipeline stage of ``SITES[case]`` (and data-parallel rank ``only_dp_rank``,
+    or every one), a forward pre-hook on that site's decoder layer that raises ``RuntimeError`` on the
+    layer's second call (micro-batch 1: one call per micro-batch) and appends to ``failed``; the hook's
+    handle, ``None`` on the other ranks."""
     from megatron.core import parallel_state as ps
 
     from underlay.engines.mcore._chunks import unwrap
 
+    stage, chunk, index = SITES[case]
     here = only_dp_rank is None or ps.get_data_parallel_rank() == only_dp_rank
     if ps.get_pipeline_model_parallel_rank() != stage or not here:
         return None
-    layers = unwrap(eng._chunks[0 if stage == 0 else -1]).decoder.layers
-    layer = layers[0 if stage == 0 else -1]
+    layer = unwrap(eng._chunks[chunk]).decoder.layers[index]
     calls = [0]
 
     def hook(module: Any, args: Any) -> None:
@@ -89,12 +90,18 @@ def _failing_layer(eng: Any, stage: int, only_dp_rank: int | None, failed: list[
     return layer.register_forward_pre_hook(hook)
 
 
+# model-failure case -> (pipeline stage, model chunk, decoder layer of the chunk) that raises: the first
+# stage's first layer (no received input), the last stage's first chunk (with vpp2 a chunk that
+# receives an input and sends an output; without, the last chunk), the last stage's last layer
+SITES = {"model_first": (0, 0, 0), "model_mid": (1, 0, 0), "model_last": (1, -1, -1)}
 # case -> (the pipeline stage where it fails, the start of the exception every rank raises)
 CASES = {
     "raise": (1, "RuntimeError: injected loss_fn failure"),
     "bad_return": (1, "InvalidInput"),
-    "model_first": (0, "RuntimeError: injected model failure on stage 0"),
-    "model_last": (1, "RuntimeError: injected model failure on stage 1"),
+    **{
+        case: (site[0], f"RuntimeError: injected model failure on stage {site[0]}")
+        for case, site in SITES.items()
+    },
 }
 
 
@@ -145,7 +152,7 @@ def job_failed_step(rank: int, world: int, layouts: list[dict[str, Any]], skip_d
             here: list[bool] = []
             loss_fn, hook = H.pg_loss, None
             if case.startswith("model_"):
-                hook = _failing_layer(eng, CASES[case][0], only, here)
+                hook = _failing_layer(eng, case, only, here)
             else:
                 loss_fn = _failing(case == "bad_return", only, here)
             try:
@@ -163,7 +170,7 @@ def job_failed_step(rank: int, world: int, layouts: list[dict[str, Any]], skip_d
             out[f"{case}_grads"] = _grad_abs_max(eng)
         # infer: the model forward raises on the first stage (no gradient involved)
         here_infer: list[bool] = []
-        hook = _failing_layer(eng, 0, only, here_infer)
+        hook = _failing_layer(eng, "model_first", only, here_infer)
         start = time.monotonic()
         try:
             eng.infer(_mine(eng, _full_rows(5, 4 * eng.layout.dp)))
