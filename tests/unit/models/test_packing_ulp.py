@@ -24,6 +24,10 @@ from tests.unit.models._matrix import LENGTHS, packing_diff
 from underlay.models import coverage
 
 EPS = torch.finfo(torch.float64).eps
+MKL_AVX2 = bool(torch.backends.mkl.is_available()) and torch.backends.cpu.get_cpu_capability() == "AVX2"  # type: ignore[no-untyped-call]
+"""The BLAS these facts were isolated on (MKL's AVX2 float64 gemm, the CI machine's). Which rows differ,
+and whether a given layout shows a difference at all, is that library's blocking: elsewhere only the
+bounds and the row-at-a-time equality are asserted (they hold for any BLAS)."""
 
 
 def test_gemm_row_depends_on_its_neighbours() -> None:
@@ -43,9 +47,8 @@ def test_gemm_row_depends_on_its_neighbours() -> None:
         scale = x[:m].abs() @ w.abs().T
         assert bool(((part - full[:m]).abs() <= 2 * EPS * scale).all()), m
         differing[m] = [i for i in range(m) if not torch.equal(part[i], full[i])]
-    assert any(differing.values()), "every row of every product equals the 17-row product's"
-    mkl = bool(torch.backends.mkl.is_available())  # type: ignore[no-untyped-call]
-    if mkl and torch.backends.cpu.get_cpu_capability() == "AVX2":
+    if MKL_AVX2:
+        assert any(differing.values()), "every row of every product equals the 17-row product's"
         for m, rows in differing.items():
             assert rows == list(range(m - m % 4, m)), (m, rows)
             if m > 4:  # below one block MKL takes yet another path
@@ -101,7 +104,9 @@ whose pack of 18 leaves rows 16-17 to the remainder path (row 16 predicts a scor
 def test_packings_differ_by_ulps_from_blas_rows(model_type: str, lengths: list[int]) -> None:
     assert model_type in coverage.NOT_EXACT or model_type in coverage.EXACT["fsdp2"]
     diff = packing_diff(model_type, lengths)
-    assert 0.0 < diff <= 16 * EPS * 8, diff  # log-probs of magnitude < 8: a few ulp
+    assert diff <= 16 * EPS * 8, diff  # log-probs of magnitude < 8: a few ulp
+    if MKL_AVX2:
+        assert diff > 0.0, "these layouts differ with MKL's AVX2 blocking"
 
 
 @pytest.mark.parametrize(("model_type", "lengths"), CASES, ids=[c[0] for c in CASES])
