@@ -99,3 +99,15 @@ def check_row(model_type: str) -> dict[str, float]:
         if p.grad is not None and grads[n].grad is not None
     )
     return diffs
+
+
+def packing_diff(model_type: str, lengths: list[int]) -> float:
+    """Max abs difference of the float64 log-probs of ``sequences(lengths)`` between one packed
+    micro-batch of all of them and two (the first sequence, then the rest), through the prepared
+    :func:`tiny_model` of ``model_type`` (no gradients)."""
+    model = prepare_model(tiny_model(model_type), attention="eager")
+    seqs = sequences(lengths)
+    with torch.no_grad():
+        one = _underlay(model, seqs, 1.0)
+        two = _underlay(model, seqs[:1], 1.0) + _underlay(model, seqs[1:], 1.0)
+    return max(float((x["log_probs"] - y["log_probs"]).abs().max()) for x, y in zip(one, two))
