@@ -309,6 +309,12 @@ class MCoreStep(MCoreOptim):
 
         return TokenOutputs(align(out.log_probs), align(out.entropy), None)
 
+    def _stage(self) -> str:
+        """``"pipeline stage P of PP"`` for this rank: where a shared failure says it happened."""
+        from megatron.core import parallel_state as ps
+
+        return f"pipeline stage {ps.get_pipeline_model_parallel_rank()} of {self._layout.pp}"
+
     def _stand_in(self, model: Any, mb: _MicroBatch) -> torch.Tensor:
         """A zero output of the chunk ``model`` for ``mb`` in the place of a forward that raised, shaped
         as megatron's ``GPTModel`` stage output so the schedule's transfers stay paired: ``[b=1, T',
@@ -494,7 +500,7 @@ class MCoreStep(MCoreOptim):
         failure = shared_failure(
             failed[0] if failed else None,
             what="forward_backward",
-            where=f"pipeline stage {ps.get_pipeline_model_parallel_rank()} of {self._layout.pp}",
+            where=self._stage(),
         )
         if failure is not None:
             # a failed micro-batch (the loss_fn raised or returned a bad value) must not leak its
@@ -563,7 +569,7 @@ class MCoreStep(MCoreOptim):
             failure = shared_failure(
                 failed[0] if failed else None,
                 what="infer",
-                where=f"pipeline stage {ps.get_pipeline_model_parallel_rank()} of {self._layout.pp}",
+                where=self._stage(),
             )
             if failure is not None:
                 raise failure

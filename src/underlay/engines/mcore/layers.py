@@ -32,7 +32,7 @@ __all__ = [
     "RMSNorm",
     "ValueHead",
     "block_spec",
-    "fused",
+    "fused_kernel",
     "have_te",
     "kernel_cu_seqlens",
     "mark_tensor_parallel",
@@ -58,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
+def fused_kernel(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` compiled with ``torch.compile(dynamic=True)`` (one graph for every token count; the
     elementwise chain becomes one kernel forward and one or two backward), once per process and
     backend (``UNDERLAY_COMPILE_BACKEND``, the engines' compile backend; the engine checks it when it
@@ -75,7 +75,7 @@ def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
 
 class RMSNorm(torch.nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` with the statistics in fp32, as Hugging Face computes it
-    (``rms_norm``); with ``fused`` through one compiled kernel (``fused``).
+    (``rms_norm``); with ``fused`` through one compiled kernel (``fused_kernel``).
 
     Megatron's norm constructor signature ``(config, hidden_size, eps)``."""
 
@@ -83,15 +83,17 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = float(eps)
         self.fused = bool(fused)
+        # the compiled function resolved once here, not on every forward
+        self._compiled = fused_kernel(rms_norm) if self.fused else None
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., hidden]`` -> same shape and dtype."""
-        if not self.fused:
+        if self._compiled is None:
             return rms_norm(x, self.weight, self.eps)
         # one compiled graph for the [s, b, H] hidden states and the [t, heads, d] q/k norms alike
-        out: torch.Tensor = fused(rms_norm)(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+        out: torch.Tensor = self._compiled(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
         return out.view(x.shape)
 
 
@@ -197,6 +199,10 @@ def _core_attention_class() -> type:
             super().__init__(config=config)
             self.softmax_scale = softmax_scale
             self.fused_rope = bool(fused_rope)
+            from underlay.engines.mcore.rope import apply_rope
+
+            # the rotation, compiled when fused: resolved once here, not on every forward
+            self._rope_fn = fused_kernel(apply_rope) if self.fused_rope else apply_rope
             # a registry name (None: the registry's choice), or a kernel the caller built
             self.kernel_name = kernel if kernel is None or isinstance(kernel, str) else None
             self._kernel: Any = None if kernel is None or isinstance(kernel, str) else kernel
@@ -279,10 +285,10 @@ def _core_attention_class() -> type:
             ``cu_seqlens_q(_padded)``, CP-local under context parallelism) or ``[s, b, h, d]``
             (positions ``0 .. s - 1``). cos/sin are computed once per micro-batch and cached on its
             ``PackedSeqParams`` (every layer of every chunk reuses them)."""
-            from underlay.engines.mcore.rope import apply_rope, rope_cos_sin
+            from underlay.engines.mcore.rope import rope_cos_sin
 
             assert self._inv_freq is not None
-            rope = _partial(fused(apply_rope) if self.fused_rope else apply_rope)
+            rope = _partial(self._rope_fn)
             if packed is None:
                 pos = torch.arange(query.shape[0], device=query.device)
                 cos, sin = rope_cos_sin(pos, self._device_inv_freq(query.device), query.dtype)
@@ -441,7 +447,7 @@ def block_spec(
     """The decoder block spec of one pipeline chunk: Transformer Engine's GPT layer spec when TE is
     installed, else megatron's local spec with ``RMSNorm`` and ``CoreAttention`` (kernel ``attention``: a
     registry name, ``None`` = the registry's choice, or a kernel object the caller built) plugged in, and
-    ``RMSNorm`` as the final norm. ``fused_elementwise``: the norms and the RoPE rotation run as compiled kernels (``fused``)."""
+    ``RMSNorm`` as the final norm. ``fused_elementwise``: the norms and the RoPE rotation run as compiled kernels (``fused_kernel``)."""
     global CoreAttention
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec
