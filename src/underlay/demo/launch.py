@@ -183,7 +183,15 @@ def launch(cfg: DemoConfig, launcher: str = "torch") -> dict[str, Any]:
     if launcher == "ray":
         _launch_ray(cfg, out)
     else:
-        _start_processes(spawn, cfg, world, out, free_port())
+        # a port found free can be taken by another process before rank 0 listens on it: the ranks
+        # then fail in the rendezvous before any work, and a new port is tried (three in all)
+        for attempt in range(3):
+            try:
+                _start_processes(spawn, cfg, world, out, free_port())
+                break
+            except (RuntimeError, UnderlayError) as exc:
+                if attempt == 2 or "EADDRINUSE" not in str(exc):
+                    raise
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     summary["launch_wall_s"] = time.perf_counter() - t0
     summary["launcher"] = launcher
