@@ -152,3 +152,14 @@ def test_gemma2_tiny_model_flex_vs_eager_bf16() -> None:
     assert flex_mean <= 1.5 * eager_mean + 2e-3, (flex_mean, eager_mean)
     assert flex_max <= 1.5 * eager_max + 2e-2, (flex_max, eager_max)
     assert cosine(flex_g, ref_g) >= 0.99 and cosine(flex_g, ref_g) >= cosine(eager_g, ref_g) - 0.01
+
+
+def test_many_packed_layouts_with_gradients_under_checkpoint() -> None:
+    """The engine's use: a new packed layout every micro-batch (here 12, more than dynamo's recompile
+    limit of 8), gradients, each call under eager non-reentrant checkpointing. Every layout runs, and
+    the compiled flex function does not compile a graph per layout."""
+    from tests.gpu._flex_layouts import random_layouts, run_layouts
+
+    res = run_layouts(random_layouts(12, seed=1))
+    assert res["error"] is None and res["ran"] == 12, res
+    assert res["graphs"] <= 4, res

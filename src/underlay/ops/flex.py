@@ -42,7 +42,10 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
     if found is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        found = _FLEX.setdefault("compiled", torch.compile(flex_attention))
+        # dynamic: a packed stream's length changes with every micro-batch; with automatic dynamic
+        # shapes the first few lengths each compile a static graph and the block mask's integers keep
+        # specialising until dynamo's recompile limit sends flex to its eager path mid-training
+        found = _FLEX.setdefault("compiled", torch.compile(flex_attention, dynamic=True))
     return cast(Callable[..., torch.Tensor], found)
 
 
