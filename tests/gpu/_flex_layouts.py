@@ -3,7 +3,12 @@
 recomputation path), then backward. Shared by ``test_flex_attention_cuda.py`` and runnable as a script
 on the GPU host to compare compile settings of the process-wide flex function::
 
-    PYTHONPATH=src:. python3 -m tests.gpu._flex_layouts [--dynamic none|true] [--plain] [--fullgraph]
+    PYTHONPATH=src:. python3 -m tests.gpu._flex_layouts [--engine-scope] [--raw [--dynamic none|true]
+        [--fullgraph]] [--plain]
+
+``--engine-scope`` runs the calls under the settings the fsdp2 engine traces with (dynamo's
+``suppress_errors`` on, ``activation_memory_budget`` 0.85); ``--raw`` replaces the library's flex
+function by a plain ``torch.compile(flex_attention)`` (the settings given).
 
 It prints one line: layouts run, graphs compiled, the first error (if any).
 """
@@ -11,6 +16,7 @@ It prints one line: layouts run, graphs compiled, the first error (if any).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import random
 from typing import Any
@@ -47,17 +53,34 @@ def run_layouts(
     layouts: list[tuple[int, ...]],
     *,
     checkpointed: bool = True,
+    engine_scope: bool = True,
     heads: tuple[int, int] = (8, 4),
     dim: int = 128,
 ) -> dict[str, Any]:
     """Forward + backward of the flex kernel (softcap 50, alternating window 4095 / none, GQA) over
-    ``layouts`` in bf16 on cuda. Returns ``{"ran": layouts done, "graphs": dynamo graphs compiled
+    ``layouts`` in bf16 on cuda, under the fsdp2 engine's compile settings when ``engine_scope``.
+    Returns ``{"ran": layouts done, "graphs": dynamo graphs compiled
     meanwhile, "error": first exception as text or None}``."""
     from torch._dynamo.utils import counters
 
     flex = registry.get_attention("flex")
-    device = torch.device("cuda")
     before = counters["stats"]["unique_graphs"]
+    with contextlib.ExitStack() as stack:
+        if engine_scope:
+            import torch._dynamo.config as dynamo_config
+            import torch._functorch.config as functorch_config
+
+            stack.enter_context(dynamo_config.patch(suppress_errors=True))
+            stack.enter_context(functorch_config.patch(activation_memory_budget=0.85))
+        ran, error = _loop(flex, layouts, checkpointed, heads, dim)
+    torch.cuda.synchronize()
+    return {"ran": ran, "graphs": counters["stats"]["unique_graphs"] - before, "error": error}
+
+
+def _loop(
+    flex: Any, layouts: list[tuple[int, ...]], checkpointed: bool, heads: tuple[int, int], dim: int
+) -> tuple[int, str | None]:
+    device = torch.device("cuda")
     ran, error = 0, None
     for i, lens in enumerate(layouts):
         total = sum(lens)
@@ -78,8 +101,7 @@ def run_layouts(
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
             break
         ran += 1
-    torch.cuda.synchronize()
-    return {"ran": ran, "graphs": counters["stats"]["unique_graphs"] - before, "error": error}
+    return ran, error
 
 
 def main() -> None:
@@ -87,17 +109,21 @@ def main() -> None:
     ap.add_argument("--dynamic", choices=("none", "true", "false"), default=None)
     ap.add_argument("--fullgraph", action="store_true")
     ap.add_argument("--plain", action="store_true", help="no checkpoint")
+    ap.add_argument("--engine-scope", action="store_true")
+    ap.add_argument("--raw", action="store_true")
     ap.add_argument("--layouts", type=int, default=12)
     args = ap.parse_args()
-    if args.dynamic is not None or args.fullgraph:
+    if args.raw:
         from torch.nn.attention.flex_attention import flex_attention
 
         from underlay.ops import flex as flex_ops
 
         dynamic = {"none": None, "true": True, "false": False}[args.dynamic or "none"]
         flex_ops._FLEX["compiled"] = torch.compile(flex_attention, dynamic=dynamic, fullgraph=args.fullgraph)
-    res = run_layouts(random_layouts(args.layouts), checkpointed=not args.plain)
-    print(f"flex_layouts dynamic={args.dynamic} fullgraph={args.fullgraph} plain={args.plain}: {res}")
+    res = run_layouts(
+        random_layouts(args.layouts), checkpointed=not args.plain, engine_scope=args.engine_scope
+    )
+    print(f"flex_layouts {vars(args)}: {res}")
 
 
 if __name__ == "__main__":

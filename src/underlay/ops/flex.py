@@ -35,18 +35,39 @@ def _eager_flex(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
     """The ``flex_attention`` callable for tensors on ``device_type``: compiled once per process for an
-    accelerator, eager for ``"cpu"``. Same signature as ``torch.nn.attention.flex_attention``."""
+    accelerator, eager for ``"cpu"``. Same signature as ``torch.nn.attention.flex_attention``.
+
+    The compiled function is called with dynamo's ``suppress_errors`` off and the partitioner's
+    ``activation_memory_budget`` at 1.0, whatever the caller's compile settings (the fsdp2 engine traces
+    its layers with both changed): flex has no working eager fallback while dynamo is active (a
+    suppressed compile error resurfaces as an ``AssertionError`` about FakeTensors inside flex's
+    autograd), so a compile error must surface as itself, and flex's own graph is not the caller's to
+    partition. Raises whatever ``torch.compile`` raises on a case flex cannot compile."""
     if device_type == "cpu":
         return _eager_flex
     found = _FLEX.get("compiled")
     if found is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        # dynamic: a packed stream's length changes with every micro-batch; with automatic dynamic
-        # shapes the first few lengths each compile a static graph and the block mask's integers keep
-        # specialising until dynamo's recompile limit sends flex to its eager path mid-training
-        found = _FLEX.setdefault("compiled", torch.compile(flex_attention, dynamic=True))
+        # automatic dynamic shapes: the first packed length compiles a static graph, the next one a
+        # graph symbolic in the length, which serves every later length
+        found = _FLEX.setdefault("compiled", _isolated(torch.compile(flex_attention)))
     return cast(Callable[..., torch.Tensor], found)
+
+
+def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """``compiled`` called under flex's own compile settings (see :func:`flex_attention_fn`)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with (
+            dynamo_config.patch(suppress_errors=False),
+            functorch_config.patch(activation_memory_budget=1.0),
+        ):
+            return cast(torch.Tensor, compiled(*args, **kwargs))
+
+    return call
 
 
 @lru_cache(maxsize=64)
