@@ -6,8 +6,8 @@ on the GPU host to compare compile settings of the process-wide flex function::
     PYTHONPATH=src:. python3 -m tests.gpu._flex_layouts [--engine-scope] [--raw [--dynamic none|true]
         [--fullgraph]] [--plain]
 
-``--engine-scope`` runs the calls under the settings the fsdp2 engine traces with (dynamo's
-``suppress_errors`` on, ``activation_memory_budget`` 0.85); ``--raw`` replaces the library's flex
+``--engine-scope`` runs the calls under the settings the fsdp2 engine's compiled layers are called with
+(dynamo's ``suppress_errors`` on, ``assume_static_by_default`` off, ``activation_memory_budget`` 0.85); ``--raw`` replaces the library's flex
 function by a plain ``torch.compile(flex_attention)`` (the settings given).
 
 It prints one line: layouts run, graphs compiled, the first error (if any).
@@ -70,7 +70,8 @@ def run_layouts(
             import torch._dynamo.config as dynamo_config
             import torch._functorch.config as functorch_config
 
-            stack.enter_context(dynamo_config.patch(suppress_errors=True))
+            # (a layer compiled with dynamic=True keeps assume_static_by_default=False for its call)
+            stack.enter_context(dynamo_config.patch(suppress_errors=True, assume_static_by_default=False))
             stack.enter_context(functorch_config.patch(activation_memory_budget=0.85))
         ran, error = _loop(flex, layouts, checkpointed, heads, dim)
     torch.cuda.synchronize()

@@ -37,12 +37,15 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
     """The ``flex_attention`` callable for tensors on ``device_type``: compiled once per process for an
     accelerator, eager for ``"cpu"``. Same signature as ``torch.nn.attention.flex_attention``.
 
-    The compiled function is called with dynamo's ``suppress_errors`` off and the partitioner's
-    ``activation_memory_budget`` at 1.0, whatever the caller's compile settings (the fsdp2 engine traces
-    its layers with both changed): flex has no working eager fallback while dynamo is active (a
-    suppressed compile error resurfaces as an ``AssertionError`` about FakeTensors inside flex's
-    autograd), so a compile error must surface as itself, and flex's own graph is not the caller's to
-    partition. Raises whatever ``torch.compile`` raises on a case flex cannot compile."""
+    The compiled function is called under dynamo's default shape settings (static first, automatic
+    dynamic after), ``suppress_errors`` off and the partitioner's ``activation_memory_budget`` at 1.0,
+    whatever the caller's: ``torch.compile(dynamic=True)`` keeps ``assume_static_by_default=False`` for
+    the whole call of the compiled function, eager regions inside included, so a flex call under a
+    layer compiled that way (the fsdp2 engine's, under full recompute) was compiled all-dynamic, which
+    torch's flex cannot do; it then ran flex's eager path while dynamo was active, which fails with an
+    ``AssertionError`` about FakeTensors in flex's autograd. A compile error must surface as itself, and
+    flex's graph is not the caller's to partition. Raises whatever ``torch.compile`` raises on a case
+    flex cannot compile."""
     if device_type == "cpu":
         return _eager_flex
     found = _FLEX.get("compiled")
@@ -62,7 +65,9 @@ def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
 
     def call(*args: Any, **kwargs: Any) -> torch.Tensor:
         with (
-            dynamo_config.patch(suppress_errors=False),
+            dynamo_config.patch(
+                suppress_errors=False, assume_static_by_default=True, automatic_dynamic_shapes=True
+            ),
             functorch_config.patch(activation_memory_budget=1.0),
         ):
             return cast(torch.Tensor, compiled(*args, **kwargs))
