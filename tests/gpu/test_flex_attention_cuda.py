@@ -9,6 +9,9 @@
 - A tiny Gemma 2 model (windows of 16 tokens, softcaps) through ``prepare_model`` + ``packed_forward``
   in bf16: log-probs and parameter gradients with ``flex`` (named) are as close to the fp32 reference as the
   bf16 ``eager`` kernel's (forward + backward), and every attention layer ran on ``flex``.
+- As the fsdp2 engine drives it (``tests/gpu/_flex_layouts.py``: a new packed layout per call, gradients,
+  eager non-reentrant checkpointing, the settings a layer compiled with ``dynamic=True`` leaves on): 12
+  layouts compile at most 4 graphs, and one process runs several head shapes.
 
 Run on the GPU host: ``bash scripts/test_gpu.sh -k flex``.
 """
@@ -163,3 +166,14 @@ def test_many_packed_layouts_with_gradients_under_checkpoint() -> None:
     res = run_layouts(random_layouts(12, seed=1))
     assert res["error"] is None and res["ran"] == 12, res
     assert res["graphs"] <= 4, res
+
+
+def test_one_process_runs_flex_at_several_head_shapes() -> None:
+    """Head count and head dim stay static in the process-wide compiled flex: after layouts at one head
+    shape, another head shape (and the first again) still compiles and runs with gradients, under the
+    engine's settings (automatic dynamic shapes would otherwise make the head dim symbolic)."""
+    from tests.gpu._flex_layouts import random_layouts, run_layouts
+
+    for heads, dim in (((4, 2), 64), ((8, 4), 256), ((4, 2), 64)):
+        res = run_layouts(random_layouts(3, seed=dim, max_len=1500), heads=heads, dim=dim)
+        assert res["error"] is None and res["ran"] == 3, (heads, dim, res)

@@ -37,15 +37,22 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
     """The ``flex_attention`` callable for tensors on ``device_type``: compiled once per process for an
     accelerator, eager for ``"cpu"``. Same signature as ``torch.nn.attention.flex_attention``.
 
-    The compiled function is called under dynamo's default shape settings (static first, automatic
-    dynamic after), ``suppress_errors`` off and the partitioner's ``activation_memory_budget`` at 1.0,
-    whatever the caller's: ``torch.compile(dynamic=True)`` keeps ``assume_static_by_default=False`` for
-    the whole call of the compiled function, eager regions inside included, so a flex call under a
-    layer compiled that way (the fsdp2 engine's, under full recompute) was compiled all-dynamic, which
-    torch's flex cannot do; it then ran flex's eager path while dynamo was active, which fails with an
-    ``AssertionError`` about FakeTensors in flex's autograd. A compile error must surface as itself, and
-    flex's graph is not the caller's to partition. Raises whatever ``torch.compile`` raises on a case
-    flex cannot compile."""
+    The compiled function is called with its own dynamo settings, whatever the caller's:
+
+    - default shape handling (static first, automatic dynamic after), with the head count and head dim
+      of ``q``/``k``/``v`` (dims 1 and 3) marked static: the batch and sequence lengths of a packed
+      stream change every micro-batch and compile once more, symbolically, while flex's kernels cannot
+      take a symbolic head dim. ``torch.compile(dynamic=True)`` keeps ``assume_static_by_default=False``
+      for the whole call of its compiled function, eager regions included, so without this a flex call
+      under a layer compiled that way (the fsdp2 engine's, under full recompute) compiled all-dynamic;
+    - ``suppress_errors`` off and ``fail_on_recompile_limit_hit`` on, with a recompile limit of 64 (one
+      graph per head shape, dtype and score/mask function a process uses): flex has no working eager
+      fallback while dynamo is active (it fails with an ``AssertionError`` about FakeTensors in flex's
+      autograd), so a compile error or an exhausted limit must surface as itself;
+    - the partitioner's ``activation_memory_budget`` at 1.0 (flex's graph is not the caller's to
+      partition).
+
+    Raises whatever ``torch.compile`` raises on a case flex cannot compile."""
     if device_type == "cpu":
         return _eager_flex
     found = _FLEX.get("compiled")
@@ -58,19 +65,31 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
     return cast(Callable[..., torch.Tensor], found)
 
 
+_RECOMPILE_LIMIT = 64
+"""Graphs of the compiled flex function per process: one per head shape, dtype, score and mask function
+and grad mode in use (a training process uses a handful)."""
+
+
 def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """``compiled`` called under flex's own compile settings (see :func:`flex_attention_fn`)."""
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
 
-    def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        for t in (q, k, v):  # [B, H, S, D]: heads and head dim stay static
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 3)
         with (
             dynamo_config.patch(
-                suppress_errors=False, assume_static_by_default=True, automatic_dynamic_shapes=True
+                suppress_errors=False,
+                assume_static_by_default=True,
+                automatic_dynamic_shapes=True,
+                recompile_limit=_RECOMPILE_LIMIT,
+                fail_on_recompile_limit_hit=True,
             ),
             functorch_config.patch(activation_memory_budget=1.0),
         ):
-            return cast(torch.Tensor, compiled(*args, **kwargs))
+            return cast(torch.Tensor, compiled(q, k, v, *args, **kwargs))
 
     return call
 
