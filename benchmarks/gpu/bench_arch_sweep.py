@@ -36,6 +36,7 @@ the summary line.
 Run on the GPU host from the repository root (one H200, about 6 minutes for all eight)::
 
     python -m benchmarks.gpu.bench_arch_sweep [--only gemma-2-2b,qwen3-8b] [--steps N] [--out DIR]
+    python -m benchmarks.gpu.bench_arch_sweep --attention gemma-2-2b=flex   # one row's kernel named
     python -m benchmarks.gpu.bench_arch_sweep --device cpu --quick   # smoke run: tiny models of each family
 """
 
@@ -237,9 +238,13 @@ def _spawn(args: argparse.Namespace, name: str, hf: bool, out: Path, timeout: fl
     ]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--hf"] if hf else []
+    env = dict(os.environ)
+    kernel = None if hf else args.kernels.get(name)
+    if kernel is not None:
+        env["UNDERLAY_ATTENTION"] = kernel
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, timeout=timeout, check=False, env=env)
         rc: int | str = proc.returncode
     except subprocess.TimeoutExpired:
         rc = f"timed out after {timeout:.0f} s"
@@ -249,6 +254,7 @@ def _spawn(args: argparse.Namespace, name: str, hf: bool, out: Path, timeout: fl
     if not row:
         row = {"error": f"child process ended without a row (exit {rc})"}
     row["wall_s"] = wall
+    row["attention"] = kernel or os.environ.get("UNDERLAY_ATTENTION", "auto")
     return row
 
 
@@ -257,6 +263,7 @@ def _line(name: str, row: dict[str, Any]) -> str:
         return f"arch_sweep[{name}]: FAILED {row['error']}"
     mfu = f"{row['mfu'] * 100:.1f}% MFU" if row.get("mfu") is not None else "MFU n/a"
     policy = f"; {row['policy']}" if row.get("policy") else ""
+    policy += f"; attention {row['attention']}" if row.get("attention", "auto") != "auto" else ""
     return (
         f"arch_sweep[{name}]: {row['tokens_per_s']:.0f} tokens/s, {mfu}, peak {row['peak_gib']:.1f} GiB, "
         f"{row['step_s']:.3f} s/step ({row['steady_steps']} steady of {len(row['step_s_each'])}), "
@@ -280,6 +287,12 @@ def main() -> int:
         "--budget-s", type=float, default=560.0, help="start no configuration after this (seconds)"
     )
     ap.add_argument("--min-left-s", type=float, default=45.0, help="budget a configuration needs to start")
+    ap.add_argument(
+        "--attention",
+        default="",
+        help="SHAPE=KERNEL[,SHAPE=KERNEL]: name the attention kernel of those shapes' engines "
+        "(UNDERLAY_ATTENTION in their process only, e.g. gemma-2-2b=flex); the others keep auto",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -288,7 +301,12 @@ def main() -> int:
     if args.child is not None:
         return run_child(args)
     names = [n for n in args.only.split(",") if n] or list(SHAPES)
-    unknown = [n for n in names + ([args.baseline] if args.baseline != "none" else []) if n not in SHAPES]
+    try:
+        args.kernels = dict(item.split("=", 1) for item in args.attention.split(",") if item)
+    except ValueError:
+        ap.error(f"--attention {args.attention!r}: give SHAPE=KERNEL pairs, comma-separated")
+    given = names + ([args.baseline] if args.baseline != "none" else []) + list(args.kernels)
+    unknown = [n for n in given if n not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
     out = harness.out_dir(args)

@@ -124,15 +124,38 @@ def test_progress_bar_and_console_lines(
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_demo_default_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_default_run_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One default run (2 gloo ranks, echo task from a jsonl file, locally trained BPE tokenizer) serves
     every end-to-end property: it at least doubles the mean reward between its first and last steps,
     writes metrics, TensorBoard events and a trace, redoes its last step identically after a checkpoint
-    reload, and its HF export reloads with transformers. (One run instead of a short run plus this one:
-    the process start, export and profiler dominate a run's cost; the flags are covered by
+    reload, and its HF export reloads with transformers. Its first rendezvous port is one another
+    process already listens on (the race of a port found free and taken before rank 0 listens): the
+    launcher retries with a new port. (One run instead of a short run plus this one: the process start,
+    export and profiler dominate a run's cost; the flags are covered by
     test_demo_flags_reach_the_config.)"""
+    import socket
+
+    from underlay.parallel import distributed
+
+    taken = socket.socket()
+    taken.bind(("", 0))  # every interface: whatever address the rendezvous binds conflicts
+    taken.listen()
+    given: list[int] = []
+    real_free_port = distributed.free_port
+
+    def first_taken() -> int:
+        given.append(int(taken.getsockname()[1]) if not given else real_free_port())
+        return given[-1]
+
+    monkeypatch.setattr(distributed, "free_port", first_taken)
     out = tmp_path / "out"
-    assert cli.main(["demo", "--out-dir", str(out), "--no-progress"]) == 0
+    try:
+        assert cli.main(["demo", "--out-dir", str(out), "--no-progress"]) == 0
+    finally:
+        taken.close()
+    assert len(given) == 2, given  # the taken port, then one retry
     printed = capsys.readouterr().out
     assert "learning: mean reward" in printed and "-> identical" in printed
     assert "tokenizer round trip ok" in printed
