@@ -43,8 +43,12 @@ declare -A GPU=(
   [models_memory]="benchmarks.gpu.bench_models_memory"
   [weight_sync]="benchmarks.gpu.bench_weight_sync"
   [weights_io]="benchmarks.cpu.bench_weights_io --device cuda --world 1 --repeats 1"
+  [reference_role]="benchmarks.gpu.bench_reference_role"
+  [shared_prompt]="benchmarks.gpu.bench_shared_prompt"
+  [mcore_overlap]="benchmarks.gpu.bench_mcore_overlap"
 )
-GPU_ORDER=(logprob attention fp8 fsdp2 arch_sweep mcore long_seq vlm models_memory weight_sync weights_io)
+GPU_ORDER=(logprob attention fp8 fsdp2 arch_sweep mcore long_seq vlm models_memory weight_sync weights_io
+  reference_role shared_prompt mcore_overlap)
 # --fast: arguments appended to the GPU entry (arch_sweep also gets --budget-s, see above)
 declare -A GPU_FAST=(
   [weight_sync]="--repeats 3"

@@ -1,0 +1,148 @@
+"""The process-wide compiled ``flex_attention`` (``underlay.ops.flex``) compiles under its own dynamo
+settings, whatever the caller's.
+
+On the GPU, a flex call from the eager attention of a layer compiled with ``torch.compile(dynamic=True)``
+(the fsdp2 engine's layers under full recompute) compiled all-dynamic (that compile keeps
+``assume_static_by_default=False`` for its whole call, eager regions included) and failed in flex's
+autograd. The mechanism is device-independent and checked here on the CPU (forward only: torch has no
+CPU backward for flex), with the caller set up as the engine's compile scope is (``suppress_errors``
+on, ``activation_memory_budget`` 0.85, a layer compiled with ``dynamic=True``): a recording backend
+sees every graph the flex function compiles and the dynamo settings it was compiled under (default
+shape handling, errors and an exhausted recompile limit raised, memory budget 1.0); no graph has a
+symbolic head count or head dim; the outputs equal eager flex; the caller's settings are back
+afterwards. Negative control: a plain ``torch.compile(flex_attention)`` compiles under the caller's
+settings. (On the CPU flex's shape checks specialise every size, so the symbolic head dim itself is a
+GPU-only symptom: ``tests/gpu/test_flex_attention_cuda.py``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from underlay.backends.portable.flex_attention import _varlen_block_mask
+from underlay.ops.flex import _isolated, softcap_score_mod
+
+_SETTINGS = (
+    "assume_static_by_default",
+    "automatic_dynamic_shapes",
+    "suppress_errors",
+    "fail_on_recompile_limit_hit",
+    "recompile_limit",
+)
+_FLEX_OWN = {
+    "assume_static_by_default": True,
+    "automatic_dynamic_shapes": True,
+    "suppress_errors": False,
+    "fail_on_recompile_limit_hit": True,
+    "recompile_limit": 64,
+    "activation_memory_budget": 1.0,
+}
+
+
+class _Recorder:
+    """A dynamo backend that notes, per compiled graph, the settings it was compiled under and which
+    dims of its 4-D inputs are symbolic."""
+
+    def __init__(self) -> None:
+        self.graphs: list[list[tuple[bool, ...]]] = []
+        self.settings: list[dict[str, Any]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        import torch._dynamo.config as dynamo_config
+        import torch._functorch.config as functorch_config
+
+        dims = [
+            tuple(not isinstance(s, int) for s in x.shape)
+            for x in example_inputs
+            if isinstance(x, torch.Tensor) and x.dim() == 4
+        ]
+        self.graphs.append(dims)
+        found = {k: getattr(dynamo_config, k) for k in _SETTINGS}
+        found["activation_memory_budget"] = functorch_config.activation_memory_budget
+        self.settings.append(found)
+        return gm.forward
+
+
+def _layouts() -> list[tuple[tuple[int, ...], int, int]]:
+    """(sequence lengths, heads, head dim): lengths change every call, the head shape once."""
+    return [
+        ((100, 50), 4, 16),
+        ((120, 80), 4, 16),
+        ((60, 70, 40), 4, 16),
+        ((90, 33), 2, 32),
+        ((50, 150), 2, 32),
+    ]
+
+
+def _run(fn: Callable[..., torch.Tensor]) -> list[float]:
+    """Each layout through ``fn`` from the eager attention of a layer compiled with ``dynamic=True``,
+    under the engine's compile scope; the max difference to eager flex per layout."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    with (
+        dynamo_config.patch(suppress_errors=True),
+        functorch_config.patch(activation_memory_budget=0.85),
+    ):
+        return _run_layouts(fn)
+
+
+def _run_layouts(fn: Callable[..., torch.Tensor]) -> list[float]:
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Any) -> torch.Tensor:
+        return fn(q, k, v, score_mod=softcap_score_mod(50.0), block_mask=block, enable_gqa=True)
+
+    def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Any) -> torch.Tensor:
+        return attention(q * 1.0, k, v, block) + 0.0
+
+    compiled_layer = torch.compile(layer, dynamic=True, backend="eager")
+    diffs = []
+    gen = torch.Generator().manual_seed(0)
+    for lens, heads, dim in _layouts():
+        total = sum(lens)
+        q = torch.randn(1, 2 * heads, total, dim, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(1, heads, total, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        block = _varlen_block_mask(lens, lens, -1, 0, torch.device("cpu"))
+        got = compiled_layer(q, k, v, block)
+        want = flex_attention(q, k, v, score_mod=softcap_score_mod(50.0), block_mask=block, enable_gqa=True)
+        diffs.append(float((got - want).abs().max()))
+    return diffs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_flex_compiles_under_its_own_settings_below_a_dynamic_caller() -> None:
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    recorder = _Recorder()
+    before = ({k: getattr(dynamo_config, k) for k in _SETTINGS}, functorch_config.activation_memory_budget)
+    diffs = _run(_isolated(torch.compile(flex_attention, backend=recorder)))
+    assert max(diffs) <= 1e-12, diffs
+    assert recorder.settings and all(got == _FLEX_OWN for got in recorder.settings), recorder.settings
+    for g in recorder.graphs:  # [B, H, S, D] inputs: H (1) and D (3) never symbolic
+        assert not any(d[1] or d[3] for d in g), recorder.graphs
+    after = ({k: getattr(dynamo_config, k) for k in _SETTINGS}, functorch_config.activation_memory_budget)
+    assert after == before
+
+
+def test_plain_compile_takes_the_callers_settings() -> None:
+    """The negative control: without the wrapper the dynamic layer's and the engine scope's settings
+    reach flex's compile."""
+    recorder = _Recorder()
+    _run(torch.compile(flex_attention, backend=recorder))
+    assert recorder.settings, recorder.settings
+    for got in recorder.settings:
+        assert got["assume_static_by_default"] is False and got["suppress_errors"] is True, got
+        assert got["activation_memory_budget"] == 0.85, got
