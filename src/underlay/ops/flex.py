@@ -75,6 +75,9 @@ def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
 
+    # never traced: from a compiled caller's graph (the padded route inside a compiled layer) this is a
+    # graph break, so the settings below hold while the flex function compiles
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         for t in (q, k, v):  # [B, H, S, D]: heads and head dim stay static
             torch._dynamo.mark_static(t, 1)
@@ -91,7 +94,7 @@ def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         ):
             return cast(torch.Tensor, compiled(q, k, v, *args, **kwargs))
 
-    return call
+    return cast(Callable[..., torch.Tensor], call)
 
 
 @lru_cache(maxsize=64)
