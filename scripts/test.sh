@@ -2,7 +2,7 @@
 # Lint, type-check, import contracts and the test suite, as CI runs them. Exits non-zero on any failure
 # (pytest's "no tests collected", exit 5, included).
 #
-# Without arguments: ruff first (seconds; a lint error stops here), then five lanes at once so both
+# Without arguments: ruff lint and format first (seconds; an error stops here), then five lanes at once so both
 # cores stay busy to the end: mypy --strict + lint-imports followed by tests/conformance; the
 # megatron-core group followed by the verl group in .venv-verl; tests/distributed without Ray; the Ray
 # launcher tests; everything else. A lane ending early leaves a core idle while the last one finishes,
@@ -23,6 +23,8 @@ unset PYTHONDONTWRITEBYTECODE
 venv="${UNDERLAY_VENV:-.venv}"
 verl_venv="${UNDERLAY_VERL_VENV:-.venv-verl}"
 echo "== ruff"; "$venv"/bin/ruff check src tests benchmarks examples
+# the format of every Python file and every Python block of the Markdown pages (ruff formats both)
+"$venv"/bin/ruff format --check -q . || { echo "ruff format: run '$venv/bin/ruff format .'" >&2; exit 1; }
 
 lint() {
   echo "== mypy --strict src"; "$venv"/bin/mypy --strict src || return 1
