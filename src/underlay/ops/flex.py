@@ -70,10 +70,36 @@ _RECOMPILE_LIMIT = 64
 and grad mode in use (a training process uses a handful)."""
 
 
+def _own_settings() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dynamo and functorch settings flex compiles under, by the names this torch has (the recompile
+    limit was ``cache_size_limit`` / ``fail_on_cache_limit_hit`` in older releases)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    dynamo: dict[str, Any] = {
+        "suppress_errors": False,
+        "assume_static_by_default": True,
+        "automatic_dynamic_shapes": True,
+    }
+    for limit, fail in (
+        ("recompile_limit", "fail_on_recompile_limit_hit"),
+        ("cache_size_limit", "fail_on_cache_limit_hit"),
+    ):
+        if hasattr(dynamo_config, limit) and hasattr(dynamo_config, fail):
+            dynamo.update({limit: _RECOMPILE_LIMIT, fail: True})
+            break
+    functorch = (
+        {"activation_memory_budget": 1.0} if hasattr(functorch_config, "activation_memory_budget") else {}
+    )
+    return dynamo, functorch
+
+
 def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """``compiled`` called under flex's own compile settings (see :func:`flex_attention_fn`)."""
     import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
+
+    dynamo, functorch = _own_settings()
 
     # never traced: from a compiled caller's graph (the padded route inside a compiled layer) this is a
     # graph break, so the settings below hold while the flex function compiles
@@ -82,16 +108,7 @@ def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         for t in (q, k, v):  # [B, H, S, D]: heads and head dim stay static
             torch._dynamo.mark_static(t, 1)
             torch._dynamo.mark_static(t, 3)
-        with (
-            dynamo_config.patch(
-                suppress_errors=False,
-                assume_static_by_default=True,
-                automatic_dynamic_shapes=True,
-                recompile_limit=_RECOMPILE_LIMIT,
-                fail_on_recompile_limit_hit=True,
-            ),
-            functorch_config.patch(activation_memory_budget=1.0),
-        ):
+        with dynamo_config.patch(**dynamo), functorch_config.patch(**functorch):
             return cast(torch.Tensor, compiled(q, k, v, *args, **kwargs))
 
     return cast(Callable[..., torch.Tensor], call)
