@@ -92,3 +92,24 @@ def test_run_distributed_reports_a_huge_error_instead_of_hanging() -> None:
 
     with pytest.raises((ValueError, RuntimeError), match="characters cut"):
         run_distributed(_fail_loudly, 2, timeout_s=60)
+
+
+def test_a_gloo_group_it_started_is_destroyed_at_exit() -> None:
+    """A process that calls ``init_distributed`` and exits without ``destroy_process_group`` has its gloo
+    group destroyed by underlay's exit hook before interpreter teardown: an exit hook registered before
+    the group (so run after underlay's) sees no group, and the process exits 0."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, torch.distributed as dist\n"
+        "atexit.register(lambda: print('at exit:', dist.is_initialized(), flush=True))\n"
+        "import underlay\n"
+        "underlay.init_distributed()\n"
+        "print('started:', dist.is_initialized(), dist.get_backend(), flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(UNDERLAY_DEVICE="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["started: True gloo", "at exit: False"], proc.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -98,4 +99,26 @@ def init_distributed(
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         **kwargs,  # type: ignore[arg-type]
     )
+    global _EXIT_HOOK
+    if dist.get_backend() == "gloo" and not _EXIT_HOOK:
+        atexit.register(_destroy_gloo_at_exit)
+        _EXIT_HOOK = True
     return env
+
+
+_EXIT_HOOK = False
+"""Whether :func:`_destroy_gloo_at_exit` is registered in this process (once)."""
+
+
+def _destroy_gloo_at_exit() -> None:
+    """Destroy a gloo default group this module started, at interpreter exit, before the C++ static
+    destructors run (the README example, one process with a gloo group alive at exit, once ended with
+    ``std::terminate``, "terminate called without an active exception", after all its work was done;
+    torch asks for ``destroy_process_group`` before exit). Local (no collective), so it cannot wait on
+    other ranks; never raises. Accelerator groups (NCCL, HCCL) are left to their own shutdown:
+    destroying one at exit can block on a collective that never completed."""
+    try:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # at exit: nothing to report to, and the process is ending anyway
+        pass
