@@ -99,15 +99,10 @@ def init_distributed(
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         **kwargs,  # type: ignore[arg-type]
     )
-    global _EXIT_HOOK
-    if dist.get_backend() == "gloo" and not _EXIT_HOOK:
+    if dist.get_backend() == "gloo":
+        atexit.unregister(_destroy_gloo_at_exit)  # registered once however often a group is started
         atexit.register(_destroy_gloo_at_exit)
-        _EXIT_HOOK = True
     return env
-
-
-_EXIT_HOOK = False
-"""Whether :func:`_destroy_gloo_at_exit` is registered in this process (once)."""
 
 
 def _destroy_gloo_at_exit() -> None:
