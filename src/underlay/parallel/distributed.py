@@ -74,7 +74,8 @@ def init_distributed(
 ) -> DistributedEnv:
     """Initialise the default process group with the device's collective backend (gloo on cpu, nccl on
     cuda, hccl on npu; ``backend`` overrides) and bind this process to its local device. Idempotent:
-    when a group already exists it only returns the environment. Returns the rank/world it used."""
+    when a group already exists it only returns the environment. A gloo group it starts and the caller
+    has not destroyed is destroyed at interpreter exit. Returns the rank/world it used."""
     dev = device or get_device()
     env = read_env()
     if dev.is_accelerator:
