@@ -6,9 +6,10 @@ on the GPU host to compare compile settings of the process-wide flex function::
     PYTHONPATH=src:. python3 -m tests.gpu._flex_layouts [--engine-scope] [--raw [--dynamic none|true]
         [--fullgraph]] [--plain]
 
-``--engine-scope`` runs the calls under the settings the fsdp2 engine's compiled layers are called with
-(dynamo's ``suppress_errors`` on, ``assume_static_by_default`` off, ``activation_memory_budget`` 0.85); ``--raw`` replaces the library's flex
-function by a plain ``torch.compile(flex_attention)`` (the settings given).
+``--engine-scope`` runs the calls under the settings the fsdp2 engine's compiled layers are called
+with (dynamo's ``suppress_errors`` on, ``assume_static_by_default`` off, ``activation_memory_budget``
+0.85); ``--raw`` replaces the library's flex function by a plain ``torch.compile(flex_attention)``
+(with the ``--dynamic`` / ``--fullgraph`` given).
 
 It prints one line: layouts run, graphs compiled, the first error (if any).
 """
