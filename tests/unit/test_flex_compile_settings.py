@@ -33,6 +33,7 @@ _SETTINGS = (
     "suppress_errors",
     "fail_on_recompile_limit_hit",
     "recompile_limit",
+    "specialize_float",
 )
 _FLEX_OWN = {
     "assume_static_by_default": True,
@@ -40,6 +41,7 @@ _FLEX_OWN = {
     "suppress_errors": False,
     "fail_on_recompile_limit_hit": True,
     "recompile_limit": 64,
+    "specialize_float": True,
     "activation_memory_budget": 1.0,
 }
 
@@ -146,3 +148,58 @@ def test_plain_compile_takes_the_callers_settings() -> None:
     for got in recorder.settings:
         assert got["assume_static_by_default"] is False and got["suppress_errors"] is True, got
         assert got["activation_memory_budget"] == 0.85, got
+
+
+def _dense_causal_softcap(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tuple[int, ...], cap: float, scale: float
+) -> torch.Tensor:
+    """Packed causal attention with a softcap, dense in float64: the reference for flex's gradients (torch's
+    own uncompiled flex compiles under dynamo's defaults, so it cannot be the reference here)."""
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    pos = torch.arange(doc.numel())
+    keep = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    scores = cap * torch.tanh(q @ k.transpose(-1, -2) * scale / cap)
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def test_a_new_softcap_or_scale_recompiles_flex_whole_with_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Floats specialised: a process that calls flex with a second softcap or scale (two models, or the
+    conformance cases before a model) compiles flex again with the new constants. Under dynamo's default
+    the changed float became a tensor input: the softcap's closure float needed ``.item()`` inside flex's
+    score function, the flex call broke out of the graph and ran flex's eager path under dynamo (on the
+    GPU's torch 2.11: ``AssertionError: all unwrapped values must be FakeTensor``; on 2.13 the slow
+    eager path). Gradients need flex's backward, which torch runs on the CPU only through a compiled
+    graph's eager fallback: the CPU guard is lifted for this test; the recording backend runs the graph
+    eagerly. (Negative control, run once: without ``specialize_float`` the second call breaks the graph
+    at flex's higher-order op.)"""
+    import torch.nn.attention.flex_attention as flex_module
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    counters.clear()
+    hop_graphs: list[bool] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        hop_graphs.append(any("flex_attention" in str(n.target).lower() for n in gm.graph.nodes))
+        return gm.forward
+
+    fn = _isolated(torch.compile(flex_attention, backend=backend))
+    gen = torch.Generator().manual_seed(0)
+    for i, (cap, scale) in enumerate([(30.0, 0.25), (50.0, 0.25), (50.0, 0.2), (20.0, 0.3)]):
+        lens = (40 + 30 * i, 70)
+        total = sum(lens)
+        q, k, v = (
+            torch.randn(1, 2, total, 16, generator=gen, dtype=torch.float64).requires_grad_(True)
+            for _ in range(3)
+        )
+        block = _varlen_block_mask(lens, lens, -1, 0, torch.device("cpu"))
+        args = {"score_mod": softcap_score_mod(cap), "block_mask": block, "scale": scale}
+        out = fn(q, k, v, **args)
+        got = torch.autograd.grad(out.square().sum(), (q, k, v))
+        want_out = _dense_causal_softcap(q, k, v, lens, cap, scale)
+        want = torch.autograd.grad(want_out.square().sum(), (q, k, v))
+        assert float((out - want_out).abs().max()) <= 1e-12, (cap, scale)
+        for g, w in zip(got, want):
+            assert float((g - w).abs().max()) <= 1e-10, (cap, scale)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert len(hop_graphs) == 4 and all(hop_graphs), hop_graphs

@@ -45,8 +45,13 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
       take a symbolic head dim. ``torch.compile(dynamic=True)`` keeps ``assume_static_by_default=False``
       for the whole call of its compiled function, eager regions included, so without this a flex call
       under a layer compiled that way (the fsdp2 engine's, under full recompute) compiled all-dynamic;
+    - floats specialised (``specialize_float``): the scale and the softcap (a float in the score
+      function's closure) are constants of the graph, one graph per value. Under dynamo's default a
+      float that changed between calls (a second model, another cap) became a tensor input, flex's
+      score function needed its ``.item()``, and the flex call broke out of the graph into flex's eager
+      path (the ``AssertionError`` below on torch 2.11);
     - ``suppress_errors`` off and ``fail_on_recompile_limit_hit`` on, with a recompile limit of 64 (one
-      graph per head shape, dtype and score/mask function a process uses): flex has no working eager
+      graph per head shape, dtype, scale, softcap and mask function a process uses): flex has no working eager
       fallback while dynamo is active (it fails with an ``AssertionError`` about FakeTensors in flex's
       autograd), so a compile error or an exhausted limit must surface as itself;
     - the partitioner's ``activation_memory_budget`` at 1.0 (flex's graph is not the caller's to
@@ -66,8 +71,8 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
 
 
 _RECOMPILE_LIMIT = 64
-"""Graphs of the compiled flex function per process: one per head shape, dtype, score and mask function
-and grad mode in use (a training process uses a handful)."""
+"""Graphs of the compiled flex function per process: one per head shape, dtype, scale, softcap, mask
+function and grad mode in use (a training process uses a handful)."""
 
 
 def _own_settings() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -80,6 +85,7 @@ def _own_settings() -> tuple[dict[str, Any], dict[str, Any]]:
         "suppress_errors": False,
         "assume_static_by_default": True,
         "automatic_dynamic_shapes": True,
+        "specialize_float": True,
     }
     for limit, fail in (
         ("recompile_limit", "fail_on_recompile_limit_hit"),
