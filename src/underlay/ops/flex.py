@@ -51,9 +51,9 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
       score function needed its ``.item()``, and the flex call broke out of the graph into flex's eager
       path (the ``AssertionError`` below on torch 2.11);
     - ``suppress_errors`` off and ``fail_on_recompile_limit_hit`` on, with a recompile limit of 64 (one
-      graph per head shape, dtype, scale, softcap and mask function a process uses): flex has no working eager
-      fallback while dynamo is active (it fails with an ``AssertionError`` about FakeTensors in flex's
-      autograd), so a compile error or an exhausted limit must surface as itself;
+      graph per head shape, dtype, scale, softcap and mask function a process uses): flex has no
+      working eager fallback while dynamo is active (it fails with an ``AssertionError`` about
+      FakeTensors in flex's autograd), so a compile error or an exhausted limit must surface as itself;
     - the partitioner's ``activation_memory_budget`` at 1.0 (flex's graph is not the caller's to
       partition).
 
