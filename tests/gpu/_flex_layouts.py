@@ -101,7 +101,7 @@ def _loop(
             out = _checkpointed(body, q, k, v) if checkpointed else body(q, k, v)
             out.float().square().mean().backward()
         except Exception as exc:  # reported, not raised: the caller compares settings
-            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            error = f"layout {i} {lens}: {type(exc).__name__}: {str(exc)[:1500]}"
             break
         ran += 1
     return ran, error

@@ -203,3 +203,24 @@ def test_a_new_softcap_or_scale_recompiles_flex_whole_with_gradients(monkeypatch
             assert float((g - w).abs().max()) <= 1e-10, (cap, scale)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert len(hop_graphs) == 4 and all(hop_graphs), hop_graphs
+
+
+def test_flex_runs_its_main_kernel_at_every_query_length() -> None:
+    """The compiled flex is called with ``kernel_options`` that keep inductor on flex's main Triton
+    kernel (below 128 queries it otherwise lowers to its decoding kernel, which found no valid
+    configuration for a short packed stream on the GPU), merged under the caller's own options, and the
+    caller's dict is not modified."""
+    seen: list[dict[str, Any]] = []
+
+    def fake_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen.append(dict(kwargs["kernel_options"]))
+        return q
+
+    call = _isolated(fake_compiled)
+    q = torch.zeros(1, 2, 5, 16)
+    call(q, q, q)
+    own = {"WRITE_DQ": False}
+    call(q, q, q, kernel_options=own)
+    call(q, q, q, kernel_options={"BACKEND": "AUTO"})
+    assert seen == [{"BACKEND": "TRITON"}, {"BACKEND": "TRITON", "WRITE_DQ": False}, {"BACKEND": "AUTO"}]
+    assert own == {"WRITE_DQ": False}

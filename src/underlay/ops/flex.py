@@ -55,7 +55,11 @@ def flex_attention_fn(device_type: str) -> Callable[..., torch.Tensor]:
       working eager fallback while dynamo is active (it fails with an ``AssertionError`` about
       FakeTensors in flex's autograd), so a compile error or an exhausted limit must surface as itself;
     - the partitioner's ``activation_memory_budget`` at 1.0 (flex's graph is not the caller's to
-      partition).
+      partition);
+    - flex's main Triton kernel for every query length (``kernel_options`` ``BACKEND="TRITON"``, merged
+      under the caller's own): below 128 queries inductor otherwise lowers to its decoding kernel, an
+      inference kernel that found no valid configuration for a short packed stream (92 tokens, GQA,
+      head dim 128) once the length was symbolic (``NoValidChoicesError``).
 
     Raises whatever ``torch.compile`` raises on a case flex cannot compile."""
     if device_type == "cpu":
@@ -100,6 +104,16 @@ def _own_settings() -> tuple[dict[str, Any], dict[str, Any]]:
     return dynamo, functorch
 
 
+def _main_kernel() -> dict[str, Any]:
+    """The kernel option that keeps flex on its main (training) Triton kernel at every query length:
+    ``BACKEND="TRITON"``, or the older ``FORCE_USE_FLEX_ATTENTION`` where this torch has no ``BACKEND``."""
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if "BACKEND" in getattr(FlexKernelOptions, "__annotations__", {}):
+        return {"BACKEND": "TRITON"}
+    return {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """``compiled`` called under flex's own compile settings (see :func:`flex_attention_fn`)."""
     import torch._dynamo.config as dynamo_config
@@ -114,6 +128,7 @@ def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         for t in (q, k, v):  # [B, H, S, D]: heads and head dim stay static
             torch._dynamo.mark_static(t, 1)
             torch._dynamo.mark_static(t, 3)
+        kwargs["kernel_options"] = {**_main_kernel(), **(kwargs.get("kernel_options") or {})}
         with dynamo_config.patch(**dynamo), functorch_config.patch(**functorch):
             return cast(torch.Tensor, compiled(q, k, v, *args, **kwargs))
 
