@@ -224,3 +224,15 @@ def test_flex_runs_its_main_kernel_at_every_query_length() -> None:
     call(q, q, q, kernel_options={"BACKEND": "AUTO"})
     assert seen == [{"BACKEND": "TRITON"}, {"BACKEND": "TRITON", "WRITE_DQ": False}, {"BACKEND": "AUTO"}]
     assert own == {"WRITE_DQ": False}
+
+
+def test_a_torch_without_the_backend_option_gets_the_older_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch releases before ``BACKEND`` (and before ``FlexKernelOptions``: 2.6, 2.7) take
+    ``FORCE_USE_FLEX_ATTENTION`` for the same choice."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from underlay.ops.flex import _main_kernel
+
+    assert _main_kernel() == {"BACKEND": "TRITON"}
+    monkeypatch.delattr(flex_module, "FlexKernelOptions")
+    assert _main_kernel() == {"FORCE_USE_FLEX_ATTENTION": True}

@@ -106,10 +106,12 @@ def _own_settings() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _main_kernel() -> dict[str, Any]:
     """The kernel option that keeps flex on its main (training) Triton kernel at every query length:
-    ``BACKEND="TRITON"``, or the older ``FORCE_USE_FLEX_ATTENTION`` where this torch has no ``BACKEND``."""
-    from torch.nn.attention.flex_attention import FlexKernelOptions
+    ``BACKEND="TRITON"``, or the older ``FORCE_USE_FLEX_ATTENTION`` where this torch has no ``BACKEND``
+    (its ``FlexKernelOptions`` lacks the key, or, before torch 2.8, the type itself)."""
+    from torch.nn.attention import flex_attention
 
-    if "BACKEND" in getattr(FlexKernelOptions, "__annotations__", {}):
+    options = getattr(flex_attention, "FlexKernelOptions", None)
+    if "BACKEND" in getattr(options, "__annotations__", {}):
         return {"BACKEND": "TRITON"}
     return {"FORCE_USE_FLEX_ATTENTION": True}
 
