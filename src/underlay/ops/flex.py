@@ -122,6 +122,7 @@ def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     import torch._functorch.config as functorch_config
 
     dynamo, functorch = _own_settings()
+    main_kernel = _main_kernel()
 
     # never traced: from a compiled caller's graph (the padded route inside a compiled layer) this is a
     # graph break, so the settings below hold while the flex function compiles
@@ -130,7 +131,7 @@ def _isolated(compiled: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         for t in (q, k, v):  # [B, H, S, D]: heads and head dim stay static
             torch._dynamo.mark_static(t, 1)
             torch._dynamo.mark_static(t, 3)
-        kwargs["kernel_options"] = {**_main_kernel(), **(kwargs.get("kernel_options") or {})}
+        kwargs["kernel_options"] = {**main_kernel, **(kwargs.get("kernel_options") or {})}
         with dynamo_config.patch(**dynamo), functorch_config.patch(**functorch):
             return cast(torch.Tensor, compiled(q, k, v, *args, **kwargs))
 
