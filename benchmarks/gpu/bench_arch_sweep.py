@@ -36,7 +36,7 @@ the summary line.
 Run on the GPU host from the repository root (one H200, about 6 minutes for all eight)::
 
     python -m benchmarks.gpu.bench_arch_sweep [--only gemma-2-2b,qwen3-8b] [--steps N] [--out DIR]
-    python -m benchmarks.gpu.bench_arch_sweep --attention gemma-2-2b=flex   # one row's kernel named
+    python -m benchmarks.gpu.bench_arch_sweep --attention gemma-2-2b=eager  # one row's kernel named
     python -m benchmarks.gpu.bench_arch_sweep --device cpu --quick   # smoke run: tiny models of each family
 """
 

@@ -346,10 +346,10 @@ def _builtin_specs() -> list[BackendSpec]:
             "attention",
             "flex",
             f"{b}.portable.flex_attention:FlexAttention",
-            # below eager: named only (UNDERLAY_ATTENTION=flex) until the GPU suite has run its cuda
-            # path (tests/gpu/test_flex_attention_cuda.py); auto keeps the verified eager kernel
-            -10,
-            "torch flex_attention (compiled, block masks): softcap and windows in O(T) memory; named only",
+            # below the varlen kernels (which run the cases they support faster), above eager: auto
+            # picks it for what only eager ran on cuda before (softcaps: Gemma 2)
+            10,
+            "torch flex_attention (compiled, block masks): softcap and windows in O(T) memory",
             _probe_flex,
             ("cuda",),
         ),

@@ -1,13 +1,13 @@
-"""The ``flex`` attention kernel on cuda: soft-capped, windowed attention (Gemma 2) runs fused when named.
+"""The ``flex`` attention kernel on cuda: soft-capped, windowed attention (Gemma 2) runs fused by default.
 
-- ``flex`` is named only (``UNDERLAY_ATTENTION=flex``): ``auto`` keeps ``eager`` for Gemma 2's softcap
-  (or flash-attn 2 where installed) and ``torch`` for a plain or windowed case; with ``flex`` named, the
-  fsdp2 memory estimate of the Gemma-2-2B shape books no ``[S, S]`` attention scores.
+- ``auto`` picks ``flex`` for Gemma 2's softcap (flash-attn 2 where installed, which takes softcaps
+  itself) and ``torch`` for a plain or windowed case; the fsdp2 memory estimate of the Gemma-2-2B shape
+  at the defaults books no ``[S, S]`` attention scores.
 - At the Gemma-2-2B attention shape (8 heads, 4 kv heads, head dim 256, softcap 50, window 4096) on
   mixed packed lengths up to 4096, bf16 flex output and q/k/v gradients match the float64 eager
   reference within bf16 tolerance, with a fraction of eager's peak memory.
 - A tiny Gemma 2 model (windows of 16 tokens, softcaps) through ``prepare_model`` + ``packed_forward``
-  in bf16: log-probs and parameter gradients with ``flex`` (named) are as close to the fp32 reference as the
+  in bf16: log-probs and parameter gradients with ``flex`` are as close to the fp32 reference as the
   bf16 ``eager`` kernel's (forward + backward), and every attention layer ran on ``flex``.
 - As the fsdp2 engine drives it (``tests/gpu/_flex_layouts.py``: a new packed layout per call, gradients,
   eager non-reentrant checkpointing, the settings a layer compiled with ``dynamic=True`` leaves on): 12
@@ -42,12 +42,11 @@ def _gemma2_spec(**kw: Any) -> AttentionSpec:
 
 
 def _softcap_kernel() -> str:
-    """The kernel ``auto`` picks for a softcap: eager (flex is named only), unless flash-attn 2 (which
-    has one) is installed."""
-    return "flash_attn" if registry.probe("attention", "flash_attn").available else "eager"
+    """The kernel ``auto`` picks for a softcap: flex, unless flash-attn 2 (which has one) is installed."""
+    return "flash_attn" if registry.probe("attention", "flash_attn").available else "flex"
 
 
-def test_auto_keeps_flex_named_only_and_torch_otherwise() -> None:
+def test_auto_picks_flex_for_softcaps_and_torch_otherwise() -> None:
     assert registry.get_attention("flex", spec=_gemma2_spec()).name == "flex"
     assert registry.get_attention(spec=_gemma2_spec()).name == _softcap_kernel()
     assert registry.get_attention(spec=_gemma2_spec(window=(4095, 0))).name == _softcap_kernel()
@@ -64,7 +63,7 @@ def test_gemma2_2b_memory_estimate_books_no_eager_scores(monkeypatch: pytest.Mon
     from underlay.engines.fsdp2._auto import model_shape
     from underlay.interfaces import ModelConfig
 
-    monkeypatch.setenv("UNDERLAY_ATTENTION", "flex")
+    monkeypatch.delenv("UNDERLAY_ATTENTION", raising=False)  # the defaults
     cfg = Gemma2Config(attention_dropout=0.0)  # the 2B shape
     model = _build.build_model(ModelConfig(hf_config=cfg), cfg, meta=True)
     assert model_shape(model, cfg, device_type="cuda").eager_attention_layers == 0

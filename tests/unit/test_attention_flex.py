@@ -1,8 +1,8 @@
 """The ``flex`` attention kernel (``torch.nn.attention.flex_attention``) on the cpu: its outputs against
 the ``eager`` reference over a generated matrix of packed lengths (``S_q != S_k`` included, so some
 queries see no key), windows, softcaps, GQA/MQA and ``Dv != D`` in float64 and float32; the padded
-route; the block-mask cache; ``supports``; and the ``auto`` selection (flex is named only, never
-chosen by ``auto``: the ``torch`` kernel wherever it can run the case, else eager).
+route; the block-mask cache; ``supports``; and the ``auto`` selection (on cuda: the ``torch`` kernel
+wherever it can run the case, else flex where it can, else eager; never flex on the cpu).
 
 Flex has no cpu backward in torch, so gradients are checked on cuda by the conformance suite
 (``tests/conformance/test_attention_contract.py``, which lists ``flex`` there) and
@@ -191,8 +191,8 @@ def test_supports_reasons() -> None:
 @pytest.mark.parametrize(
     ("kw", "want"),
     [
-        ({"softcap": 50.0}, "eager"),
-        ({"softcap": 50.0, "window": (4095, 0)}, "eager"),
+        ({"softcap": 50.0}, "flex"),
+        ({"softcap": 50.0, "window": (4095, 0)}, "flex"),
         ({}, "torch"),
         ({"window": (4095, 0)}, "torch"),
         ({"sinks": True}, "eager"),
@@ -200,11 +200,13 @@ def test_supports_reasons() -> None:
     ],
     ids=str,
 )
-def test_auto_on_cuda_never_picks_flex(kw: dict[str, object], want: str) -> None:
+def test_auto_on_cuda_picks_flex_only_where_eager_was_the_alternative(
+    kw: dict[str, object], want: str
+) -> None:
     """The registry's ``auto`` rule run for the cuda device (on this cpu host; the fused packages are
-    not installed here, as on the GPU image): flex is named only (its priority is below eager's until
-    the GPU suite has run its cuda path), so a softcap goes to eager and the ``torch`` kernel keeps the
-    cases it runs."""
+    not installed here, as on the GPU image): a softcap (which the ``torch`` kernel does not take) goes to
+    flex, the ``torch`` kernel keeps the cases it runs, and what flex cannot run (sinks, a head dim
+    its kernel does not take) ends at eager."""
     assert registry._auto("attention", "cuda", _spec(**kw)).name == want
 
 

@@ -38,9 +38,9 @@ heads x head_dim, ``kv`` = kv heads x head_dim, ``f`` ffn width):
   peak, 75 KiB per token and layer);
 - full recomputation: the layer input (``2h``) per layer plus one layer's activations;
 - attention on the eager kernel (a spec no installed fused kernel runs, e.g. attention sinks on cuda
-  without flash-attn, or Gemma 2's attention softcap unless ``flex`` is named): ``[heads, S, S]`` fp32
-  scores per layer, counted apart (``eager_attention_bytes``) because they grow with the square of the
-  longest sequence. The fused kernels, ``flex`` included when named, are ``O(T)`` and count nothing here.
+  without flash-attn, or a head dim ``flex`` does not take): ``[heads, S, S]`` fp32 scores per layer,
+  counted apart (``eager_attention_bytes``) because they grow with the square of the longest sequence.
+  The fused kernels, ``flex`` included, are ``O(T)`` and count nothing here.
 
 ``tests/unit/test_fsdp2_defaults.py`` holds the recorded peaks and the tolerance (15%).
 """
