@@ -118,13 +118,16 @@ def _train(
     model.train()
     threads = torch.get_num_threads()
     try:
-        for i, (packed, mm) in enumerate(batches):
+        for packed, mm in batches:
             out = packed_forward(model, packed, logprob_kernel=logprob_kernel(), multimodal=mm)
             assert out.log_probs is not None
             loss = (out.log_probs * torch.linspace(-1, 1, out.log_probs.numel())).sum()
-            if flip_threads:  # the backward sees another dynamo global state than the forward
-                torch.set_num_threads(threads + 1 if i % 2 == 0 else threads)
+            # the backward sees another dynamo global state than the forward; the forwards all see the
+            # same one, so the layers compile once and any lookup in a backward fails its guard
+            if flip_threads:
+                torch.set_num_threads(threads + 1)
             loss.backward()
+            torch.set_num_threads(threads)
     finally:
         torch.set_num_threads(threads)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
