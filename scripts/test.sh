@@ -48,7 +48,9 @@ if [ "$#" -gt 0 ] || [ "${UNDERLAY_TEST_GROUPS:-}" = "1" ]; then
 fi
 
 pytest_cmd=("$venv"/bin/python -m pytest -q -p no:cacheprovider --durations=25)
-group_mcore() { "${pytest_cmd[@]}" -m mcore tests; }
+# megatron-core tests live in tests/mcore, each file marked mcore (tests/unit/test_ci_lanes.py checks both),
+# so the mcore lane collects that folder only and the rest lane leaves it out
+group_mcore() { "${pytest_cmd[@]}" -m mcore tests/mcore; }
 # the verl group runs in its own environment (verl's pins); it must not be skipped
 group_verl() {
   if [ -x "$verl_venv/bin/python" ] && "$verl_venv/bin/python" -c "import verl, underlay" 2>/dev/null; then
@@ -58,10 +60,10 @@ group_verl() {
     return 1
   fi
 }
-group_distributed() { "${pytest_cmd[@]}" -m "not mcore and not ray" tests/distributed; }
-group_ray() { "${pytest_cmd[@]}" -m "ray and not mcore" tests/distributed; }
-group_conformance() { "${pytest_cmd[@]}" -m "not mcore" tests/conformance; }
-group_rest() { "${pytest_cmd[@]}" -m "not mcore" tests --ignore=tests/distributed --ignore=tests/conformance; }
+group_distributed() { "${pytest_cmd[@]}" -m "not ray" tests/distributed; }
+group_ray() { "${pytest_cmd[@]}" -m ray tests/distributed; }
+group_conformance() { "${pytest_cmd[@]}" tests/conformance; }
+group_rest() { "${pytest_cmd[@]}" tests --ignore=tests/distributed --ignore=tests/conformance --ignore=tests/mcore; }
 group_lint() { lint; }
 
 logs=$(mktemp -d)
