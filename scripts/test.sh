@@ -2,9 +2,8 @@
 # Lint, type-check, import contracts and the test suite, as CI runs them. Exits non-zero on any failure
 # (pytest's "no tests collected", exit 5, included).
 #
-# Without arguments: ruff lint and format first (seconds; an error stops here), then five lanes so both
-# cores stay busy to the end: mypy --strict + lint-imports followed by tests/conformance (first, beside
-# one process that imports the common modules once, so the pytest lanes start with their bytecode); the
+# Without arguments: ruff lint and format first (seconds; an error stops here), then five lanes at once so both
+# cores stay busy to the end: mypy --strict + lint-imports followed by tests/conformance; the
 # megatron-core group followed by the verl group in .venv-verl; tests/distributed without Ray; the Ray
 # launcher tests; everything else. A lane ending early leaves a core idle while the last one finishes,
 # so the lanes are cut to take about the same time. Each group's log, exit code and wall time are
@@ -83,32 +82,7 @@ echo "== mypy + import contracts and pytest (lanes: ${lanes[*]/%/;}) at once; lo
 start=$SECONDS
 set +e
 pids=()
-t0=$SECONDS
-run_lane lint conformance &
-pids+=($!)
-# One process imports what every pytest lane imports first (torch, transformers, megatron-core, Ray, ...)
-# while mypy runs: a fresh environment holds no bytecode (uv does not compile at install), and four lanes
-# starting at once would each compile the same modules (about 12 CPU seconds each for torch and
-# transformers alone). Its failure is not the suite's: the lanes import for themselves.
-"$venv"/bin/python -W ignore - <<'PY' || true
-import importlib
-
-for name in ("pytest", "hypothesis", "ray", "tests._dist"):
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-from tests._dist import _PRELOAD
-
-for name in _PRELOAD:
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-PY
-echo "== imports warmed in $((SECONDS - t0)) s; the other lanes start"
 for lane in "${lanes[@]}"; do
-  [ "$lane" = "lint conformance" ] && continue
   # shellcheck disable=SC2086  # a lane is a list of group names
   run_lane $lane &
   pids+=($!)
