@@ -15,8 +15,8 @@ def test_mcore_marked_tests_live_in_tests_mcore_and_every_file_there_is_marked()
     outside = sorted(
         str(p.relative_to(TESTS))
         for p in TESTS.rglob("*.py")
-        if p.parent != TESTS / "mcore" and p.name != Path(__file__).name and MARK.search(p.read_text())
+        if TESTS / "mcore" not in p.parents and p.name != Path(__file__).name and MARK.search(p.read_text())
     )
     assert outside == [], f"mcore-marked tests outside tests/mcore (move them there): {outside}"
-    unmarked = sorted(p.name for p in (TESTS / "mcore").glob("test_*.py") if not MARK.search(p.read_text()))
+    unmarked = sorted(p.name for p in (TESTS / "mcore").rglob("test_*.py") if not MARK.search(p.read_text()))
     assert unmarked == [], f"test files in tests/mcore without pytestmark = pytest.mark.mcore: {unmarked}"
