@@ -2,8 +2,9 @@
 # Set up a virtual environment for underlay on a fresh machine.
 #   scripts/setup.sh [EXTRAS]     EXTRAS default: hf,config,tracking,mcore   ("dev": everything the tests need,
 #                                 and .venv-verl too, both built at once)
-#   scripts/setup.sh verl         .venv-verl: underlay with verl 0.9.1 (its pins conflict with the main lock),
-#                                 locked by constraints/verl.txt; scripts/test.sh runs tests/integrations/verl in it
+#   scripts/setup.sh verl         .venv-verl: underlay with verl 0.9.1 (its pins conflict with the main lock) and
+#                                 megatron-core (the mcore engine under verl), locked by constraints/verl.txt;
+#                                 scripts/test.sh runs tests/integrations/verl in it
 # Installs go through uv (pinned in the lock, bootstrapped once by this Python's pip), pointed at the
 # indexes pip is configured with (index-url, extra-index-url, find-links, constraint; best version over
 # all of them, as pip picks). torch is installed first and pinned (the CPU build on local disk); an
@@ -81,8 +82,9 @@ build_env() {
 }
 
 verl_env() {
-  build_env "${UNDERLAY_VERL_VENV:-.venv-verl}" constraints/verl.txt verl,hf pytest pytest-timeout
-  "${UNDERLAY_VERL_VENV:-.venv-verl}/bin/python" -c "import verl; print('verl', verl.__version__)"
+  build_env "${UNDERLAY_VERL_VENV:-.venv-verl}" constraints/verl.txt verl,hf,mcore pytest pytest-timeout
+  "${UNDERLAY_VERL_VENV:-.venv-verl}/bin/python" -W ignore -c \
+    "import verl, megatron.core as m; print('verl', verl.__version__, 'megatron-core', m.__version__)"
 }
 
 case "$extras" in
