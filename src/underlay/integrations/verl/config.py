@@ -34,17 +34,22 @@ _DTYPES.update({"fp16": "float16", "float16": "float16"})
 @dataclass
 class UnderlayEngineConfig(FSDPEngineConfig):  # type: ignore[misc]
     """verl's FSDP engine config with ``strategy="underlay"`` (what selects this backend in
-    ``EngineRegistry``) and three underlay fields: ``underlay_engine`` (``"fsdp2"``, ``"mcore"``, or
+    ``EngineRegistry``) and underlay's fields: ``underlay_engine`` (``"fsdp2"``, ``"mcore"``, or
     ``None``: ``UNDERLAY_ENGINE``, default ``fsdp2``), ``micro_batch_max_tokens`` (the token budget
-    of one packed micro-batch; ``None``: ``max_token_len_per_gpu``, else 16384) and ``temperature``
+    of one packed micro-batch; ``None``: ``max_token_len_per_gpu``, else 16384), ``temperature``
     (the sampling temperature training log-probs are computed at; a batch's ``temperature`` must
-    equal it). Every FSDP field keeps its meaning; :func:`to_underlay_config` says which it honours.
+    equal it), and the model-parallel sizes under the names of verl's ``McoreEngineConfig``:
+    ``tensor_model_parallel_size`` and ``pipeline_model_parallel_size`` (``ParallelConfig.tp`` and
+    ``pp``; the underlay engine refuses sizes it does not implement). Every FSDP field keeps its
+    meaning; :func:`to_underlay_config` says which it honours.
     """
 
     strategy: str = "underlay"
     underlay_engine: str | None = None
     micro_batch_max_tokens: int | None = None
     temperature: float = 1.0
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.strategy != "underlay":
@@ -221,7 +226,8 @@ def to_underlay_config(
     Fields mapped: model path, ``model_type`` (value models: ``kind='value'``),
     ``enable_gradient_checkpointing`` (recompute full/none), ``use_remove_padding``, ``tiled_mlp``,
     LoRA rank/alpha/target list, ``mixed_precision`` param/reduce dtypes, ``fsdp_size`` (HSDP
-    replicas), ``ulysses_sequence_parallel_size``, ``seed``, AdamW lr/betas/weight decay/clip,
+    replicas), ``ulysses_sequence_parallel_size``, ``tensor_model_parallel_size`` and
+    ``pipeline_model_parallel_size`` (:class:`UnderlayEngineConfig`; tp, pp), ``seed``, AdamW lr/betas/weight decay/clip,
     constant or cosine schedule with warmup, ``max_token_len_per_gpu`` (micro-batch token budget).
     Raises ``ConfigError`` naming every field set to a value underlay cannot honour, before anything
     is built.
@@ -283,7 +289,12 @@ def to_underlay_config(
             tiled_mlp_tiles=model.tiled_mlp_tiles,
             lora=model.lora,
         ),
-        parallel=ParallelConfig(dp_replicate=replicate, ulysses=ulysses),
+        parallel=ParallelConfig(
+            dp_replicate=replicate,
+            ulysses=ulysses,
+            tp=int(_get(engine_config, "tensor_model_parallel_size", 1) or 1),
+            pp=int(_get(engine_config, "pipeline_model_parallel_size", 1) or 1),
+        ),
         optim=optim,
         micro_batch_max_tokens=int(budget) * ulysses,
         param_dtype=param_dtype,
