@@ -172,3 +172,34 @@ def test_constructor_validation() -> None:
     port = free_port()
     with pytest.raises(WeightSyncError, match="no sender reachable"):
         WeightReceiver.colocated(dev, ("127.0.0.1", port), timeout_s=1)
+
+
+@pytest.mark.parametrize(
+    "targets, exclude",
+    [(("q_proj", "v_proj"), ()), ("all-linear", ()), ("all-linear", ("o_proj", "down_proj"))],
+)
+def test_lora_header_config_adapts_what_the_engine_adapts(targets: Any, exclude: Any) -> None:
+    """The ``adapter_config`` a LoRA sync sends, read by peft, adapts exactly the modules the engines
+    adapt for that ``LoraConfig`` (a str target stays peft's str, exclusions travel)."""
+    import types
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from underlay.engines._lora import adapted_modules, add_lora
+    from underlay.interfaces import EngineConfig, LoraConfig, ModelConfig
+    from underlay.rollout.payload import adapter_config
+
+    hf = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    lora = LoraConfig(rank=2, target_modules=targets, exclude_modules=exclude)
+    engine = types.SimpleNamespace(config=EngineConfig(model=ModelConfig(hf_config=hf, lora=lora)))
+    header = adapter_config(engine)  # type: ignore[arg-type]
+    keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "bias")
+    sent = PeftLoraConfig(**{k: header[k] for k in keys})
+    with torch.device("meta"):
+        received = adapted_modules(get_peft_model(AutoModelForCausalLM.from_config(hf), sent))
+        trained = adapted_modules(add_lora(AutoModelForCausalLM.from_config(hf), lora))
+    assert received == trained and trained

@@ -91,7 +91,14 @@ def adapter_config(engine: ParallelEngine) -> dict[str, Any]:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": sorted(lora.target_modules),
+        # a str (``"all-linear"``, a regex) is peft's own value; never its sorted characters
+        "target_modules": lora.target_modules
+        if isinstance(lora.target_modules, str)
+        else sorted(lora.target_modules),
+        "exclude_modules": (
+            lora.exclude_modules if isinstance(lora.exclude_modules, str) else sorted(lora.exclude_modules)
+        )
+        or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
