@@ -1,5 +1,5 @@
 """Per-rank bodies of the mcore scale tests (config pass-through, uneven pipeline stages, partial
-recompute, LoRA, gradient-reduce/parameter-gather overlap): one 2-rank process group runs every
+recompute, gradient-reduce/parameter-gather overlap): one 2-rank process group runs every
 layout in turn, megatron's parallel state torn down between layouts."""
 
 from __future__ import annotations

@@ -187,7 +187,12 @@ def test_registry_refuses_mcore_on_cpu() -> None:
         ({}, {"tensor_parallel": 2}, "unknown mcore option"),
         # a value model whose head dropout transformers' rule reads as 1.0 (everything dropped)
         ({"model": {"kind": "value"}, "hf": {"classifier_dropout": 1.0}}, {}, r"value-head dropout 1.0"),
-        ({"model": {"lora": {"rank": 4}}}, {}, "LoRA"),
+        # LoRA dropout kept in training: its masks would have to agree across TP ranks
+        (
+            {"model": {"lora": {"rank": 4, "dropout": 0.1}, "training_randomness": "keep"}},
+            {},
+            r"LoraConfig.dropout=0.1 with training_randomness='keep'",
+        ),
     ],
 )
 def test_engine_refuses_before_any_state(

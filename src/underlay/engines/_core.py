@@ -289,6 +289,7 @@ class EngineBase:
     _param_dtype: torch.dtype
     _global_step: int
     _offloaded: dict[str, Any]
+    _adapter_disabled: bool  # inside ``disable_adapter()`` (LoRA)
 
     @property
     def config(self) -> EngineConfig:
@@ -320,4 +321,12 @@ class EngineBase:
         if self._offloaded:
             raise InvalidInput(
                 f"{what}: state {sorted(self._offloaded)} is offloaded to the host; call onload() first"
+            )
+
+    def _ensure_adapters_on(self) -> None:
+        """``InvalidInput`` inside ``disable_adapter()``: ``forward_backward`` would train nothing there."""
+        if self._adapter_disabled:
+            raise InvalidInput(
+                "forward_backward inside disable_adapter(): the adapters are bypassed there, nothing would "
+                "train; leave the block first (use it for the reference log-probs of infer)"
             )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from underlay.interfaces import CheckpointError, ConfigError, LoraConfig, ModelConfig
+from underlay.engines._lora import PEFT_PREFIX as _PEFT_PREFIX
+from underlay.engines._lora import adapter_tensors, add_lora, check_adapter_dir
+from underlay.interfaces import CheckpointError, ConfigError, ModelConfig
 from underlay.models.overrides import apply_overrides
 
 __all__ = [
@@ -25,8 +26,6 @@ __all__ = [
     "meta_params",
     "seeded_state",
 ]
-
-_PEFT_PREFIX = "base_model.model."
 
 
 def hf_config_of(model_cfg: ModelConfig) -> Any:
@@ -109,85 +108,6 @@ def _auto_model(model_cfg: ModelConfig, hf_config: Any) -> torch.nn.Module:
     return model  # type: ignore[no-any-return]
 
 
-def _add_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    try:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
-    except ImportError as exc:
-        raise ConfigError("ModelConfig.lora needs peft: pip install 'underlay[hf]'") from exc
-    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    excl = lora.exclude_modules if isinstance(lora.exclude_modules, str) else list(lora.exclude_modules)
-    peft_cfg = PeftLoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,  # type: ignore[arg-type]
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        exclude_modules=excl or None,
-        bias="none",
-    )
-    try:
-        return get_peft_model(model, peft_cfg)
-    except ValueError as exc:
-        raise ConfigError(
-            f"LoraConfig.target_modules={lora.target_modules} (exclude_modules={lora.exclude_modules}): {exc}; "
-            "name linear layers of the model"
-        ) from exc
-
-
-def check_adapter_dir(lora: LoraConfig) -> tuple[Path, dict[str, Any]]:
-    """The adapter directory of ``lora.adapter_path`` and its ``adapter_config.json``, after checking
-    that rank, alpha and targets equal ``lora``'s. ``ConfigError`` naming the difference or the missing
-    file (before anything is built)."""
-    import json
-
-    assert lora.adapter_path is not None
-    root = Path(lora.adapter_path)
-    cfg_file, weights = root / "adapter_config.json", root / "adapter_model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise ConfigError(
-            f"LoraConfig.adapter_path={lora.adapter_path!r}: needs adapter_config.json and "
-            "adapter_model.safetensors (peft's save_pretrained / export_adapters layout)"
-        )
-    data = json.loads(cfg_file.read_text())
-    file_targets = data.get("target_modules") or ()
-    file_targets = file_targets if isinstance(file_targets, str) else tuple(sorted(file_targets))
-    mine = lora.target_modules if isinstance(lora.target_modules, str) else tuple(sorted(lora.target_modules))
-    diff = {
-        k: (a, b)
-        for k, a, b in (
-            ("rank", lora.rank, data.get("r")),
-            ("alpha", float(lora.alpha), float(data.get("lora_alpha", -1))),
-            ("target_modules", mine, file_targets),
-        )
-        if a != b
-    }
-    if diff and not (set(diff) == {"target_modules"} and mine == "all-linear"):
-        text = ", ".join(f"{k}: config {a!r} vs file {b!r}" for k, (a, b) in diff.items())
-        raise ConfigError(
-            f"LoraConfig.adapter_path={lora.adapter_path!r} differs from the LoraConfig ({text}); "
-            "build it with LoraConfig.from_adapter(path)"
-        )
-    return root, data
-
-
-def adapter_tensors(lora: LoraConfig) -> dict[str, torch.Tensor]:
-    """The adapter weights of ``lora.adapter_path`` under the engine's parameter names (peft's saved
-    ``...lora_A.weight`` is the live ``...lora_A.default.weight``)."""
-    from safetensors.torch import load_file
-
-    root, _ = check_adapter_dir(lora)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_file(str(root / "adapter_model.safetensors")).items():
-        live = re.sub(r"\.(lora_[AB])\.weight$", r".\1.default.weight", name)
-        if live == name:
-            raise CheckpointError(
-                f"LoraConfig.adapter_path={lora.adapter_path!r}: tensor {name!r} is not a LoRA A/B weight of a "
-                "linear layer (the engines adapt linear layers only)"
-            )
-        out[live] = t
-    return out
-
-
 def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.nn.Module:
     """The fp32 model ``model_cfg`` describes (causal LM, or a 1-label token-classification value
     model; for a vision-language config the causal LM is ``AutoModelForImageTextToText`` and the value
@@ -200,13 +120,13 @@ def build_model(model_cfg: ModelConfig, hf_config: Any, *, meta: bool) -> torch.
         with meta_params():
             model = _auto_model(model_cfg, hf_config)
             if model_cfg.lora is not None:
-                model = _add_lora(model, model_cfg.lora)
+                model = add_lora(model, model_cfg.lora)
         return model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_cfg.seed)
         model = _auto_model(model_cfg, hf_config)
         if model_cfg.lora is not None:
-            model = _add_lora(model, model_cfg.lora)
+            model = add_lora(model, model_cfg.lora)
     return model
 
 

@@ -149,11 +149,7 @@ class FSDP2Step(FSDP2Optim):
         earlier calls' included), resets FSDP's per-iteration state and restores gradient sync."""
         self._trainable("forward_backward")
         check_loss_fn(loss_fn)
-        if self._adapter_disabled:
-            raise InvalidInput(
-                "forward_backward inside disable_adapter(): the adapters are bypassed there, nothing would "
-                "train; leave the block first (use it for the reference log-probs of infer)"
-            )
+        self._ensure_adapters_on()
         batch = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         dp_group = self._dp_group

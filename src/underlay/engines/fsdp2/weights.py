@@ -13,12 +13,9 @@ from pathlib import Path
 import torch
 
 from underlay.engines._buckets import check_byte_count
-from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, TOKENIZER_FILES, export_owned
+from underlay.engines._hf_export import DEFAULT_EXPORT_BUFFER_BYTES, TOKENIZER_FILES
 from underlay.engines._hf_load import DEFAULT_LOAD_BUCKET_BYTES, load_hf_files
-from underlay.interfaces import CheckpointError, Device, InvalidInput, LoadReport, ParallelEngine
-from underlay.parallel.agree import agree, describe
-from underlay.parallel.rank import current_rank
-from underlay.utils.safe_files import as_path, atomic_directory
+from underlay.interfaces import Device, InvalidInput, LoadReport, ParallelEngine
 
 __all__ = ["TOKENIZER_FILES", "FSDP2WeightLoader", "load_hf_into"]
 
@@ -115,30 +112,12 @@ class FSDP2WeightLoader:
         """Rank 0 writes the LoRA adapters alone in peft's format (``adapter_model.safetensors`` +
         ``adapter_config.json``; loadable by ``PeftModel.from_pretrained`` on the base model).
         ``InvalidInput`` when the engine has no LoRA. Collective; ``out_dir`` on rank 0, else ``None``."""
-        from safetensors.torch import save_file
+        from underlay.engines._lora import export_adapter_dir
 
-        eng = engine
-        peft_config = getattr(eng.model, "peft_config", None)
+        peft_config = getattr(engine.model, "peft_config", None)
         if not peft_config:
             raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
-        out = as_path(out_dir, "export_adapters: out_dir")
-        tensors = {n: t.cpu().contiguous() for n, t in eng.named_adapter_tensors()}
-        error: BaseException | None = None
-        if current_rank() == 0:
-            try:
-                with atomic_directory(out, replaceable=export_owned) as tmp:
-                    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-                    peft_config["default"].save_pretrained(str(tmp))
-            except Exception as exc:
-                error = exc
-        agree(
-            error is None,
-            describe(error),
-            what=f"export_adapters({out})",
-            error_type=CheckpointError,
-            cause=error,
-        )
-        return out if current_rank() == 0 else None
+        return export_adapter_dir(engine, out_dir, peft_config["default"])
 
     @staticmethod
     def _write_config(eng: ParallelEngine, out: Path) -> None:

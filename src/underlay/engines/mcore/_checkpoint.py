@@ -33,7 +33,8 @@ class MCoreCheckpoint(MCoreOptim):
     """``save_checkpoint``/``load_checkpoint`` at any TP/PP/VPP/DP/CP layout."""
 
     def model_signature(self) -> Mapping[str, Any]:
-        """Architecture, kind and every HF tensor's full shape (layout independent)."""
+        """Architecture, kind, every HF tensor's full shape (layout independent) and, with LoRA, the
+        adapters' rank, scale and modules."""
         cfg = self._hf_config
         return {
             "engine": "mcore",
@@ -43,6 +44,18 @@ class MCoreCheckpoint(MCoreOptim):
             "params": {n: list(s) for n, s in hf_shapes(self._arch).items()},
             # padded vocabulary rows (a multiple of tp) live in the checkpoint's tensors
             **({"vocab_rows": self._arch.vocab_rows} if self._arch.vocab_rows != self._arch.vocab else {}),
+            # LoRA: the adapters live in the checkpoint beside the frozen base
+            **(
+                {
+                    "lora": {
+                        "rank": self._lora.rank,
+                        "scaling": self._lora.scaling,
+                        "modules": list(self._lora.modules),
+                    }
+                }
+                if self._lora is not None
+                else {}
+            ),
         }
 
     def _sharded_state(self) -> dict[str, Any]:

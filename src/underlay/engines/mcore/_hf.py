@@ -12,7 +12,7 @@ import torch
 from underlay.interfaces import ConfigError, ModelConfig
 from underlay.models.overrides import apply_overrides
 
-__all__ = ["hf_config_of", "seeded_hf_state", "signature_diff", "value_hf_config"]
+__all__ = ["hf_config_of", "seeded_hf_state", "seeded_hf_states", "signature_diff", "value_hf_config"]
 
 
 def hf_config_of(model_cfg: ModelConfig) -> Any:
@@ -55,19 +55,46 @@ def seeded_hf_state(model_cfg: ModelConfig, hf_config: Any) -> dict[str, torch.T
     """The fp32 model built on the cpu under ``torch.manual_seed(model_cfg.seed)`` (global RNG state
     restored afterwards): the causal LM, or for ``kind="value"`` the token-classification model
     (``hf_config.num_labels`` must be 1), as the fsdp2 engine builds them; as tensors under the names
-    ``save_pretrained`` writes (per-expert MoE names, ``weightmap.checkpoint_names``)."""
+    ``save_pretrained`` writes (per-expert MoE names, ``weightmap.checkpoint_names``). With
+    ``model_cfg.lora`` the base model's tensors (``seeded_hf_states`` has the adapters too)."""
+    return seeded_hf_states(model_cfg, hf_config)[0]
+
+
+def seeded_hf_states(
+    model_cfg: ModelConfig, hf_config: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(base, adapters)``: ``seeded_hf_state``'s tensors, and with ``model_cfg.lora`` the LoRA adapters
+    peft initialises on that model right after it is built (inside the same seeded RNG scope, as the
+    fsdp2 engine builds its peft model, so both engines start from the same adapters) under peft's saved
+    names (``base_model.model.<module>.lora_A.weight``); ``{}`` without LoRA."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from underlay.engines._lora import PEFT_PREFIX, add_lora
 
     auto = AutoModelForTokenClassification if model_cfg.kind == "value" else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_cfg.seed)
         model = auto.from_config(hf_config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+        if model_cfg.lora is not None:
+            model = add_lora(model, model_cfg.lora)
+    state: dict[str, torch.Tensor] = {}
+    adapters: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if ".lora_" in n:
+            adapters[n.replace(".default.", ".")] = p.detach()
+        else:
+            state[n.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = p.detach()
     # routing-bias buffers (glm4_moe's e_score_correction_bias) are model state the weight map carries
-    state.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    state.update(
+        {
+            n.removeprefix(PEFT_PREFIX): b
+            for n, b in model.named_buffers()
+            if n.endswith("e_score_correction_bias")
+        }
+    )
     from underlay.engines.mcore.weightmap import checkpoint_names
 
-    return checkpoint_names(str(getattr(hf_config, "model_type", "")), per_expert_names(state))
+    return checkpoint_names(str(getattr(hf_config, "model_type", "")), per_expert_names(state)), adapters
 
 
 def per_expert_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from underlay.engines.mcore._adapters import MCoreAdapters
 from underlay.engines.mcore._chunks import torch_optimizers as _torch_optimizers
-from underlay.engines.mcore._params import MCoreParams
 from underlay.interfaces import (
     OptimizerStepResult,
 )
 
 
-class MCoreOptim(MCoreParams):
+class MCoreOptim(MCoreAdapters):
     """Gradient reduction, the (skipping, clipping) optimizer step, the LR schedule and offloading."""
 
     def finalize_grads(self) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -18,7 +17,6 @@ from underlay.engines.mcore.stages import chunk_layer_spans
 from underlay.engines.mcore.weightmap import Rule, hf_shapes, stage_rules
 from underlay.interfaces import (
     CheckpointError,
-    InvalidInput,
 )
 from underlay.interfaces.weightmap import WeightMap
 
@@ -26,28 +24,32 @@ from underlay.interfaces.weightmap import WeightMap
 class MCoreParams(MCoreBuild):
     """The weight-map half of the mcore engine (``ParallelEngine`` weight access)."""
 
-    def _fill(self) -> None:
+    def _fill(self) -> dict[str, torch.Tensor]:
         """Fill the parameters (after ``_build_weight_map``, before the optimizer exists): from the
         safetensors of ``model.path`` through the shared reader (``engines._hf_load.load_hf_files``,
         strict, as ``load_hf``: every name and shape checked before any parameter changes), the optional
         tensors the files lack (a value model's head, e.g. from a causal-LM checkpoint) from the seed
         model (the whole seed model is built, so the head is the fsdp2 engine's); or all from the seed
-        model. ``CheckpointError`` for anything else missing, unexpected or mis-shaped. Collective."""
+        model. ``CheckpointError`` for anything else missing, unexpected or mis-shaped. Collective.
+        Returns the seeded LoRA adapters (``_hf.seeded_hf_states``; ``{}`` when the seed model was not
+        built or has none), which ``MCoreAdapters._fill`` writes."""
         from underlay.engines._hf_load import load_hf_files
-        from underlay.engines.mcore._hf import seeded_hf_state
+        from underlay.engines.mcore._hf import seeded_hf_states
 
         mc = self._config.model
-        only: set[str] | None = None
+        only: set[str] | None = None  # the base tensors to take from the seed model (None: all)
         if mc.path is not None and mc.load_weights:
             report = load_hf_files(self, mc.path, strict=True)  # type: ignore[arg-type]
-            if not report.missing:
-                return
-            from underlay.engines._value_head import refuse_unread_tensors
+            if report.missing:
+                from underlay.engines._value_head import refuse_unread_tensors
 
-            # the head is missing: it is in no file under another name either
-            refuse_unread_tensors(mc.path, self._weight_map, int(self._hf_config.vocab_size), "mcore")
+                # the head is missing: it is in no file under another name either
+                refuse_unread_tensors(mc.path, self._weight_map, int(self._hf_config.vocab_size), "mcore")
             only = set(report.missing)
-        state = seeded_hf_state(mc, self._hf_config)
+        seed_adapters = mc.lora is not None and mc.lora.adapter_path is None
+        if only is not None and not only and not seed_adapters:
+            return {}
+        state, adapters = seeded_hf_states(mc, self._hf_config)
         for wr in self._weight_map.rules:
             if only is not None and not only.intersection(wr.hf_names):
                 continue
@@ -55,6 +57,7 @@ class MCoreParams(MCoreBuild):
             if lacking:
                 raise CheckpointError(f"mcore: the seeded model lacks {lacking[:5]} (conversion bug)")
             self.copy_full_parameter(wr.engine_name, wr.from_hf({n: state[n] for n in wr.hf_names}))
+        return adapters
 
     def _global_rules(self) -> list[tuple[int, int, int, Rule]]:
         """Every rule of the model with the (pp rank, virtual chunk, ep rank) that owns it, in a fixed
@@ -204,18 +207,6 @@ class MCoreParams(MCoreBuild):
             for c in self._chunks:
                 c.start_param_sync(force_sync=True)  # type: ignore[operator]
             self._gather_pending = False
-
-    def named_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The mcore engine has no LoRA adapters: always empty."""
-        return iter(())
-
-    @contextlib.contextmanager
-    def disable_adapter(self) -> Iterator[None]:
-        """The mcore engine has no LoRA adapters: ``InvalidInput``, as for any engine without them."""
-        raise InvalidInput(
-            "disable_adapter: the engine has no LoRA adapters (the mcore engine runs without LoRA)"
-        )
-        yield  # pragma: no cover - a generator for contextmanager
 
     def _owner_rank(self, stage: int, e: int, expert: bool) -> int:
         """The global rank that broadcasts a tensor owned by pipeline ``stage`` (and expert rank ``e``):

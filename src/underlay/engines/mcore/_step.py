@@ -438,6 +438,7 @@ class MCoreStep(MCoreOptim):
         from megatron.core import parallel_state as ps
 
         check_loss_fn(loss_fn)
+        self._ensure_adapters_on()
         host = self._check_batch(batch)
         self._ensure_onloaded("forward_backward")
         if self._grads == "reduced":

@@ -85,7 +85,8 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
     ``BackendUnavailable`` unless the test-only fixture ``tests/mcore/_cpu_fixture.py`` (which maps
     megatron's CUDA calls to the CPU and sets ``UNDERLAY_MCORE_CPU_FIXTURE=1``) is installed.
     Raises ``ConfigError`` for sizes the world or model does not divide, an unsupported architecture,
-    LoRA and ``batch_p2p_comm=True`` with virtual pipelines at ``pp=2``. Virtual
+    LoRA on modules ``mcore.lora`` cannot adapt and ``batch_p2p_comm=True`` with virtual pipelines at
+    ``pp=2``. With ``ModelConfig.lora`` only the adapters train (``mcore.lora``). Virtual
     pipelines run megatron's interleaved schedule over micro-batches padded to one token count per
     step; expert parallelism runs megatron's alltoall dispatcher."""
 
@@ -101,11 +102,6 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
                 "use the fsdp2 engine for an inference-only reference model"
             )
         mc = config.model
-        if mc.lora is not None:
-            raise ConfigError(
-                "mcore: LoRA is not supported by the mcore engine (megatron-core has no simple LoRA); "
-                "use the fsdp2 engine for LoRA"
-            )
         if mc.kind not in ("causal_lm", "value"):
             raise ConfigError(f"mcore: ModelConfig.kind={mc.kind!r}; use 'causal_lm' or 'value'")
         par = config.parallel
@@ -140,6 +136,11 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         passthrough.check_names(config_class(self._arch), opts, transformer_config_keys(self._arch))
         check_recompute_fields("none" if config.recompute == "auto" else config.recompute, opts.transformer)
         check_expert_tp(self._arch, tp=par.tp, etp=par.etp if par.etp is not None else par.tp)
+        self._lora = None
+        if mc.lora is not None:  # peft's selection, checked against what mcore.lora adapts
+            from underlay.engines.mcore.lora import select
+
+            self._lora = select(mc, self._hf_config, self._arch, pp=par.pp)
         if not device.is_accelerator and not _env.get_bool(CPU_FIXTURE_ENV):
             raise BackendUnavailable(
                 "engine",
@@ -239,7 +240,14 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
 
         self._host_cu_seqlens = not have_te()  # the local spec: underlay's CoreAttention (see _micro_batch)
         self._build_weight_map()  # from the arch and layout alone; _fill checks files against it
-        self._chunks = self._wrap_ddp(self._build_chunks())
+        from underlay.engines.mcore.lora import sites_of
+
+        self._lora_sites = sites_of(self._where, self._lora.modules, self._value) if self._lora else []
+        self._adapter_disabled = False
+        chunks = self._build_chunks()
+        for v, chunk in enumerate(chunks):
+            self._attach_adapters(chunk, v)  # LoRA: adapters added, the rest frozen (before DDP)
+        self._chunks = self._wrap_ddp(chunks)
         self._gather_pending = False  # read by copy_full_parameter, so set before the fill
         # into megatron's DDP buffers (the parameters are views of them), before the optimizer takes
         # its master copies
@@ -261,6 +269,7 @@ class MCoreEngine(MCoreStep, MCoreCheckpoint):
         return (
             f"MCoreEngine(world={lay.world_size}, tp={lay.tp}, pp={lay.pp}, vpp={lay.vpp}, cp={lay.cp}, "
             f"ep={lay.ep}, device={self._device.device_type}, kind={self._config.model.kind!r}, "
+            f"lora={None if self._lora is None else len(self._lora.modules)}, "
             f"training_randomness={self._config.model.training_randomness!r})"
         )
 

@@ -111,6 +111,9 @@ class ValueHead(torch.nn.Module):
     hidden states) are gathered; the parameters then carry ``sequence_parallel=True`` so megatron's
     ``finalize_model_grads`` sums their slice gradients over TP, as it does for the norms.
 
+    With LoRA on ``score`` its term (``lora.delta`` of the same dropped-out hidden states) is added
+    before the gather.
+
     Dropout masks come from a generator seeded with ``seed`` and a per-call counter, so every TP rank
     draws the same mask for the same micro-batch independently of torch's global RNG state (a mask
     that differed across TP ranks would give replicated parameters different gradients); the engine
@@ -131,6 +134,7 @@ class ValueHead(torch.nn.Module):
         self.seed = int(seed)
         self.calls = 0
         self._tp_group = tp_group
+        self.lora: Any = None  # LoRA on ``score`` (``mcore.lora.LoraAdapter``), set by the engine
 
     def forward(
         self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
@@ -145,6 +149,8 @@ class ValueHead(torch.nn.Module):
             draw = torch.rand(hidden.shape, generator=gen, device=hidden.device, dtype=torch.float32)
             hidden = hidden * (draw >= self.dropout).to(hidden.dtype) / (1.0 - self.dropout)
         values = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        if self.lora is not None and self.lora.enabled:
+            values = values + self.lora.delta(hidden).to(values.dtype)
         if self.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 

@@ -106,5 +106,13 @@ class MCoreWeightLoader:
         )
 
     def export_adapters(self, engine: ParallelEngine, out_dir: str | Path) -> Path | None:
-        """The mcore engine has no LoRA adapters: always ``InvalidInput``."""
-        raise InvalidInput("export_adapters: the mcore engine has no LoRA adapters (LoRA is fsdp2-only)")
+        """Rank 0 writes the LoRA adapters alone in peft's format (``adapter_model.safetensors`` with
+        peft's saved names + ``adapter_config.json``; ``PeftModel.from_pretrained`` loads it on the base
+        model, ``LoraConfig.from_adapter`` on either engine). ``InvalidInput`` when the engine has no
+        LoRA. Collective; ``out_dir`` on rank 0, else ``None``."""
+        from underlay.engines._lora import export_adapter_dir
+
+        peft_config = getattr(engine, "peft_config", None)
+        if peft_config is None:
+            raise InvalidInput("export_adapters: the engine has no LoRA adapters (ModelConfig.lora is None)")
+        return export_adapter_dir(engine, out_dir, peft_config)
