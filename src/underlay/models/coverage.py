@@ -66,6 +66,7 @@ EXACT: dict[str, frozenset[str]] = {
             "cohere_compass_text",
             "cwm",
             "deepseek_v2",
+            "dbrx",
             "deepseek_v3",
             "diffllama",
             "dots1",
@@ -136,6 +137,7 @@ EXACT: dict[str, frozenset[str]] = {
             "param2moe",
             "persimmon",
             "phi3",
+            "phimoe",
             "qwen2",
             "qwen2_moe",
             "qwen3",
@@ -169,34 +171,17 @@ refused by name (:data:`ENGINE_GAPS`): the fsdp2 weight map reads transformers' 
 mapping (``underlay.engines._hf_conversion``). A row added here must name why in a comment."""
 
 
-_BLAS_ROWS = (
-    "not bit-equal across micro-batch groupings, from BLAS, not the packing: MKL's float64 gemm sums the "
-    "trailing M mod 4 rows of a product in another order than its 4-row blocks, so a token's expert "
-    "output depends on its place in the expert's token group; other rows' RMSNorm rounds to fp32 and "
-    "hides it, these float64 LayerNorms do not (row-at-a-time products make them bit-equal)"
-)
-"""Why the packings of :data:`NOT_EXACT` rows differ (tests/unit/models/test_packing_ulp.py proves each
-part): MKL's AVX2 float64 gemm computes rows in blocks of 4, and the ``M mod 4`` rows left over take
-another path (past one block, what a one-row product gives), whose summation order differs by ~1 ulp.
-Every model has such rows (the last ``T mod 4`` tokens of a pack of ``T``), but a MoE block gathers each expert's
-tokens into its own product, so whether a token's row falls in a block or the remainder depends on
-which other tokens share the micro-batch. Most architectures never show it: transformers' RMSNorm
-computes in fp32 and casts back, so each norm rounds the float64 hidden states to fp32 values and a
-1e-15 difference almost always vanishes; dbrx and phimoe use ``nn.LayerNorm`` in float64, which keeps
-it. What remains for the other rows is the dense products' own remainder rows: the matrix test's
-lengths (5, 9, 3: packs of 17, then 5 and 12) put them on sequence-final tokens, whose outputs are
-dropped, so they pass bit for bit; lengths (5, 9, 4) make llama's packings differ by 1 ulp too.
-Not an underlay packing defect (attention, positions and routing are per sequence); making it exact
-needs row-invariant matrix products, i.e. patching every product the model runs."""
-
-NOT_EXACT: dict[str, str] = {
-    "dbrx": "log-probs equal transformers' (2.6e-7) but two packings of the same sequences differ by 1 ulp "
-    "(8.9e-16 in float64): " + _BLAS_ROWS,
-    "phimoe": "log-probs equal transformers' (6.3e-7) but two packings of the same sequences differ by 1 ulp "
-    "(1.8e-15 in float64): " + _BLAS_ROWS,
-}
+NOT_EXACT: dict[str, str] = {}
 """fsdp2 rows the engine accepts but the matrix test does not prove exact, and why (the row's reason);
-``accepted`` is their status."""
+``accepted`` is their status. None: dbrx and phimoe, here until the matrix compared packings with
+row-invariant float64 products, are exact. With the platform's products their two packings differ by
+1 ulp: MKL's AVX2 float64 gemm computes rows in blocks of 4 and the ``M mod 4`` rows left over in
+another summation order, a MoE block gathers each expert's tokens into its own product (so the
+packing decides which tokens land in the remainder), and their float64 ``nn.LayerNorm`` keeps the
+difference that transformers' fp32 RMSNorm rounds away (tests/unit/models/test_packing_ulp.py proves
+each part, and that row-at-a-time products make the packings bit-equal; llama shows the same at
+other lengths). That is the BLAS below underlay, not its packing, so the matrix's packing column
+runs under ``tests.unit.models._matrix.row_invariant_products``."""
 
 _TINY: dict[str, Any] = dict(
     vocab_size=96,
@@ -465,7 +450,7 @@ KNOWN: dict[str, tuple[str, str]] = {
     "ctrl": ("refused", "refused"),
     "cwm": ("exact", "refused"),
     "data2vec-text": ("refused", "refused"),
-    "dbrx": ("accepted", "refused"),
+    "dbrx": ("exact", "refused"),
     "deepseek_v2": ("exact", "refused"),
     "deepseek_v3": ("exact", "exact"),
     "deepseek_v32": ("refused", "refused"),
@@ -591,7 +576,7 @@ KNOWN: dict[str, tuple[str, str]] = {
     "phi": ("refused", "refused"),
     "phi3": ("exact", "refused"),
     "phi4_multimodal": ("refused", "refused"),
-    "phimoe": ("accepted", "refused"),
+    "phimoe": ("exact", "refused"),
     "plbart": ("encoder-decoder", "encoder-decoder"),
     "prophetnet": ("encoder-decoder", "encoder-decoder"),
     "qwen2": ("exact", "exact"),

@@ -1,5 +1,6 @@
-"""Why two packings of dbrx and phimoe differ by 1 ulp in float64 (``coverage.NOT_EXACT``; the cause is
-``coverage._BLAS_ROWS``), each part shown on its own:
+"""Why the model matrix compares packings with row-invariant float64 products
+(``_matrix.row_invariant_products``): with the platform's products two packings of dbrx and phimoe
+differ by 1 ulp in float64 (``coverage.NOT_EXACT`` tells the history), each part shown on its own:
 
 1. a float64 matrix product's row depends on the rows next to it (MKL computes rows in blocks; the
    rows left over take another summation order), by about 1 ulp;
@@ -11,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,11 +21,27 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from tests.unit.models._matrix import LENGTHS, packing_diff
+from tests.unit.models._matrix import LENGTHS, packing_diff, row_invariant_products
 from underlay.models import coverage
 
 EPS = torch.finfo(torch.float64).eps
-MKL_AVX2 = bool(torch.backends.mkl.is_available()) and torch.backends.cpu.get_cpu_capability() == "AVX2"  # type: ignore[no-untyped-call]
+
+
+def _mkl_avx2() -> bool:
+    """Whether MKL runs its AVX2 kernels here: an AVX2 host without AVX512. (MKL picks its kernels
+    from the CPU itself; tests/conftest.py's ``ATEN_CPU_CAPABILITY`` pin moves PyTorch's own kernels
+    only, so ``torch.backends.cpu.get_cpu_capability()`` cannot tell; ``MKL_ENABLE_INSTRUCTIONS=AVX2``
+    on an AVX512 host was seen to block rows otherwise than an AVX2 host.)"""
+    if not torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " avx512f" not in flags
+
+
+MKL_AVX2 = _mkl_avx2()
 """The BLAS these facts were isolated on (MKL's AVX2 float64 gemm, the CI machine's). Which rows differ,
 and whether a given layout shows a difference at all, is that library's blocking: elsewhere only the
 bounds and the row-at-a-time equality are asserted (they hold for any BLAS)."""
@@ -73,36 +90,21 @@ def test_fp32_rmsnorm_absorbs_a_ulp_float64_layernorm_keeps_it() -> None:
         assert float((ln(nudged) - out).abs().max()) <= 4 * EPS * float(out.abs().max())
 
 
-def _row_at_a_time(product: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``product`` computed one row of its first operand at a time for float64 operands of >= 2 dims,
-    so no row's result depends on the rows next to it."""
-
-    def rows(a: torch.Tensor, b: torch.Tensor, *rest: Any) -> torch.Tensor:
-        if a.dtype != torch.float64 or a.dim() < 2 or a.shape[-2] <= 1:
-            return product(a, b, *rest)
-        return torch.cat([product(a[..., i : i + 1, :], b, *rest) for i in range(a.shape[-2])], dim=-2)
-
-    return rows
-
-
 @pytest.fixture
-def row_invariant_products(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float64 ``F.linear`` / ``matmul`` / ``@`` computed a row at a time for the test (slow; the
-    monkeypatch restores them)."""
-    monkeypatch.setattr(F, "linear", _row_at_a_time(F.linear))
-    monkeypatch.setattr(torch, "matmul", _row_at_a_time(torch.matmul))
-    monkeypatch.setattr(torch.Tensor, "matmul", _row_at_a_time(torch.Tensor.matmul))
-    monkeypatch.setattr(torch.Tensor, "__matmul__", _row_at_a_time(torch.Tensor.__matmul__))
+def row_invariant(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``_matrix.row_invariant_products`` around the test."""
+    with row_invariant_products():
+        yield
 
 
 CASES = [("dbrx", LENGTHS), ("phimoe", LENGTHS), ("llama", [5, 9, 4])]
-"""The accepted rows with the matrix test's lengths, and llama (exact in the matrix) with lengths
-whose pack of 18 leaves rows 16-17 to the remainder path (row 16 predicts a scored token)."""
+"""dbrx and phimoe with the matrix test's lengths, and llama with lengths whose pack of 18 leaves rows
+16-17 to the remainder path (row 16 predicts a scored token)."""
 
 
 @pytest.mark.parametrize(("model_type", "lengths"), CASES, ids=[c[0] for c in CASES])
 def test_packings_differ_by_ulps_from_blas_rows(model_type: str, lengths: list[int]) -> None:
-    assert model_type in coverage.NOT_EXACT or model_type in coverage.EXACT["fsdp2"]
+    assert model_type in coverage.EXACT["fsdp2"]
     diff = packing_diff(model_type, lengths)
     assert diff <= 16 * EPS * 8, diff  # log-probs of magnitude < 8: a few ulp
     if MKL_AVX2:
@@ -111,6 +113,6 @@ def test_packings_differ_by_ulps_from_blas_rows(model_type: str, lengths: list[i
 
 @pytest.mark.parametrize(("model_type", "lengths"), CASES, ids=[c[0] for c in CASES])
 def test_row_invariant_products_make_packings_bit_equal(
-    model_type: str, lengths: list[int], row_invariant_products: None
+    model_type: str, lengths: list[int], row_invariant: None
 ) -> None:
     assert packing_diff(model_type, lengths) == 0.0
