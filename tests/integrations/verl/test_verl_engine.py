@@ -119,7 +119,15 @@ def _verl_batch(rows: list[dict[str, torch.Tensor]], **non_tensor: Any) -> Any:
     return td
 
 
-def _configs(path: str, model_type: str, lr: float, lora_rank: int = 0, **engine: Any) -> dict[str, Any]:
+def _configs(
+    path: str,
+    model_type: str,
+    lr: float,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    **engine: Any,
+) -> dict[str, Any]:
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
 
@@ -130,7 +138,8 @@ def _configs(path: str, model_type: str, lr: float, lora_rank: int = 0, **engine
         load_tokenizer=False,
         enable_gradient_checkpointing=False,
         lora_rank=lora_rank,
-        target_modules=["q_proj", "v_proj"],
+        lora_alpha=lora_alpha,
+        target_modules=list(target_modules),
     )
     eng = UnderlayEngineConfig(mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"}, **engine)
     optim = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, total_training_steps=10)
@@ -195,16 +204,23 @@ def _ref_outputs(model: torch.nn.Module, td: Any, value: bool) -> dict[str, torc
 def _ref_loss(path: str, td: Any, loss_fn: Any, value: bool) -> tuple[float, dict[str, torch.Tensor], Any]:
     """Loss of the whole batch (dp_size 1) and the float64 gradient by HF parameter name."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-    from verl.utils import tensordict_utils as tu
 
     cls = AutoModelForTokenClassification if value else AutoModelForCausalLM
     model = cls.from_pretrained(path, dtype=torch.float64)
+    loss, grads = _ref_loss_of(model, td, loss_fn, value)
+    return loss, grads, model
+
+
+def _ref_loss_of(model: Any, td: Any, loss_fn: Any, value: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """``_ref_loss`` of a built float64 model (a peft model too): the loss and every gradient by name."""
+    from verl.utils import tensordict_utils as tu
+
     td = td.clone()
     tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(td["loss_mask"].sum()))
     loss, _metrics = loss_fn(model_output=_ref_outputs(model, td, value), data=td, dp_group=None)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return float(loss), grads, model
+    return float(loss), grads
 
 
 def _full_grads(engine: Any) -> dict[str, torch.Tensor]:

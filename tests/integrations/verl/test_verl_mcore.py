@@ -5,8 +5,10 @@ The flow of ``test_verl_engine.py`` (verl's ``EngineRegistry``, its batch layout
 with tensor parallelism 2 (``tensor_model_parallel_size=2``: every rank holds half of each projection,
 the vocabulary-parallel log-prob and entropy head, one data-parallel rank). Every number is checked
 against the same float64 transformers reference as the fsdp2 flow (that module's helpers), at the same
-tolerances. megatron-core runs on the CPU under ``tests/mcore/_cpu_fixture.py``, installed inside the
-spawned ranks only (it rewrites global torch behaviour; the pytest process never installs it).
+tolerances. In the same ranks, a LoRA actor from verl's ``lora_rank``/``lora_alpha``/``target_modules``
+is checked against peft's float64 model (``_check_lora``). megatron-core runs on the CPU under
+``tests/mcore/_cpu_fixture.py``, installed inside the spawned ranks only (it rewrites global torch
+behaviour; the pytest process never installs it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.integrations.verl.test_verl_engine import (
     _actor_config,
     _configs,
     _ref_loss,
+    _ref_loss_of,
     _ref_outputs,
     _rows,
     _tiny,
@@ -40,6 +43,10 @@ pytestmark = [pytest.mark.distributed]
 # the actor's main flow runs in the first mode at 1 rank and the second at 2 ranks; every mode is
 # checked by gradient at both
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+# LoRA through verl's model fields: column-parallel sites with a part left out (k of q/k/v, gate of
+# gate/up) and row-parallel ones (o, down)
+LORA_RANK, LORA_ALPHA, LORA_LR = 4, 8, 1e-2
+LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 
 
 def _critic_config(mode: str) -> Any:
@@ -163,6 +170,7 @@ def _mcore_flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode
     actor.load_checkpoint(ckpt)
     again = step()
     result["resume"] = (first, again)
+    result["lora"] = _lora_flow(policy, mine, common, loss_fn, mcore)
     td = _verl_batch(mine, **common)
     tu.assign_non_tensor(td, temperature=0.5)
     try:
@@ -171,6 +179,122 @@ def _mcore_flow(rank: int, world: int, policy: str, critic: str, ckpt: str, mode
     except Exception as exc:  # InvalidInput naming the mismatch
         result["temperature_refused"] = "temperature" in str(exc)
     return result
+
+
+def _lora_flow(
+    policy: str,
+    mine: list[dict[str, torch.Tensor]],
+    common: dict[str, Any],
+    loss_fn: Any,
+    mcore: dict[str, Any],
+) -> dict[str, Any]:
+    """LoRA through verl's model fields (``lora_rank``, ``lora_alpha``, ``target_modules``) on the mcore
+    engine: the adapters as built, ``infer_batch``, two actor updates through ``ppo_loss`` (the first from
+    peft's ``B = 0``, where every ``A`` gradient is zero; the second where both move), ``disable_adapter()``
+    and ``get_per_tensor_param`` after them."""
+    from verl.workers.engine import EngineRegistry
+
+    from tests.mcore._lora_workers import adapter_grads
+
+    def adapters() -> dict[str, torch.Tensor]:
+        return {n: t.double().clone() for n, t in lora.underlay.named_adapter_tensors()}
+
+    def log_probs() -> list[torch.Tensor]:
+        lp = lora.infer_batch(_verl_batch(mine, **common))["model_output"]["log_probs"]
+        return [t.double() for t in lp.unbind()]
+
+    lora = EngineRegistry.new(
+        **_configs(
+            policy,
+            "language_model",
+            LORA_LR,
+            lora_rank=LORA_RANK,
+            lora_alpha=LORA_ALPHA,
+            target_modules=LORA_TARGETS,
+            micro_batch_max_tokens=12,
+            **mcore,
+        )
+    )
+    lora.initialize()
+    out: dict[str, Any] = {"engine": (lora.underlay.name, lora.underlay.layout.tp), "adapters": [adapters()]}
+    with lora.eval_mode():
+        out["infer"] = log_probs()
+    out["loss"], out["grads"], out["norm"] = [], [], []
+    for _ in range(2):
+        with lora.train_mode():
+            lora.optimizer_zero_grad()
+            step = lora.forward_backward_batch(_verl_batch(mine, **common), loss_fn)
+            out["grads"].append(adapter_grads(lora.underlay))
+            out["norm"].append(lora.optimizer_step())
+        out["loss"].append(sum(step["loss"]))  # one data-parallel rank: the global loss
+        out["adapters"].append(adapters())
+    with lora.eval_mode():
+        with lora.disable_adapter():
+            out["base"] = log_probs()
+        out["tuned"] = log_probs()
+    out["weights"] = {n: t.double().clone() for n, t in lora.get_per_tensor_param()[0]}
+    return out
+
+
+def _peft_reference(policy: str, adapters: dict[str, torch.Tensor]) -> Any:
+    """peft's float64 model of ``policy`` with ``adapters`` (peft's saved names) and the verl LoRA fields."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float64)
+    cfg = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS))
+    model = get_peft_model(base, cfg).to(torch.float64)
+    own = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert {n.replace(".default.", ".") for n in own} == set(adapters)
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(adapters[n.replace(".default.", ".")])
+    return model
+
+
+def _check_lora(res: list[dict[str, Any]], policy: str, full: Any, loss_fn: Any, base_lp: Any) -> None:
+    """The LoRA flow of every rank against peft's float64 model at the engine's adapters."""
+    for r in (x["lora"] for x in res):
+        assert r["engine"][0] == "mcore"
+        start = r["adapters"][0]  # peft's init: A random, B zero
+        assert all(bool((t == 0).all()) == (".lora_B." in n) for n, t in start.items())
+        for i, lp in enumerate(r["infer"]):  # B = 0: the base model
+            torch.testing.assert_close(lp, base_lp[i], rtol=0, atol=2e-5)
+        for k in range(2):  # update k: loss, adapter gradients and grad norm at the adapters it started from
+            ref = _peft_reference(policy, r["adapters"][k])
+            loss, grads = _ref_loss_of(ref, full, loss_fn, value=False)
+            grads = {n.replace(".default.", "."): g for n, g in grads.items()}
+            assert r["loss"][k] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+            assert set(r["grads"][k]) == set(grads) == set(start)
+            for name, g in grads.items():
+                got = r["grads"][k][name]
+                torch.testing.assert_close(got, g, rtol=1e-4, atol=2e-6)
+                # and to 1e-4 of the tensor's own scale (tests/mcore's LoRA bound): many adapter gradients
+                # are below the absolute 2e-6 (q_proj's A about 4e-5 at its largest)
+                assert float((got - g).abs().max()) <= 1e-4 * float(g.abs().max())
+            norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+            assert r["norm"][k] == pytest.approx(norm, rel=1e-5)
+            if k == 0:  # B = 0: no A gradient; AdamW's first step moves B by lr * c g / (|c g| + eps)
+                clip = min(1.0, 1.0 / (norm + 1e-6))
+                for name, g in grads.items():
+                    moved = r["adapters"][1][name] - start[name]
+                    if ".lora_A." in name:
+                        assert float(g.abs().max()) == 0 and bool((moved == 0).all())
+                    else:
+                        want = -LORA_LR * clip * g / (clip * g.abs() + 1e-8)
+                        torch.testing.assert_close(moved, want, rtol=0, atol=1e-6)
+        # after the updates: the adapters on give peft's model at the engine's adapters, off the base
+        # model; the streamed weights are peft's merge (W + alpha / r * B @ A) under the HF names
+        ref = _peft_reference(policy, r["adapters"][2])
+        tuned = _ref_outputs(ref, full, value=False)["log_probs"].unbind()
+        for i, (on, off) in enumerate(zip(r["tuned"], r["base"])):
+            torch.testing.assert_close(on, tuned[i].detach(), rtol=0, atol=2e-5)
+            torch.testing.assert_close(off, base_lp[i], rtol=0, atol=2e-5)
+            assert float((on - base_lp[i]).abs().max()) > 1e-3
+        merged = dict(ref.merge_and_unload().named_parameters())
+        assert set(r["weights"]) == set(merged)
+        for name, w in merged.items():
+            torch.testing.assert_close(r["weights"][name], w.detach(), rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +362,8 @@ def _check(world: int, res: list[dict[str, Any]], policy: str, critic: str) -> N
         assert set(r["critic_grads"]) == set(cref_grads)
         for name, g in cref_grads.items():
             torch.testing.assert_close(r["critic_grads"][name], g, rtol=1e-4, atol=2e-6)
+
+    _check_lora(res, policy, full, functools.partial(ppo_loss, _actor_config(mode)), ref_lp)
 
     # weights stream with HF names and shapes; resume reproduces the continuation; offload is exact
     for r in res:
