@@ -15,8 +15,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# CPU kernels at AVX2 on every host: the same numerics on AVX2 and AVX512 CI machines (tests/conftest.py)
-export ATEN_CPU_CAPABILITY="${ATEN_CPU_CAPABILITY:-avx2}"
 # Python writes the bytecode of what it imports: scripts/setup.sh's environments hold none (uv does not
 # compile at install) and a PYTHONDONTWRITEBYTECODE inherited from the shell would make every process of
 # the suite (the pytest lanes, their forkservers, each Ray actor, each subprocess) compile torch and

@@ -6,16 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from collections.abc import Iterator
-
-# PyTorch's CPU kernels at AVX2 on every host (before torch is imported; ranks the tests spawn inherit
-# it): its vectorised fp32 elementwise loops (sigmoid, exp, ...) treat the tail elements a vector
-# width leaves over apart, so on an AVX512 host a value can depend on its tensor's length by 1 ulp,
-# e.g. an fp32 MoE router's weight on how many tokens share the micro-batch. The bit-for-bit
-# packing checks of the model matrix would then hold on one CI host and fail on the next.
-# ``test_ci_lanes.py`` checks the pin took effect.
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 import pytest
 import torch

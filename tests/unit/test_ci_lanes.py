@@ -20,16 +20,3 @@ def test_mcore_marked_tests_live_in_tests_mcore_and_every_file_there_is_marked()
     assert outside == [], f"mcore-marked tests outside tests/mcore (move them there): {outside}"
     unmarked = sorted(p.name for p in (TESTS / "mcore").rglob("test_*.py") if not MARK.search(p.read_text()))
     assert unmarked == [], f"test files in tests/mcore without pytestmark = pytest.mark.mcore: {unmarked}"
-
-
-def test_cpu_kernels_are_pinned_to_avx2() -> None:
-    """tests/conftest.py pins PyTorch's CPU kernels to AVX2 before torch is imported, so an AVX512 host
-    computes what an AVX2 host does (the model matrix's bit-equal packings depend on it); a host
-    without AVX2 runs the default kernels. Negative control: ``ATEN_CPU_CAPABILITY=avx512`` fails it
-    on an AVX512 host."""
-    import os
-
-    import torch
-
-    assert os.environ.get("ATEN_CPU_CAPABILITY") == "avx2"
-    assert torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT", "NO AVX")  # type: ignore[no-untyped-call]
