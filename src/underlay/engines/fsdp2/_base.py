@@ -49,7 +49,6 @@ class FSDP2Base(EngineBase):
     _model: torch.nn.Module
     _grads_pending: bool  # whether sharded gradients may exist (see FSDP2Engine.__init__)
     _skip_next: bool  # a non-finite loss or metric since the last optimizer step
-    _adapter_disabled: bool
     _logprob_kernel: Any
     _optimizer: torch.optim.Optimizer | None
     _scheduler: Any

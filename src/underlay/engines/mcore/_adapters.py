@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from underlay.engines.mcore._chunks import unwrap as _unwrap
 from underlay.engines.mcore._params import MCoreParams
-from underlay.engines.mcore.lora import LoraAdapter, LoraSelection, Site, attach, peft_names
+from underlay.engines.mcore.lora import LoraAdapter, LoraSelection, Site, attach, peft_names, split_axis
 from underlay.engines.mcore.weightmap import hf_shapes
 from underlay.interfaces import CheckpointError, InvalidInput
 
@@ -23,7 +23,6 @@ class MCoreAdapters(MCoreParams):
 
     _lora: LoraSelection | None
     _lora_sites: list[Site]
-    _adapter_disabled: bool
 
     @property
     def peft_config(self) -> Any:
@@ -97,31 +96,25 @@ class MCoreAdapters(MCoreParams):
         adapter: LoraAdapter = _unwrap(self._chunks[site.chunk]).get_submodule(site.path).lora
         return adapter
 
-    def _lora_full_shape(self, module: str, which: str) -> tuple[int, int]:
-        out, inp = hf_shapes(self._arch)[module + ".weight"]
+    def _lora_full_shapes(self) -> dict[str, tuple[int, int]]:
+        """peft's saved name of every adapter tensor -> its full shape (``A [r, in]``, ``B [out, r]``)."""
         assert self._lora is not None
-        return (self._lora.rank, inp) if which == "A" else (out, self._lora.rank)
-
-    @staticmethod
-    def _split(site: Site, which: str) -> int | None:
-        """The TP-split axis of a site's ``A``/``B`` (``None``: whole on every rank)."""
-        if site.kind in ("qkv", "gate_up") and which == "B":
-            return 0
-        if site.kind == "row" and which == "A":
-            return 1
-        return None
+        r, shapes = self._lora.rank, hf_shapes(self._arch)
+        out: dict[str, tuple[int, int]] = {}
+        for site in self._lora_sites:
+            for m in site.modules:
+                if m is not None:
+                    rows, cols = shapes[m + ".weight"]
+                    a, b = peft_names(m)
+                    out[a], out[b] = (r, cols), (rows, r)
+        return out
 
     def _fill_adapters(self, source: Mapping[str, torch.Tensor], origin: str) -> None:
         """Write this rank's shards of the full adapters ``source`` (peft's saved names) into the
         adapters; every name and shape is checked before anything is written (``CheckpointError``)."""
         from megatron.core import parallel_state as ps
 
-        expected = {}
-        for site in self._lora_sites:
-            for m in site.modules:
-                if m is not None:
-                    for which, name in zip("AB", peft_names(m)):
-                        expected[name] = self._lora_full_shape(m, which)
+        expected = self._lora_full_shapes()
         missing, unexpected = sorted(set(expected) - set(source)), sorted(set(source) - set(expected))
         shapes = [
             f"{n} {tuple(source[n].shape)} != {expected[n]}"
@@ -145,7 +138,7 @@ class MCoreAdapters(MCoreParams):
                         continue
                     for which, name in zip("AB", peft_names(m)):
                         full = source[name]
-                        axis = self._split(site, which)
+                        axis = split_axis(site.kind, which)
                         piece = full if axis is None else full.chunk(self._layout.tp, axis)[tp_rank]
                         dst = adapter.tensor(which, i)
                         dst.copy_(piece.to(dst.device, dst.dtype))
@@ -166,6 +159,7 @@ class MCoreAdapters(MCoreParams):
         self._finish_param_gather()
         stage = ps.get_pipeline_model_parallel_rank()
         tp_group = ps.get_tensor_model_parallel_group()
+        shapes = self._lora_full_shapes()
         for site in self._lora_sites:
             adapter = self._site_adapter(site) if site.stage == stage else None
             for i, m in enumerate(site.modules):
@@ -175,7 +169,7 @@ class MCoreAdapters(MCoreParams):
                     full: torch.Tensor | None = None
                     if adapter is not None:
                         local = adapter.tensor(which, i).detach().float().contiguous()
-                        axis = self._split(site, which)
+                        axis = split_axis(site.kind, which)
                         if axis is not None and self._layout.tp > 1:
                             pieces = [torch.empty_like(local) for _ in range(self._layout.tp)]
                             dist.all_gather(pieces, local, group=tp_group)
@@ -183,8 +177,7 @@ class MCoreAdapters(MCoreParams):
                         full = local
                     if dist.get_world_size() > 1:
                         if full is None:
-                            shape = self._lora_full_shape(m, which)
-                            full = torch.empty(shape, dtype=torch.float32, device=self._torch_device)
+                            full = torch.empty(shapes[name], dtype=torch.float32, device=self._torch_device)
                         dist.broadcast(full, src=self._owner_rank(site.stage, 0, False))
                     assert full is not None
                     yield name, full

@@ -44,7 +44,7 @@ import torch
 from underlay.engines._lora import PEFT_PREFIX, adapted_modules, add_lora
 from underlay.interfaces import ConfigError, ModelConfig
 
-__all__ = ["LoraAdapter", "LoraSelection", "Site", "attach", "peft_names", "select", "sites_of"]
+__all__ = ["LoraAdapter", "LoraSelection", "Site", "attach", "peft_names", "select", "sites_of", "split_axis"]
 
 SiteKind = Literal["qkv", "gate_up", "row", "head"]
 
@@ -73,6 +73,16 @@ class Site:
     path: str
     kind: SiteKind
     modules: tuple[str | None, ...]
+
+
+def split_axis(kind: SiteKind, which: str) -> int | None:
+    """The TP-split axis of a site's ``A`` or ``B`` (``which``); ``None``: whole on every TP rank.
+    Column sites split ``B``'s rows, row sites ``A``'s columns, the value head splits neither."""
+    if kind in ("qkv", "gate_up") and which == "B":
+        return 0
+    if kind == "row" and which == "A":
+        return 1
+    return None
 
 
 def select(model_cfg: ModelConfig, hf_config: Any, arch: Any, *, pp: int) -> LoraSelection:
@@ -215,18 +225,13 @@ class LoraAdapter(torch.nn.Module):
             b = torch.zeros(
                 out_full if site.kind == "row" else part_rows[i], rank, dtype=dtype, device=device
             )
-            pa, pb = torch.nn.Parameter(a), torch.nn.Parameter(b)
-            if site.kind in ("qkv", "gate_up"):
-                set_tensor_model_parallel_attributes(pb, True, 0, 1)
-                pa.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
-            elif site.kind == "row":
-                set_tensor_model_parallel_attributes(pa, True, 1, 1)
-                pb.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
-            else:  # the value head: both whole, each rank scoring its own sequence slice under SP
-                pa.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
-                pb.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
-            self.register_parameter(f"A_{i}", pa)
-            self.register_parameter(f"B_{i}", pb)
+            for which, p in (("A", torch.nn.Parameter(a)), ("B", torch.nn.Parameter(b))):
+                axis = split_axis(site.kind, which)
+                if axis is not None:
+                    set_tensor_model_parallel_attributes(p, True, axis, 1)
+                else:  # whole: under SP each rank's gradient covers its own sequence slice only
+                    p.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+                self.register_parameter(f"{which}_{i}", p)
 
     def tensor(self, which: str, part: int) -> torch.Tensor:
         """This rank's ``A`` or ``B`` (``which``) of part ``part``."""
@@ -235,8 +240,8 @@ class LoraAdapter(torch.nn.Module):
 
     def sharded_axes(self) -> dict[str, int]:
         """``state_dict`` key (relative to this module) -> the TP-split axis, for the split tensors."""
-        which = "A" if self.kind == "row" else "B"
-        return {} if self.kind == "head" else {f"{which}_{i}": (1 if which == "A" else 0) for i in self.parts}
+        axes = {f"{w}_{i}": split_axis(self.kind, w) for i in self.parts for w in "AB"}
+        return {k: a for k, a in axes.items() if a is not None}
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The scaled LoRA term for the layer input ``x [s, b, in_local]`` (``s`` this rank's slice
@@ -300,16 +305,17 @@ def attach(linear: Any, adapter: LoraAdapter) -> None:
     if not axes:
         return
 
+    import inspect
+
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    takes_groups = "dp_cp_group" in inspect.signature(make_sharded_tensors_for_checkpoint).parameters
+
     def sharded_state_dict(prefix: str = "", sharded_offsets: Any = (), metadata: Any = None) -> Any:
-        import inspect
-
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         out = original(prefix, sharded_offsets, metadata)
         own = {k: v for k, v in linear.state_dict(prefix="", keep_vars=True).items() if k in axes}
         kwargs: dict[str, Any] = {}
-        params = inspect.signature(make_sharded_tensors_for_checkpoint).parameters
-        if "dp_cp_group" in params and metadata and metadata.get("dp_cp_group") is not None:
+        if takes_groups and metadata and metadata.get("dp_cp_group") is not None:
             kwargs = {"tp_group": adapter.tp_group, "dp_cp_group": metadata["dp_cp_group"]}
         out.update(make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets, **kwargs))
         return out
